@@ -1,0 +1,142 @@
+"""The `fluxtrt` command line. Each command is a thin wrapper over one library call; heavy imports
+(torch, onnx, TensorRT) happen inside the commands, so `fluxtrt --help` is instant and needs no GPU."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from . import __version__
+from .errors import FluxtrtError
+
+app = typer.Typer(
+    name="fluxtrt",
+    help="Build TensorRT engines for FLUX.1 text-to-image models and run them. "
+    "Every --model accepts a local diffusers folder or the embedded random-weight models `tiny` / `tiny-schnell`.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console(stderr=True)
+out = Console()
+_STATE = {"debug": False}
+
+
+def _version(value: bool):
+    if value:
+        out.print(f"fluxtrt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks instead of one-line errors."),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+):
+    _STATE["debug"] = debug or bool(os.environ.get("FLUXTRT_DEBUG"))
+
+
+def friendly(fn):
+    """Turn FluxtrtError into one red line and exit code 2 (a traceback only with --debug)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except FluxtrtError as e:
+            if _STATE["debug"]:
+                raise
+            console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            console.print("[yellow]interrupted[/]: nothing half-written was left behind")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def _split(values: Optional[list[str]]) -> Optional[list[str]]:
+    if not values:
+        return None
+    return [v.strip() for item in values for v in item.split(",") if v.strip()]
+
+
+def _quiet_libraries():
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+
+
+MODEL_HELP = "Local FLUX.1 diffusers folder, or `tiny` / `tiny-schnell` (embedded random weights)."
+COMPONENTS_HELP = "Components, comma-separated: clip, t5, transformer, vae_decoder, vae_encoder (default: all)."
+
+
+@app.command()
+@friendly
+def export(
+    model: str = typer.Option("tiny", "--model", "-m", help=MODEL_HELP),
+    out_dir: Path = typer.Option(Path("onnx"), "--out", "-o", help="Folder for <component>.onnx files."),
+    components: Optional[list[str]] = typer.Option(None, "--components", "-c", help=COMPONENTS_HELP),
+    dtype: str = typer.Option("fp32", "--dtype", help="Weight/activation dtype of the exported graph: fp32, fp16, bf16."),
+    opset: int = typer.Option(19, "--opset", help="ONNX opset."),
+    validate: bool = typer.Option(True, "--validate/--no-validate", help="Compare with PyTorch in ONNX Runtime."),
+):
+    """Export each component to ONNX (dynamic batch and image size) and validate it against PyTorch."""
+    _quiet_libraries()
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from .export import export_model
+    from .models.source import resolve_model
+
+    source = resolve_model(model)
+    names = _split(components)
+    phases = ["load", "trace", "save", "validate", "done"] if validate else ["load", "trace", "save", "done"]
+    with Progress(SpinnerColumn(), TextColumn("{task.description:<12}"), BarColumn(), TextColumn("{task.fields[phase]}"),
+                  TimeElapsedColumn(), console=console, transient=False) as bar:
+        from .components import specs_for
+
+        tasks = {n: bar.add_task(n, total=len(phases) - 1, phase="waiting")
+                 for n in specs_for(source.geometry, names)}
+
+        def progress(name, phase):
+            bar.update(tasks[name], completed=phases.index(phase), phase=phase)
+
+        results = export_model(source, out_dir, names, dtype, opset, validate, progress=progress)
+    table = Table(title=f"ONNX export of {source.id} ({source.variant}, {dtype}) -> {out_dir}")
+    for col in ("component", "file", "size", "seconds", "max rel err vs PyTorch"):
+        table.add_column(col)
+    for r in results:
+        err = f"{r.max_rel_err:.1e}" if r.max_rel_err is not None else "not validated"
+        name = r.path.name + (" (+ .data)" if r.external_data else "")
+        table.add_row(r.component, name, _human(r.bytes), f"{r.seconds:.1f}", err)
+    out.print(table)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def run_cli():  # entry point
+    try:
+        app()
+    except BrokenPipeError:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    run_cli()

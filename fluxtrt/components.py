@@ -1,0 +1,327 @@
+"""One spec per FLUX.1 component: the single source of names, dtypes, symbolic axes, sample inputs,
+validation tolerances and shape ranges. Export (dynamic axes, dummy inputs), build (TensorRT profiles)
+and run (buffer shapes) all derive their shapes from here; nothing else restates them.
+
+Symbols used in `dims` (all derived from a `ShapePoint` and the model's `Geometry`):
+  batch          images per call
+  image_tokens   (H / 16) * (W / 16): packed 2x2 latent patches, the transformer's image sequence
+  latent_height  H / 8, latent_width W / 8 (the VAE's latent grid; 8 = vae_scale_factor for FLUX)
+  image_height   H, image_width W (pixels)
+Text lengths are fixed per model (CLIP 77; T5 512 for dev, 256 for schnell) and appear as numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping
+
+SYMBOLS = ("batch", "image_tokens", "latent_height", "latent_width", "image_height", "image_width")
+T5_LENGTH = {"dev": 512, "schnell": 256}
+CLIP_LENGTH = 77
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The sizes of one FLUX.1 model that shapes depend on, read from its config files."""
+
+    variant: str  # "dev" (guidance-distilled) or "schnell"
+    clip_length: int
+    clip_hidden: int
+    clip_vocab: int
+    t5_length: int
+    t5_hidden: int
+    t5_vocab: int
+    in_channels: int  # transformer channels = latent_channels * 4 (2x2 packing)
+    latent_channels: int
+    vae_scale_factor: int
+
+    @property
+    def guidance(self) -> bool:
+        return self.variant == "dev"
+
+    @property
+    def latent_channels_x2(self) -> int:
+        """The VAE encoder's output channels: mean and logvar."""
+        return 2 * self.latent_channels
+
+    @property
+    def pixel_multiple(self) -> int:
+        """Height and width must be multiples of this (VAE downsampling x 2x2 packing): 16 for FLUX."""
+        return self.vae_scale_factor * 2
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> "Geometry":
+        def cfg(sub: str, name: str = "config.json") -> dict:
+            return json.loads((Path(folder) / sub / name).read_text())
+
+        tr, clip, t5, vae = cfg("transformer"), cfg("text_encoder"), cfg("text_encoder_2"), cfg("vae")
+        variant = "dev" if tr.get("guidance_embeds", False) else "schnell"
+        return cls(
+            variant=variant,
+            clip_length=CLIP_LENGTH,
+            clip_hidden=clip["hidden_size"],
+            clip_vocab=clip["vocab_size"],
+            t5_length=T5_LENGTH[variant],
+            t5_hidden=t5["d_model"],
+            t5_vocab=t5["vocab_size"],
+            in_channels=tr["in_channels"],
+            latent_channels=vae["latent_channels"],
+            vae_scale_factor=2 ** (len(vae["block_out_channels"]) - 1),
+        )
+
+
+@dataclass(frozen=True)
+class ShapePoint:
+    """One concrete request size: batch and image size in pixels."""
+
+    batch: int
+    height: int
+    width: int
+
+    def symbols(self, geo: Geometry) -> dict[str, int]:
+        vsf, m = geo.vae_scale_factor, geo.pixel_multiple
+        return {
+            "batch": self.batch,
+            "image_tokens": (self.height // m) * (self.width // m),
+            "latent_height": self.height // vsf,
+            "latent_width": self.width // vsf,
+            "image_height": self.height,
+            "image_width": self.width,
+        }
+
+
+@dataclass(frozen=True)
+class ShapeRange:
+    """min/opt/max request sizes: what an optimization profile covers."""
+
+    min: ShapePoint
+    opt: ShapePoint
+    max: ShapePoint
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # numpy name: "float32" (cast by --dtype) or "int64"
+    dims: tuple  # ints and symbol names (see SYMBOLS) or geometry attribute names prefixed with "geo."
+
+    def shape(self, point: ShapePoint, geo: Geometry) -> tuple[int, ...]:
+        sym = point.symbols(geo)
+        out = []
+        for d in self.dims:
+            if isinstance(d, int):
+                out.append(d)
+            elif d.startswith("geo."):
+                out.append(int(getattr(geo, d[4:])))
+            else:
+                out.append(sym[d])
+        return tuple(out)
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.startswith("float")
+
+    def symbolic_axes(self) -> dict[int, str]:
+        return {i: d for i, d in enumerate(self.dims) if isinstance(d, str) and not d.startswith("geo.")}
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    name: str
+    subfolder: str  # folder in the diffusers model layout that holds the weights
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    rtol_fp32: float  # ONNX Runtime vs PyTorch bound, max|a-b| / max|b|, fp32
+    wrap: Callable  # (diffusers/transformers module) -> torch.nn.Module taking inputs in order
+    needs_guidance: bool = False
+
+    def input_shapes(self, point: ShapePoint, geo: Geometry) -> dict[str, tuple[int, ...]]:
+        return {t.name: t.shape(point, geo) for t in self.inputs}
+
+    def output_shapes(self, point: ShapePoint, geo: Geometry) -> dict[str, tuple[int, ...]]:
+        return {t.name: t.shape(point, geo) for t in self.outputs}
+
+    def profile(self, rng: ShapeRange, geo: Geometry) -> dict[str, tuple[tuple[int, ...], ...]]:
+        """TensorRT optimization profile: input name -> (min, opt, max) shapes."""
+        return {
+            t.name: (t.shape(rng.min, geo), t.shape(rng.opt, geo), t.shape(rng.max, geo))
+            for t in self.inputs
+        }
+
+    def sample_inputs(self, point: ShapePoint, geo: Geometry, seed: int) -> dict:
+        """Fresh random inputs of the right shapes and value ranges (torch tensors, fp32/int64)."""
+        import torch
+
+        from .runtime.flux_math import latent_image_ids, text_ids
+
+        g = torch.Generator().manual_seed(seed)
+        shapes = self.input_shapes(point, geo)
+        vocab = {"clip": geo.clip_vocab, "t5": geo.t5_vocab}
+        out = {}
+        for t in self.inputs:
+            shape = shapes[t.name]
+            if t.name == "input_ids":
+                out[t.name] = torch.randint(0, vocab[self.name], shape, generator=g)
+            elif t.name == "img_ids":
+                out[t.name] = latent_image_ids(point.height // geo.pixel_multiple, point.width // geo.pixel_multiple)
+            elif t.name == "txt_ids":
+                out[t.name] = text_ids(shape[0])
+            elif t.name == "timestep":
+                out[t.name] = torch.rand(shape, generator=g) * 0.98 + 0.01  # sigma in (0, 1)
+            elif t.name == "guidance":
+                out[t.name] = torch.rand(shape, generator=g) * 4.0 + 1.0
+            elif t.name == "image":
+                out[t.name] = torch.rand(shape, generator=g) * 2.0 - 1.0
+            else:
+                out[t.name] = torch.randn(shape, generator=g)
+        return out
+
+
+# --- torch wrappers: each exposes the component with positional inputs in spec order ---------------
+
+
+def _wrap_clip(model):
+    import torch
+
+    class ClipPooled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids):
+            return self.model(input_ids, output_hidden_states=False).pooler_output
+
+    return ClipPooled()
+
+
+def _wrap_t5(model):
+    import torch
+
+    class T5Hidden(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids):
+            return self.model(input_ids, output_hidden_states=False)[0]
+
+    return T5Hidden()
+
+
+def _wrap_transformer(model):
+    import torch
+
+    guided = bool(model.config.guidance_embeds)
+
+    class FluxStep(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
+                    guidance=None):
+            return self.model(
+                hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
+                pooled_projections=pooled_projections, timestep=timestep, img_ids=img_ids, txt_ids=txt_ids,
+                guidance=guidance if guided else None, return_dict=False,
+            )[0]
+
+    return FluxStep()
+
+
+def _wrap_vae_decoder(vae):
+    import torch
+
+    class VaeDecode(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.vae = vae
+
+        def forward(self, latent):
+            return self.vae.decode(latent, return_dict=False)[0]
+
+    return VaeDecode()
+
+
+def _wrap_vae_encoder(vae):
+    import torch
+
+    class VaeEncode(torch.nn.Module):
+        """Returns the latent distribution's parameters (mean and logvar stacked on channels), so the
+        runtime draws the sample with its own generator exactly as diffusers does."""
+
+        def __init__(self):
+            super().__init__()
+            self.vae = vae
+
+        def forward(self, image):
+            h = self.vae.encoder(image)
+            if self.vae.quant_conv is not None:
+                h = self.vae.quant_conv(h)
+            return h
+
+    return VaeEncode()
+
+
+_F = "float32"
+_LAT = ("batch", "geo.latent_channels", "latent_height", "latent_width")
+
+CLIP = ComponentSpec(
+    name="clip", subfolder="text_encoder", rtol_fp32=1e-4, wrap=_wrap_clip,
+    inputs=(TensorSpec("input_ids", "int64", ("batch", "geo.clip_length")),),
+    outputs=(TensorSpec("pooled_embeds", _F, ("batch", "geo.clip_hidden")),),
+)
+T5 = ComponentSpec(
+    name="t5", subfolder="text_encoder_2", rtol_fp32=1e-4, wrap=_wrap_t5,
+    inputs=(TensorSpec("input_ids", "int64", ("batch", "geo.t5_length")),),
+    outputs=(TensorSpec("text_embeds", _F, ("batch", "geo.t5_length", "geo.t5_hidden")),),
+)
+TRANSFORMER = ComponentSpec(
+    name="transformer", subfolder="transformer", rtol_fp32=1e-4, wrap=_wrap_transformer, needs_guidance=True,
+    inputs=(
+        TensorSpec("hidden_states", _F, ("batch", "image_tokens", "geo.in_channels")),
+        TensorSpec("encoder_hidden_states", _F, ("batch", "geo.t5_length", "geo.t5_hidden")),
+        TensorSpec("pooled_projections", _F, ("batch", "geo.clip_hidden")),
+        TensorSpec("timestep", _F, ("batch",)),
+        TensorSpec("img_ids", _F, ("image_tokens", 3)),
+        TensorSpec("txt_ids", _F, ("geo.t5_length", 3)),
+        TensorSpec("guidance", _F, ("batch",)),
+    ),
+    outputs=(TensorSpec("noise_pred", _F, ("batch", "image_tokens", "geo.in_channels")),),
+)
+VAE_DECODER = ComponentSpec(
+    name="vae_decoder", subfolder="vae", rtol_fp32=1e-4, wrap=_wrap_vae_decoder,
+    inputs=(TensorSpec("latent", _F, _LAT),),
+    outputs=(TensorSpec("image", _F, ("batch", 3, "image_height", "image_width")),),
+)
+VAE_ENCODER = ComponentSpec(
+    name="vae_encoder", subfolder="vae", rtol_fp32=1e-4, wrap=_wrap_vae_encoder,
+    inputs=(TensorSpec("image", _F, ("batch", 3, "image_height", "image_width")),),
+    outputs=(TensorSpec("latent_parameters", _F, ("batch", "geo.latent_channels_x2", "latent_height",
+                                                  "latent_width")),),
+)
+
+ALL: Mapping[str, ComponentSpec] = {s.name: s for s in (CLIP, T5, TRANSFORMER, VAE_DECODER, VAE_ENCODER)}
+# What `fluxtrt run` needs for text-to-image; the VAE encoder is exported for image-to-image.
+DEFAULT_COMPONENTS = ("clip", "t5", "transformer", "vae_decoder", "vae_encoder")
+
+
+def for_variant(spec: ComponentSpec, geo: Geometry) -> ComponentSpec:
+    """schnell has no guidance input: drop it from the transformer's spec."""
+    if spec.needs_guidance and not geo.guidance:
+        from dataclasses import replace
+
+        return replace(spec, inputs=tuple(t for t in spec.inputs if t.name != "guidance"))
+    return spec
+
+
+def specs_for(geo: Geometry, names=None) -> dict[str, ComponentSpec]:
+    names = list(names or DEFAULT_COMPONENTS)
+    unknown = [n for n in names if n not in ALL]
+    if unknown:
+        from .errors import FluxtrtError
+
+        raise FluxtrtError(f"unknown component(s) {', '.join(unknown)}; choose from {', '.join(ALL)}")
+    return {n: for_variant(ALL[n], geo) for n in names}

@@ -1,0 +1,126 @@
+"""Resolve a --model argument to a local FLUX.1 diffusers folder and load its parts. Never downloads."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from ..components import Geometry
+from ..errors import ModelSourceError
+from .tiny import TINY_NAMES, tiny_model_dir
+
+REQUIRED = ("transformer", "text_encoder", "text_encoder_2", "vae", "tokenizer", "tokenizer_2", "scheduler")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A local FLUX.1 pipeline folder in diffusers layout."""
+
+    id: str  # what the user passed ("tiny", or the folder)
+    path: Path
+
+    @cached_property
+    def geometry(self) -> Geometry:
+        try:
+            return Geometry.from_folder(self.path)
+        except (KeyError, OSError, json.JSONDecodeError) as e:
+            raise ModelSourceError(
+                f"{self.path} does not look like a FLUX.1 model: its config files lack {e}; "
+                "pass a FLUX.1-dev or FLUX.1-schnell folder in diffusers layout"
+            ) from None
+
+    @property
+    def variant(self) -> str:
+        return self.geometry.variant
+
+    @cached_property
+    def content_hash(self) -> str:
+        """sha256 over every file's relative path and content (cached by size and mtime for big files)."""
+        h = hashlib.sha256()
+        for f in sorted(p for p in self.path.rglob("*") if p.is_file()):
+            rel = f.relative_to(self.path).as_posix()
+            if rel.startswith(".") or "/." in rel:
+                continue
+            h.update(rel.encode() + b"\0" + file_sha256(f).encode() + b"\n")
+        return h.hexdigest()
+
+    def load_component(self, subfolder: str, dtype=None):
+        """Load one diffusers/transformers module from the folder (CPU, eval mode)."""
+        import torch
+        from diffusers import AutoencoderKL, FluxTransformer2DModel
+        from transformers import CLIPTextModel, T5EncoderModel
+
+        classes = {
+            "text_encoder": CLIPTextModel, "text_encoder_2": T5EncoderModel,
+            "transformer": FluxTransformer2DModel, "vae": AutoencoderKL,
+        }
+        kwargs = {"torch_dtype": dtype or torch.float32}
+        model = classes[subfolder].from_pretrained(self.path / subfolder, local_files_only=True, **kwargs)
+        return model.eval()
+
+    def load_pipeline(self, dtype=None):
+        """The reference diffusers FluxPipeline (CPU)."""
+        import torch
+        from diffusers import FluxPipeline
+
+        return FluxPipeline.from_pretrained(self.path, local_files_only=True, torch_dtype=dtype or torch.float32)
+
+    def load_tokenizers(self):
+        from transformers import AutoTokenizer
+
+        return (
+            AutoTokenizer.from_pretrained(self.path / "tokenizer", local_files_only=True),
+            AutoTokenizer.from_pretrained(self.path / "tokenizer_2", local_files_only=True),
+        )
+
+    def scheduler_config(self) -> dict:
+        return json.loads((self.path / "scheduler" / "scheduler_config.json").read_text())
+
+    def vae_config(self) -> dict:
+        return json.loads((self.path / "vae" / "config.json").read_text())
+
+
+_HASH_CACHE: dict[tuple[str, int, int], str] = {}
+
+
+def file_sha256(path: Path) -> str:
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _HASH_CACHE:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        _HASH_CACHE[key] = h.hexdigest()
+    return _HASH_CACHE[key]
+
+
+def resolve_model(model: str | Path) -> ModelSource:
+    """`tiny`, `tiny-schnell`, or a local folder. A hub id is refused with the fix."""
+    name = str(model)
+    if name in TINY_NAMES:
+        return ModelSource(id=name, path=tiny_model_dir(name))
+    path = Path(name).expanduser()
+    if not path.exists():
+        if _HUB_ID.match(name) and not name.startswith((".", "/")):
+            raise ModelSourceError(
+                f"'{name}' looks like a Hugging Face hub id; fluxtrt never downloads weights. Download it yourself "
+                f"(e.g. `hf download {name} --local-dir ./{name.split('/')[-1]}`) and pass --model ./{name.split('/')[-1]}"
+            )
+        raise ModelSourceError(f"model folder '{name}' does not exist; pass a local FLUX.1 folder, or --model tiny")
+    if not path.is_dir():
+        raise ModelSourceError(f"'{name}' is a file; pass the FLUX.1 model folder (the one holding model_index.json)")
+    missing = [c for c in REQUIRED if not (path / c).is_dir()]
+    if missing:
+        raise ModelSourceError(
+            f"'{name}' is missing the component folder(s) {', '.join(missing)}; a FLUX.1 folder in diffusers layout "
+            f"has {', '.join(REQUIRED)}"
+        )
+    src = ModelSource(id=name, path=path.resolve())
+    src.geometry  # validate configs now, with a clear error
+    return src
