@@ -52,7 +52,9 @@ def friendly(fn):
         except FluxtrtError as e:
             if _STATE["debug"]:
                 raise
-            console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            from rich.markup import escape
+
+            console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
             console.print("[yellow]interrupted[/]: nothing half-written was left behind")
@@ -120,6 +122,97 @@ def export(
         err = f"{r.max_rel_err:.1e}" if r.max_rel_err is not None else "not validated"
         name = r.path.name + (" (+ .data)" if r.external_data else "")
         table.add_row(r.component, name, _human(r.bytes), f"{r.seconds:.1f}", err)
+    out.print(table)
+
+
+def _precision_overrides(values: Optional[list[str]], components) -> dict:
+    """`bf16` (every component) or `transformer=fp16,t5=bf16`."""
+    from .components import ALL
+
+    out = {}
+    for item in _split(values) or []:
+        if "=" in item:
+            comp, prec = item.split("=", 1)
+            out[comp.strip()] = prec.strip()
+        else:
+            out.update({c: item for c in (components or ALL)})
+    return out
+
+
+@app.command()
+@friendly
+def build(
+    gpu: Optional[str] = typer.Option(None, "--gpu", "-g", help="Target GPU: a name in configs/ (3090, 4090, 5090, a100, l40s, h100, h200)."),
+    config: Optional[Path] = typer.Option(None, "--config", help="A custom GPU config YAML instead of --gpu."),
+    model: str = typer.Option("tiny", "--model", "-m", help=MODEL_HELP),
+    out_dir: Path = typer.Option(Path("engines"), "--out", "-o", help="Output root: engines go to OUT/<gpu>/, ONNX to OUT/onnx/."),
+    components: Optional[list[str]] = typer.Option(None, "--components", "-c", help=COMPONENTS_HELP),
+    precision: Optional[list[str]] = typer.Option(None, "--precision", "-p", help="Override the config's precision: `bf16` for all, or `transformer=fp16,t5=bf16`."),
+    static_shape: Optional[bool] = typer.Option(None, "--static-shape/--dynamic-shape", help="Pin the profile to the config's opt batch and resolution (default: the config's choice)."),
+    force: bool = typer.Option(False, "--force", help="Rebuild every stage even if its inputs are unchanged."),
+):
+    """Export, then build serialized TensorRT engines for one GPU, reusing every unchanged stage."""
+    _quiet_libraries()
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from .build.backends import get_backend
+    from .build.pipeline import build_gpu
+    from .components import specs_for
+    from .gpus import load_gpu
+    from .models.source import resolve_model
+
+    cfg = load_gpu(gpu, config)
+    get_backend(cfg.backend).check_target(cfg.compute_capability)  # fail before any work
+    names = _split(components)
+    cfg = cfg.with_precision(_precision_overrides(precision, names)) if precision else cfg
+    source = resolve_model(model)
+    with Progress(SpinnerColumn(), TextColumn("{task.description:<12}"), TextColumn("{task.fields[phase]}"),
+                  TimeElapsedColumn(), console=console) as bar:
+        tasks = {n: bar.add_task(n, phase="waiting") for n in specs_for(source.geometry, names)}
+        manifest, results = build_gpu(source, cfg, out_dir, names, static_shape, force,
+                                      progress=lambda n, p: bar.update(tasks[n], phase=p))
+    table = Table(title=f"{cfg.key}: {manifest['backend']} {manifest['backend_version']} for "
+                        f"sm{cfg.compute_capability.replace('.', '')}, model {source.id} ({source.variant}) -> {out_dir / cfg.key}")
+    for col in ("component", "precision", "export", "build", "layers", "engine size", "seconds"):
+        table.add_column(col)
+    by = {(r.component, r.stage): r for r in results}
+    for name in tasks:
+        e = manifest["components"][name]
+        ex, bu = by[(name, "export")], by[(name, "build")]
+        table.add_row(name, e["precision"], ex.status, bu.status, str(e["layers"]), _human(e["bytes"]),
+                      f"{ex.seconds + bu.seconds:.1f}")
+    out.print(table)
+    if all(r.status == "reused" for r in results):
+        out.print("Nothing to do: every engine is up to date (use --force to rebuild).")
+    out.print(f"manifest: {out_dir / cfg.key / 'manifest.json'}; log: {out_dir / cfg.key / 'build.log'}")
+
+
+@app.command()
+@friendly
+def inspect(engine_dir: Path = typer.Argument(..., help="A folder written by `fluxtrt build` (OUT/<gpu>).")):
+    """Print an engine folder's manifest and, with TensorRT-RTX, whether this machine can run its engines."""
+    from rich.table import Table
+
+    from .build.backends import get_backend
+    from .build.manifest import read_manifest
+    from .errors import BackendUnavailableError
+
+    m = read_manifest(engine_dir)
+    out.print(f"[bold]{m['gpu_name']}[/] ({m['gpu']}, sm{m['compute_capability'].replace('.', '')}) built by "
+              f"{m['backend']} {m['backend_version']}, fluxtrt {m['fluxtrt']}; model {m['model']['id']} "
+              f"({m['model']['variant']}, {m['model']['hash'][:12]}); shapes {m['shape_range']}")
+    backend = get_backend(m["backend"])
+    table = Table()
+    for col in ("component", "precision", "size", "layers", "inputs (min..max)", "this machine"):
+        table.add_column(col)
+    for name, e in m["components"].items():
+        prof = ", ".join(f"{k} {v['min']}..{v['max']}" for k, v in e["profile"].items())
+        try:
+            validity = backend.runtime_validity(Path(engine_dir) / e["engine"]) or "unknown"
+        except BackendUnavailableError as err:
+            validity = f"cannot check: {err}"
+        table.add_row(name, e["precision"], _human(e["bytes"]), str(e["layers"]), prof, validity)
     out.print(table)
 
 

@@ -183,11 +183,6 @@ def export_model(source: ModelSource, out_dir: Path, components=None, dtype: str
                  progress=None) -> list[ExportResult]:
     """Export the named components (default: all) and update `export.json` in `out_dir`."""
     torch_dtype(dtype)
-    if dtype == "bf16" and validate:
-        raise FluxtrtError(
-            "ONNX Runtime has no CPU kernels for bf16, so a bf16 export cannot be validated here; export fp32 "
-            "(the default) or fp16, or pass --no-validate to export bf16 unchecked"
-        )
     specs = specs_for(source.geometry, components)
     out_dir = Path(out_dir)
     results = []

@@ -1,0 +1,91 @@
+"""Build one serialized engine from one ONNX file: parse (strongly typed), one optimization profile from
+the component spec, backend target settings, serialize."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..components import ComponentSpec, Geometry, ShapeRange
+from ..errors import FluxtrtError
+from .backends import Backend
+
+
+class BuildError(FluxtrtError):
+    """TensorRT could not parse or build a graph."""
+
+
+@dataclass
+class BuiltEngine:
+    data: bytes
+    layers: int
+    inputs: list[dict]
+    outputs: list[dict]
+    profile: dict  # input name -> {"min": [...], "opt": [...], "max": [...]} as read back from TensorRT
+
+
+def _dims(shape) -> list[int]:
+    return [int(d) for d in shape]
+
+
+def apply_profile(network, profile, shapes: dict, component: str) -> None:
+    """Set min/opt/max per input; names are checked against the network, listing the ones it has."""
+    net_inputs = {network.get_input(i).name: network.get_input(i) for i in range(network.num_inputs)}
+    unknown = sorted(set(shapes) - set(net_inputs))
+    missing = sorted(set(net_inputs) - set(shapes))
+    if unknown or missing:
+        raise BuildError(f"{component}: profile inputs {unknown or ''} not in the network, network inputs "
+                         f"{missing or ''} without a profile; the network has {', '.join(net_inputs)}")
+    for name, (lo, opt, hi) in shapes.items():
+        dims = _dims(net_inputs[name].shape)
+        for axis, d in enumerate(dims):
+            if d != -1 and not lo[axis] == opt[axis] == hi[axis] == d:
+                raise BuildError(f"{component}: input {name} has static size {d} on axis {axis} but the profile "
+                                 f"asks {lo[axis]}..{hi[axis]}")
+        profile.set_shape(name, lo, opt, hi)
+
+
+def build_engine(backend: Backend, onnx_path: Path, spec: ComponentSpec, geo: Geometry, shape_range: ShapeRange,
+                 compute_capability: str, weight_streaming: bool = False, optimization_level: int = 3,
+                 timing_cache: Path | None = None, log_file=None) -> BuiltEngine:
+    trt = backend.trt
+    logger = backend.logger
+    logger.file, logger.errors = log_file, []
+    builder = trt.Builder(logger)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errs = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise BuildError(f"{backend.name} could not parse {onnx_path.name}: {errs}")
+    config = builder.create_builder_config()
+    backend.configure(config, compute_capability)
+    config.builder_optimization_level = optimization_level
+    if weight_streaming:
+        config.set_flag(trt.BuilderFlag.WEIGHT_STREAMING)
+    cache = None
+    if timing_cache is not None and hasattr(config, "create_timing_cache"):
+        blob = timing_cache.read_bytes() if timing_cache.exists() else b""
+        cache = config.create_timing_cache(blob)
+        config.set_timing_cache(cache, ignore_mismatch=True)
+    profile = builder.create_optimization_profile()
+    apply_profile(network, profile, spec.profile(shape_range, geo), spec.name)
+    config.add_optimization_profile(profile)
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise BuildError(f"{backend.name} failed to build {spec.name}: " + ("; ".join(logger.errors) or "no detail"))
+    if cache is not None:
+        from ..fileio import write_bytes_atomic
+
+        write_bytes_atomic(timing_cache, bytes(cache.serialize()))
+
+    def io(t):
+        return {"name": t.name, "dtype": str(t.dtype).split(".")[-1].lower(), "shape": _dims(t.shape)}
+
+    inputs = [io(network.get_input(i)) for i in range(network.num_inputs)]
+    outputs = [io(network.get_output(i)) for i in range(network.num_outputs)]
+    read_back = {
+        i["name"]: dict(zip(("min", "opt", "max"), (_dims(s) for s in profile.get_shape(i["name"]))))
+        for i in inputs
+    }
+    logger.file = None
+    return BuiltEngine(bytes(serialized), network.num_layers, inputs, outputs, read_back)

@@ -1,0 +1,129 @@
+"""`fluxtrt build`: export -> build per component for one GPU config, incremental by content hashes.
+
+Layout under the output root:
+  onnx/<model hash[:12]>-<dtype>/<component>.onnx + export.json   shared by every GPU built from this model
+  <gpu>/<component>.engine, manifest.json, build.log, timing.cache
+A stage is skipped when its inputs' hashes match what the previous run recorded and its output file still
+has the recorded sha256. Engines are written to a temp name and renamed; the manifest is updated after
+each engine, so an interrupted build resumes with the remaining components."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .. import __version__
+from ..components import specs_for
+from ..export import EXPORT_INFO, DEFAULT_OPSET, export_component, write_export_info
+from ..fileio import peak_rss_mb, sha256_file, sha256_json, write_bytes_atomic, write_json_atomic
+from ..gpus import GpuConfig
+from ..models.source import ModelSource
+from .backends import get_backend
+from .engine import build_engine
+from .manifest import MANIFEST, SCHEMA, read_manifest
+
+
+@dataclass
+class StageResult:
+    component: str
+    stage: str  # "export" or "build"
+    status: str  # "built", "reused"
+    seconds: float
+    detail: str = ""
+
+
+def onnx_dir_for(out_root: Path, source: ModelSource, dtype: str) -> Path:
+    return Path(out_root) / "onnx" / f"{source.content_hash[:12]}-{dtype}"
+
+
+def ensure_onnx(source: ModelSource, component: str, dtype: str, out_root: Path, force: bool = False,
+                on_phase: Callable[[str], None] = lambda _: None) -> tuple[Path, StageResult]:
+    """The component's validated ONNX in `dtype`, exported unless an identical export exists."""
+    folder = onnx_dir_for(out_root, source, dtype)
+    info_path = folder / EXPORT_INFO
+    info = json.loads(info_path.read_text()) if info_path.exists() else {}
+    entry = info.get("components", {}).get(component)
+    same_inputs = (info.get("model_hash") == source.content_hash and info.get("fluxtrt") == __version__
+                   and info.get("opset") == DEFAULT_OPSET)
+    path = folder / f"{component}.onnx"
+    if not force and same_inputs and entry and path.exists() and sha256_file(path) == entry["sha256"]:
+        return path, StageResult(component, "export", "reused", 0.0, "unchanged model and exporter")
+    spec = specs_for(source.geometry, [component])[component]
+    res = export_component(source, spec, folder, dtype, validate=True, on_phase=on_phase)
+    write_export_info(folder, source, dtype, DEFAULT_OPSET, [res])
+    return res.path, StageResult(component, "export", "built", res.seconds, f"max rel err {res.max_rel_err:.1e}")
+
+
+def build_key(onnx_sha: str, backend: str, backend_version: str, cfg: GpuConfig, profile: dict,
+              weight_streaming: bool) -> str:
+    return sha256_json({
+        "onnx": onnx_sha, "backend": backend, "backend_version": backend_version, "cc": cfg.compute_capability,
+        "profile": profile, "weight_streaming": weight_streaming, "level": cfg.builder_optimization_level,
+        "fluxtrt": __version__,
+    })
+
+
+def build_gpu(source: ModelSource, cfg: GpuConfig, out_root: Path, components=None, static: bool | None = None,
+              force: bool = False, progress: Callable[[str, str], None] = lambda c, p: None) -> tuple[dict, list]:
+    """Build (or reuse) every requested component's engine for one GPU config. Returns (manifest, stage results)."""
+    backend = get_backend(cfg.backend)
+    backend.check_target(cfg.compute_capability)
+    geo = source.geometry
+    specs = specs_for(geo, components)
+    rng = cfg.shape_range(static)
+    gpu_dir = Path(out_root) / cfg.key
+    gpu_dir.mkdir(parents=True, exist_ok=True)
+    old = read_manifest(gpu_dir, required=False) or {}
+    if old.get("model", {}).get("hash") not in (None, source.content_hash):
+        old = {}  # another model was built here before: nothing of it can be reused
+    manifest = {
+        "schema": SCHEMA, "fluxtrt": __version__, "backend": backend.name, "backend_version": backend.version,
+        "gpu": cfg.key, "gpu_name": cfg.name, "compute_capability": cfg.compute_capability, "config_hash": cfg.config_hash,
+        "vram_gb": cfg.vram_gb,
+        "model": {"id": source.id, "hash": source.content_hash, "variant": source.variant},
+        "static_shape": rng.min == rng.max,
+        "shape_range": {k: [p.batch, p.height, p.width] for k, p in zip(("min", "opt", "max"), (rng.min, rng.opt, rng.max))},
+        "pixel_multiple": geo.pixel_multiple,
+        "components": dict(old.get("components", {})),
+    }
+    results = []
+    with open(gpu_dir / "build.log", "a") as log:
+        log.write(f"== fluxtrt {__version__} build {cfg.key} ({backend.name} {backend.version}) "
+                  f"model {source.id} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        for name, spec in specs.items():
+            dtype = cfg.precision[name]
+            onnx_path, res = ensure_onnx(source, name, dtype, out_root, force, lambda p, n=name: progress(n, p))
+            results.append(res)
+            onnx_sha = sha256_file(onnx_path)
+            ws = name in cfg.weight_streaming
+            profile = spec.profile(rng, geo)
+            key = build_key(onnx_sha, backend.name, backend.version, cfg, profile, ws)
+            engine_path = gpu_dir / f"{name}.engine"
+            prev = manifest["components"].get(name, {})
+            if (not force and prev.get("build_key") == key and engine_path.exists()
+                    and sha256_file(engine_path) == prev.get("sha256")):
+                results.append(StageResult(name, "build", "reused", 0.0, "same ONNX, config and backend"))
+                progress(name, "reused")
+                continue
+            progress(name, "build")
+            t0 = time.perf_counter()
+            built = build_engine(backend, onnx_path, spec, geo, rng, cfg.compute_capability, ws,
+                                 cfg.builder_optimization_level, gpu_dir / "timing.cache", log)
+            seconds = time.perf_counter() - t0
+            write_bytes_atomic(engine_path, built.data)
+            manifest["components"][name] = {
+                "engine": engine_path.name, "sha256": sha256_file(engine_path), "bytes": len(built.data),
+                "precision": dtype, "onnx": str(onnx_path.relative_to(Path(out_root))), "onnx_sha256": onnx_sha,
+                "build_key": key, "weight_streaming": ws, "layers": built.layers,
+                "inputs": built.inputs, "outputs": built.outputs, "profile": built.profile,
+                "build_seconds": round(seconds, 3), "peak_rss_mb": round(peak_rss_mb(), 1),
+            }
+            write_json_atomic(gpu_dir / MANIFEST, manifest)
+            log.write(f"built {name}: {built.layers} layers, {len(built.data)} bytes, {seconds:.1f} s\n")
+            results.append(StageResult(name, "build", "built", seconds, f"{built.layers} layers"))
+            progress(name, "done")
+    write_json_atomic(gpu_dir / MANIFEST, manifest)
+    return manifest, results

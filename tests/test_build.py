@@ -1,0 +1,173 @@
+"""Engine builder: real TensorRT-RTX engines for the tiny models, ahead of time on this CPU-only machine."""
+
+import sys
+import types
+
+import pytest
+import yaml
+
+pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installed (pip install -e '.[rtx]')")
+
+from fluxtrt.build.backends import TensorRT, TensorRTRTX, get_backend  # noqa: E402
+from fluxtrt.build.engine import BuildError, apply_profile  # noqa: E402
+from fluxtrt.build.manifest import read_manifest  # noqa: E402
+from fluxtrt.build.pipeline import build_gpu  # noqa: E402
+from fluxtrt.components import specs_for  # noqa: E402
+from fluxtrt.errors import BackendUnavailableError  # noqa: E402
+from fluxtrt.fileio import sha256_file  # noqa: E402
+from fluxtrt.gpus import configs_dir, load_config_file, load_gpu  # noqa: E402
+from fluxtrt.models.source import resolve_model  # noqa: E402
+
+_BUILDS = {}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engines")
+
+    def get(model, gpu):
+        if (model, gpu) not in _BUILDS:
+            src = resolve_model(model)
+            _BUILDS[(model, gpu)] = (src, load_gpu(gpu), *build_gpu(src, load_gpu(gpu), root))
+        return (root, *_BUILDS[(model, gpu)])
+
+    return get
+
+
+def check_manifest(root, src, cfg, manifest):
+    geo = src.geometry
+    gpu_dir = root / cfg.key
+    assert read_manifest(gpu_dir) == manifest
+    assert manifest["backend"] == "tensorrt-rtx" and manifest["backend_version"] == TensorRTRTX().version
+    assert manifest["compute_capability"] == cfg.compute_capability
+    assert manifest["model"] == {"id": src.id, "hash": src.content_hash, "variant": src.variant}
+    assert manifest["config_hash"] == cfg.config_hash
+    rng = cfg.shape_range()
+    specs = specs_for(geo)
+    assert set(manifest["components"]) == set(specs)
+    for name, spec in specs.items():
+        e = manifest["components"][name]
+        assert e["precision"] == cfg.precision[name]
+        assert sha256_file(gpu_dir / e["engine"]) == e["sha256"] and e["bytes"] > 10_000
+        assert sha256_file(root / e["onnx"]) == e["onnx_sha256"]
+        assert [i["name"] for i in e["inputs"]] == [t.name for t in spec.inputs]
+        assert [o["name"] for o in e["outputs"]] == [t.name for t in spec.outputs]
+        # the profile TensorRT holds covers exactly the documented range (256..1536 px, batch 1..4)
+        want = spec.profile(rng, geo)
+        for inp, (lo, opt, hi) in want.items():
+            assert e["profile"][inp] == {"min": list(lo), "opt": list(opt), "max": list(hi)}, (name, inp)
+        assert e["layers"] > 10 and e["build_seconds"] > 0 and e["peak_rss_mb"] > 100
+        assert e["weight_streaming"] == (name in cfg.weight_streaming)
+        dtypes = {i["name"]: i["dtype"] for i in e["inputs"]}
+        float_in = [t.name for t in spec.inputs if t.is_float]
+        expect = {"fp32": "float", "fp16": "half", "bf16": "bf16"}[cfg.precision[name]]
+        assert all(dtypes[n] == expect for n in float_in), (name, dtypes)
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-schnell"])
+def test_build_sm89(built, model):
+    root, src, cfg, manifest, results = built(model, "4090")
+    check_manifest(root, src, cfg, manifest)
+    assert {r.status for r in results if r.stage == "build"} == {"built"}
+    tr = manifest["components"]["transformer"]
+    assert ("guidance" in [i["name"] for i in tr["inputs"]]) == (model == "tiny")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny", "tiny-schnell"])
+def test_build_sm86_reuses_exports(built, model):
+    built(model, "4090")
+    root, src, cfg, manifest, results = built(model, "3090")
+    check_manifest(root, src, cfg, manifest)
+    assert all(r.status == "reused" for r in results if r.stage == "export")  # ONNX shared across GPUs
+    assert manifest["compute_capability"] == "8.6"
+
+
+def test_second_build_is_a_noop(built):
+    root, src, cfg, manifest, _ = built("tiny-schnell", "4090")
+    mtimes = {p.name: p.stat().st_mtime_ns for p in (root / "4090").glob("*.engine")}
+    manifest2, results = build_gpu(src, cfg, root)
+    assert results and all(r.status == "reused" for r in results)
+    assert {p.name: p.stat().st_mtime_ns for p in (root / "4090").glob("*.engine")} == mtimes
+    assert manifest2["components"] == manifest["components"]
+
+
+def test_changed_config_rebuilds_only_what_changed(built, tmp_path):
+    root, src, cfg, manifest, _ = built("tiny-schnell", "4090")
+    data = yaml.safe_load((configs_dir() / "4090.yaml").read_text())
+    data["precision"]["vae_decoder"] = "fp16"
+    custom = tmp_path / "4090.yaml"  # same key, so it updates the same engine folder
+    custom.write_text(yaml.safe_dump(data))
+    cfg2 = load_config_file(custom)
+    manifest2, results = build_gpu(src, cfg2, root)
+    status = {(r.component, r.stage): r.status for r in results}
+    assert status.pop(("vae_decoder", "export")) == "built" and status.pop(("vae_decoder", "build")) == "built"
+    assert set(status.values()) == {"reused"}
+    assert manifest2["components"]["vae_decoder"]["precision"] == "fp16"
+    # restore, so other tests see the shipped config's engines (the fp32 export is reused)
+    build_gpu(src, cfg, root)
+
+
+def test_interrupted_engine_write_is_not_trusted(built):
+    """An engine file that does not match its manifest entry (e.g. a crash mid-write) is rebuilt."""
+    root, src, cfg, manifest, _ = built("tiny-schnell", "4090")
+    engine = root / "4090" / "clip.engine"
+    engine.write_bytes(engine.read_bytes()[:1000])
+    _, results = build_gpu(src, cfg, root, components=["clip"])
+    assert {(r.stage, r.status) for r in results} == {("export", "reused"), ("build", "built")}
+    assert sha256_file(engine) == read_manifest(root / "4090")["components"]["clip"]["sha256"]
+
+
+def test_profile_names_are_checked_against_the_network(tiny_schnell, built):
+    root, *_ = built("tiny-schnell", "4090")
+    trt = TensorRTRTX().trt
+    backend = TensorRTRTX()
+    builder = trt.Builder(backend.logger)
+    net = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(net, backend.logger)
+    onnx_file = root / read_manifest(root / "4090")["components"]["clip"]["onnx"]
+    assert parser.parse_from_file(str(onnx_file))
+    with pytest.raises(BuildError, match="profile inputs \\['ids'\\] not in the network.*network has input_ids"):
+        apply_profile(net, builder.create_optimization_profile(), {"ids": ((1, 77),) * 3}, "clip")
+    with pytest.raises(BuildError, match="static size 77 on axis 1"):
+        apply_profile(net, builder.create_optimization_profile(), {"input_ids": ((1, 64), (1, 77), (1, 77))}, "clip")
+
+
+def test_full_tensorrt_missing_package_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # import fails as if not installed
+    with pytest.raises(BackendUnavailableError, match="needs the 'tensorrt' package: pip install 'fluxtrt\\[trt\\]'"):
+        get_backend("tensorrt").check_target("9.0")
+
+
+def test_full_tensorrt_without_target_gpu_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorrt", types.SimpleNamespace(__version__="10.13"))
+    monkeypatch.setattr("fluxtrt.build.backends.local_gpu_capabilities", lambda: [])
+    with pytest.raises(BackendUnavailableError, match="builds only for the GPU it runs on.*sm90.*no CUDA GPU"):
+        TensorRT().check_target("9.0")
+
+
+def test_cli_build_h100_without_tensorrt_is_one_line(monkeypatch):
+    from typer.testing import CliRunner
+
+    from fluxtrt.cli import app
+
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    res = CliRunner().invoke(app, ["build", "--gpu", "h100", "--model", "tiny"])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert "needs the 'tensorrt' package" in res.output and "fluxtrt[trt]" in res.output
+
+
+def test_cli_build_and_inspect(tmp_path):
+    from typer.testing import CliRunner
+
+    from fluxtrt.cli import app
+
+    args = ["build", "--gpu", "4090", "--model", "tiny-schnell", "--out", str(tmp_path), "-c", "clip,vae_decoder"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert "vae_decoder" in res.output and "built" in res.output
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0 and "Nothing to do" in res.output
+    res = CliRunner().invoke(app, ["inspect", str(tmp_path / "4090")])
+    assert res.exit_code == 0, res.output
+    assert "tensorrt-rtx" in res.output and "clip" in res.output
