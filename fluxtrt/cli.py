@@ -216,6 +216,148 @@ def inspect(engine_dir: Path = typer.Argument(..., help="A folder written by `fl
     out.print(table)
 
 
+def _read_prompts(prompt: Optional[str], prompts_file: Optional[Path]) -> list[str]:
+    from .errors import FluxtrtError
+
+    if (prompt is None) == (prompts_file is None):
+        raise FluxtrtError("pass exactly one of --prompt TEXT or --prompts-file FILE")
+    if prompts_file is not None:
+        try:
+            text = Path(prompts_file).read_bytes().decode("utf-8")
+        except OSError as e:
+            raise FluxtrtError(f"cannot read {prompts_file}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise FluxtrtError(f"{prompts_file} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+        prompts = [line.strip() for line in text.splitlines() if line.strip()]
+        if not prompts:
+            raise FluxtrtError(f"{prompts_file} has no prompts (one per line)")
+        return prompts
+    if not prompt.strip():
+        raise FluxtrtError("the prompt is empty; describe the image with --prompt TEXT")
+    return [prompt]
+
+
+def _pick_backend(backend: str, engines: Path) -> str:
+    """`auto`: the TensorRT executor where a GPU can run the engines, else ONNX Runtime (said once)."""
+    if backend != "auto":
+        return backend
+    from .build.backends import get_backend
+    from .build.manifest import read_manifest
+    from .errors import FluxtrtError
+    from .runtime.executors import check_gpu_for
+
+    manifest = read_manifest(engines)
+    try:
+        b = get_backend(manifest["backend"])
+        check_gpu_for(manifest, b)
+        return "tensorrt"
+    except FluxtrtError as e:
+        console.print(f"[yellow]note:[/] using ONNX Runtime on the engines' source ONNX ({e})", highlight=False)
+        return "onnxruntime"
+
+
+@app.command()
+@friendly
+def run(
+    prompt: Optional[str] = typer.Option(None, "--prompt", help="What to draw."),
+    prompts_file: Optional[Path] = typer.Option(None, "--prompts-file", help="UTF-8 file, one prompt per line."),
+    engines: Path = typer.Option(Path("engines/4090"), "--engines", "-e", help="Folder written by `fluxtrt build` (OUT/<gpu>)."),
+    backend: str = typer.Option("auto", "--backend", help="tensorrt (engines on an NVIDIA GPU), onnxruntime (the ONNX they were built from), or auto."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Denoising steps (default: 28 dev, 4 schnell)."),
+    guidance: float = typer.Option(3.5, "--guidance", help="Distilled guidance scale (dev only; ignored by schnell)."),
+    height: Optional[int] = typer.Option(None, "--height", help="Pixels, a multiple of 16 (default: the profile's opt)."),
+    width: Optional[int] = typer.Option(None, "--width", help="Pixels, a multiple of 16 (default: the profile's opt)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the CPU generator (same seed, same image as diffusers)."),
+    batch: int = typer.Option(1, "--batch", help="Images per call; one prompt is repeated, a prompts file is chunked."),
+    out_path: Path = typer.Option(Path("fluxtrt.png"), "--out", "-o", help="PNG path; several images get -0, -1, ... suffixes."),
+    low_vram: bool = typer.Option(False, "--low-vram", help="Load and free engines stage by stage."),
+    weight_streaming_budget: Optional[int] = typer.Option(None, "--weight-streaming-budget", help="MB of transformer weights kept on the GPU (engines built with weight streaming)."),
+    cuda_graph: bool = typer.Option(False, "--cuda-graph", help="Capture the transformer step as a CUDA graph (TensorRT-RTX's whole-graph strategy)."),
+):
+    """Generate images from built engines (diffusers' FluxPipeline semantics, seed for seed)."""
+    _quiet_libraries()
+    import logging
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from .build.manifest import read_manifest
+    from .errors import FluxtrtError
+    from .runtime.pipeline import FluxEngines
+
+    prompts = _read_prompts(prompt, prompts_file)
+    if batch < 1:
+        raise FluxtrtError(f"--batch must be at least 1, got {batch}")
+    if seed < 0 or seed >= 2**63:
+        raise FluxtrtError(f"--seed must be in 0..2^63-1, got {seed}")
+    if out_path.suffix.lower() != ".png":
+        raise FluxtrtError(f"--out must end in .png, got {out_path}")
+    manifest = read_manifest(engines)
+    opt = manifest["shape_range"]["opt"]
+    height, width = height or opt[1], width or opt[2]
+    steps = steps if steps is not None else (28 if manifest["model"]["variant"] == "dev" else 4)
+    chosen = _pick_backend(backend, engines)
+    logging.getLogger("fluxtrt").addHandler(_WarningLine())
+    pipe = FluxEngines(engines, chosen, low_vram, weight_streaming_budget and weight_streaming_budget << 20, cuda_graph)
+    chunks = [prompts[i:i + batch] for i in range(0, len(prompts), batch)] if len(prompts) > 1 else [prompts * batch]
+    pipe.check_request(max(len(c) for c in chunks), height, width, steps)  # fail before any work
+    paths, all_timings = [], []
+    many = sum(len(c) for c in chunks) > 1
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as bar:
+        task = bar.add_task(f"{chosen} {height}x{width}, {steps} steps", total=len(chunks))
+        for k, chunk in enumerate(chunks):
+            res = pipe.generate(chunk, height, width, steps, guidance, seed + k)
+            for j, img in enumerate(res.images):
+                idx = sum(len(c) for c in chunks[:k]) + j
+                dest = out_path.with_name(f"{out_path.stem}-{idx}{out_path.suffix}") if many else out_path
+                _save_png(img, dest)
+                paths.append(dest)
+            all_timings.append(res.timings)
+            bar.advance(task)
+    table = Table(title="timings (seconds)")
+    for col in ("call", "text encoders", "step mean", "step min", "step max", "VAE decode", "total"):
+        table.add_column(col)
+    for k, t in enumerate(all_timings):
+        st = t.steps or [0.0]
+        table.add_row(str(k), f"{t.text_encoders:.3f}", f"{sum(st) / len(st):.3f}", f"{min(st):.3f}", f"{max(st):.3f}",
+                      f"{t.vae:.3f}", f"{t.total:.3f}")
+    out.print(table)
+    for p in paths:
+        out.print(f"wrote {p}")
+
+
+class _WarningLine:
+    """Route the runtime's warnings (e.g. prompt truncation) to one yellow line each."""
+
+    level = 30
+
+    def handle(self, record):
+        console.print(f"[yellow]warning:[/] {record.getMessage()}", highlight=False)
+
+    def __getattr__(self, name):  # the logging module probes a few attributes
+        import logging
+
+        return getattr(logging.Handler(), name)
+
+
+def _save_png(image, dest: Path) -> None:
+    import os
+    import tempfile
+
+    from PIL import Image
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".png", dir=dest.parent)
+    os.close(fd)
+    try:
+        Image.fromarray(image).save(tmp, format="PNG")
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1024 or unit == "GB":

@@ -57,6 +57,31 @@ def ensure_onnx(source: ModelSource, component: str, dtype: str, out_root: Path,
     return res.path, StageResult(component, "export", "built", res.seconds, f"max rel err {res.max_rel_err:.1e}")
 
 
+ASSET_DIRS = ("tokenizer", "tokenizer_2", "scheduler")
+ASSET_CONFIGS = ("text_encoder", "text_encoder_2", "transformer", "vae")
+
+
+def copy_model_assets(source: ModelSource, gpu_dir: Path) -> None:
+    """Tokenizers, scheduler and component configs (no weights) beside the engines: `fluxtrt run` needs
+    nothing else from the model folder."""
+    import shutil
+
+    from ..fileio import staging_dir
+
+    with staging_dir(gpu_dir, "model") as tmp:
+        for d in ASSET_DIRS:
+            shutil.copytree(source.path / d, tmp / d)
+        for c in ASSET_CONFIGS:
+            (tmp / c).mkdir()
+            shutil.copy2(source.path / c / "config.json", tmp / c / "config.json")
+        shutil.copy2(source.path / "model_index.json", tmp / "model_index.json")
+        final = gpu_dir / "model"
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        tmp.mkdir()  # staging_dir removes it again
+
+
 def build_key(onnx_sha: str, backend: str, backend_version: str, cfg: GpuConfig, profile: dict,
               weight_streaming: bool) -> str:
     return sha256_json({
@@ -90,6 +115,7 @@ def build_gpu(source: ModelSource, cfg: GpuConfig, out_root: Path, components=No
         "components": dict(old.get("components", {})),
     }
     results = []
+    copy_model_assets(source, gpu_dir)
     with open(gpu_dir / "build.log", "a") as log:
         log.write(f"== fluxtrt {__version__} build {cfg.key} ({backend.name} {backend.version}) "
                   f"model {source.id} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n")

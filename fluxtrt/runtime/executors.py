@@ -1,0 +1,243 @@
+"""Executors: one component each, behind one small interface. The pipeline above them is identical.
+
+    activate()          load (engine into device memory / ONNX Runtime session)
+    infer(feeds)        {input name: torch tensor} -> {output name: torch tensor}, on the executor's device
+    deactivate()        free it (used by --low-vram between stages)
+    check_shapes(feeds) refuse shapes outside the engine's profile with the range in the message
+
+TensorRTExecutor runs engines (tensorrt or tensorrt_rtx) on an NVIDIA GPU; OnnxRuntimeExecutor runs the very
+ONNX files the engines were built from (CPU, or CUDA with onnxruntime-gpu)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..build.manifest import ManifestError
+from ..errors import BackendUnavailableError, FluxtrtError
+
+
+class ShapeError(FluxtrtError):
+    """A request does not fit an engine's optimization profile."""
+
+
+class Executor:
+    kind = ""
+
+    def __init__(self, component: str, entry: dict):
+        self.component = component
+        self.entry = entry  # the manifest entry: I/O names and dtypes, profile
+        self.active = False
+
+    @property
+    def device(self):
+        import torch
+
+        return torch.device("cpu")
+
+    def check_shapes(self, shapes: dict[str, tuple]) -> None:
+        for name, shape in shapes.items():
+            prof = self.entry["profile"].get(name)
+            if prof is None:
+                continue
+            lo, hi = prof["min"], prof["max"]
+            if len(shape) != len(lo) or any(not lo[i] <= shape[i] <= hi[i] for i in range(len(shape))):
+                raise ShapeError(f"{self.component}: input {name} of shape {list(shape)} is outside the engine's "
+                                 f"profile {lo}..{hi}; rebuild with a wider profile or ask for a size inside it")
+
+    def activate(self) -> None:
+        self.active = True
+
+    def deactivate(self) -> None:
+        self.active = False
+
+    def infer(self, feeds: dict) -> dict:
+        if not self.active:
+            self.activate()
+        return self.infer_impl(feeds)
+
+    def infer_impl(self, feeds: dict) -> dict:
+        raise NotImplementedError
+
+
+class OnnxRuntimeExecutor(Executor):
+    kind = "onnxruntime"
+
+    def __init__(self, component: str, entry: dict, onnx_path: Path, providers: list[str] | None = None):
+        super().__init__(component, entry)
+        self.onnx_path = Path(onnx_path)
+        self.providers = providers or ["CPUExecutionProvider"]
+        self.session = None
+
+    def activate(self) -> None:
+        from ..fileio import sha256_file
+        from ..validate import cpu_session
+
+        if not self.onnx_path.exists():
+            raise ManifestError(f"{self.component}: the ONNX file {self.onnx_path} the engine was built from is gone; "
+                                "rebuild with `fluxtrt build`")
+        if sha256_file(self.onnx_path) != self.entry["onnx_sha256"]:
+            raise ManifestError(f"{self.component}: {self.onnx_path} does not match the manifest's sha256; "
+                                "rebuild with `fluxtrt build --force`")
+        if self.providers == ["CPUExecutionProvider"]:
+            self.session = cpu_session(self.onnx_path)
+        else:
+            import onnxruntime as ort
+
+            self.session = ort.InferenceSession(str(self.onnx_path), providers=self.providers)
+        self.types = {i.name: i.type for i in self.session.get_inputs()}
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        self.active = True
+
+    def deactivate(self) -> None:
+        self.session = None
+        self.active = False
+
+    def infer_impl(self, feeds: dict) -> dict:
+        import numpy as np
+        import torch
+
+        np_feeds = {}
+        for name, t in feeds.items():
+            arr = t.detach().cpu().numpy()
+            if self.types[name] == "tensor(float16)":
+                arr = arr.astype(np.float16)
+            elif self.types[name] == "tensor(float)":
+                arr = arr.astype(np.float32)
+            np_feeds[name] = arr
+        outs = self.session.run(self.output_names, np_feeds)
+        return {n: torch.from_numpy(np.asarray(o)) for n, o in zip(self.output_names, outs)}
+
+
+_TORCH_DTYPES = {"float": "float32", "half": "float16", "bf16": "bfloat16", "int64": "int64", "int32": "int32"}
+
+
+class TensorRTExecutor(Executor):
+    """Deserializes an engine straight into device memory and runs it with pre-allocated torch CUDA buffers
+    on the pipeline's one stream (execute_async_v3: no host synchronisation)."""
+
+    kind = "tensorrt"
+
+    def __init__(self, component: str, entry: dict, engine_path: Path, backend, stream=None,
+                 shared_memory=None, weight_streaming_budget: int | None = None, cuda_graph: bool = False):
+        super().__init__(component, entry)
+        self.engine_path = Path(engine_path)
+        self.backend = backend
+        self.stream = stream
+        self.shared_memory = shared_memory  # a SharedActivations, or None for per-context memory
+        self.weight_streaming_budget = weight_streaming_budget
+        self.cuda_graph = cuda_graph
+        self.engine = self.context = None
+        self._outputs: dict[tuple, dict] = {}  # output buffers per input-shape signature, reused across calls
+
+    @property
+    def device(self):
+        import torch
+
+        return torch.device("cuda")
+
+    def activate(self) -> None:
+        from ..fileio import sha256_file
+
+        trt = self.backend.trt
+        data = self.engine_path.read_bytes()
+        if sha256_file(self.engine_path) != self.entry["sha256"]:
+            raise ManifestError(f"{self.engine_path} does not match the manifest's sha256 (corrupt or replaced); "
+                                "rebuild with `fluxtrt build --force`")
+        runtime = trt.Runtime(self.backend.logger)
+        if hasattr(runtime, "engine_host_code_allowed"):
+            runtime.engine_host_code_allowed = False
+        engine = runtime.deserialize_cuda_engine(data)
+        if engine is None:
+            raise FluxtrtError(f"{self.backend.name} could not load {self.engine_path.name}: "
+                               + ("; ".join(self.backend.logger.errors) or "no detail"))
+        if self.weight_streaming_budget is not None and self.entry.get("weight_streaming"):
+            engine.weight_streaming_budget_v2 = int(self.weight_streaming_budget)
+        if hasattr(engine, "create_runtime_config"):
+            rc = engine.create_runtime_config()
+            if self.shared_memory is not None:
+                rc.set_execution_context_allocation_strategy(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
+            if self.cuda_graph:
+                rc.cuda_graph_strategy = trt.CudaGraphStrategy.WHOLE_GRAPH_CAPTURE
+            context = engine.create_execution_context(rc)
+        elif self.shared_memory is not None:
+            context = engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
+        else:
+            context = engine.create_execution_context()
+        self.engine, self.context = engine, context
+        self.active = True
+
+    def memory_size(self) -> int:
+        return int(self.engine.device_memory_size_v2) if self.engine is not None else 0
+
+    def deactivate(self) -> None:
+        self.context = self.engine = None
+        self._outputs.clear()
+        self.active = False
+
+    def infer_impl(self, feeds: dict) -> dict:
+        import torch
+
+        ctx = self.context
+        for name, t in feeds.items():
+            want = getattr(torch, _TORCH_DTYPES[_dtype_of(self.entry, name)])
+            if t.dtype != want or not t.is_cuda or not t.is_contiguous():
+                t = feeds[name] = t.to(device="cuda", dtype=want).contiguous()
+            ctx.set_input_shape(name, tuple(t.shape))
+            ctx.set_tensor_address(name, t.data_ptr())
+        key = tuple((n, tuple(t.shape)) for n, t in feeds.items())
+        outs = self._outputs.get(key)
+        if outs is None:
+            outs = {}
+            for o in self.entry["outputs"]:
+                shape = tuple(ctx.get_tensor_shape(o["name"]))
+                outs[o["name"]] = torch.empty(shape, dtype=getattr(torch, _TORCH_DTYPES[o["dtype"]]), device="cuda")
+            self._outputs[key] = outs
+        for name, t in outs.items():
+            ctx.set_tensor_address(name, t.data_ptr())
+        if self.shared_memory is not None:
+            ctx.set_device_memory(self.shared_memory.pointer(self.memory_size()), self.memory_size())
+        stream = self.stream or torch.cuda.current_stream()
+        if not ctx.execute_async_v3(stream.cuda_stream):
+            raise FluxtrtError(f"{self.component}: TensorRT execution failed: " + "; ".join(self.backend.logger.errors))
+        return outs
+
+
+def _dtype_of(entry: dict, name: str) -> str:
+    for i in entry["inputs"]:
+        if i["name"] == name:
+            return i["dtype"]
+    raise KeyError(name)
+
+
+class SharedActivations:
+    """One device buffer for all engines' activations, grown to the largest one (engines run one at a time)."""
+
+    def __init__(self):
+        self.buffer = None
+
+    def pointer(self, size: int) -> int:
+        import torch
+
+        if self.buffer is None or self.buffer.numel() < size:
+            self.buffer = torch.empty(max(size, 1), dtype=torch.uint8, device="cuda")
+        return self.buffer.data_ptr()
+
+
+def check_gpu_for(manifest: dict, backend) -> None:
+    """Refuse to run engines this GPU/driver/TensorRT cannot: no GPU, another compute capability, another
+    TensorRT version."""
+    from ..build.backends import local_gpu_capabilities
+
+    caps = local_gpu_capabilities()
+    if not caps:
+        raise BackendUnavailableError("the tensorrt executor needs an NVIDIA GPU and this machine has none; "
+                                      "run with --backend onnxruntime")
+    cc = manifest["compute_capability"]
+    if cc not in caps:
+        raise BackendUnavailableError(
+            f"these engines were built for sm{cc.replace('.', '')} ({manifest['gpu_name']}) but this GPU is "
+            f"{', '.join('sm' + c.replace('.', '') for c in caps)}; build for it with `fluxtrt build --gpu ...`")
+    if backend.version != manifest["backend_version"]:
+        raise BackendUnavailableError(
+            f"these engines were built by {manifest['backend']} {manifest['backend_version']} but "
+            f"{backend.version} is installed; rebuild, or install {manifest['backend']}=={manifest['backend_version']}")

@@ -1,0 +1,243 @@
+"""Text-to-image over built engines, with diffusers' FluxPipeline semantics (see flux_math.py).
+
+The same code drives every executor: tokenize -> CLIP pooled + T5 hidden states (cached per prompt) ->
+CPU-generator noise -> FlowMatch Euler loop over the transformer -> unpack, unscale -> VAE decode -> uint8.
+Inside the denoising loop nothing reads back from the device: timesteps, dt and guidance are uploaded once."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..build.manifest import ManifestError, component_entry, read_manifest
+from ..components import Geometry, ShapePoint, specs_for
+from ..errors import FluxtrtError
+from . import flux_math as fm
+from .executors import OnnxRuntimeExecutor, SharedActivations, TensorRTExecutor, check_gpu_for
+
+log = logging.getLogger("fluxtrt")
+ASSETS = "model"  # tokenizers and config files copied beside the engines at build time
+RUN_COMPONENTS = ("clip", "t5", "transformer", "vae_decoder")
+
+
+class RequestError(FluxtrtError):
+    """A generation request the engines cannot serve (size, steps, batch)."""
+
+
+@dataclass
+class Timings:
+    text_encoders: float = 0.0
+    steps: list = field(default_factory=list)
+    vae: float = 0.0
+    total: float = 0.0
+
+
+@dataclass
+class Result:
+    images: object  # uint8 [B, H, W, 3]
+    timings: Timings
+    latents_per_step: list = field(default_factory=list)  # packed latents after each step (when traced)
+
+
+def nearest_multiples(value: int, m: int) -> str:
+    lo, hi = (value // m) * m, (value // m + 1) * m
+    return f"{lo} or {hi}" if lo > 0 else str(hi)
+
+
+class FluxEngines:
+    """Engines of one GPU folder (or the ONNX they were built from) and the pipeline over them."""
+
+    def __init__(self, engine_dir: Path, backend: str = "tensorrt", low_vram: bool = False,
+                 weight_streaming_budget: int | None = None, cuda_graph: bool = False, providers=None):
+        self.dir = Path(engine_dir)
+        self.manifest = read_manifest(self.dir)
+        assets = self.dir / ASSETS
+        if not (assets / "tokenizer").is_dir():
+            raise ManifestError(f"{assets} lacks the tokenizers copied at build time; rebuild with `fluxtrt build`")
+        self.geo = Geometry.from_folder(assets)
+        self.scheduler_config = _json(assets / "scheduler" / "scheduler_config.json")
+        vae = _json(assets / "vae" / "config.json")
+        self.scaling_factor, self.shift_factor = vae["scaling_factor"], vae.get("shift_factor") or 0.0
+        self.low_vram = low_vram
+        self.backend_name = backend
+        self.executors = {}
+        if backend == "tensorrt":
+            import torch
+
+            from ..build.backends import get_backend
+
+            trt_backend = get_backend(self.manifest["backend"])
+            trt_backend.trt  # clear error if the package is missing
+            check_gpu_for(self.manifest, trt_backend)
+            self.stream = torch.cuda.Stream()
+            shared = SharedActivations()
+            for name in RUN_COMPONENTS:
+                e = component_entry(self.manifest, name)
+                self.executors[name] = TensorRTExecutor(
+                    name, e, self.dir / e["engine"], trt_backend, self.stream, shared,
+                    weight_streaming_budget, cuda_graph and name == "transformer")
+        elif backend == "onnxruntime":
+            self.stream = None
+            for name in RUN_COMPONENTS:
+                e = component_entry(self.manifest, name)
+                self.executors[name] = OnnxRuntimeExecutor(name, e, self.dir.parent / e["onnx"], providers)
+        else:
+            raise FluxtrtError(f"unknown backend '{backend}'; choose tensorrt or onnxruntime")
+        self._tokenizers = None
+        self._embeds: dict[str, tuple] = {}  # prompt -> (pooled [D], t5 [T, D']) reused within a run
+
+    # -- request checks -------------------------------------------------------------------------------
+    def check_request(self, batch: int, height: int, width: int, steps: int) -> None:
+        m = self.geo.pixel_multiple
+        for what, v in (("height", height), ("width", width)):
+            if v <= 0 or v % m:
+                raise RequestError(f"{what} {v} is not a positive multiple of {m}; use {nearest_multiples(max(v, 1), m)}")
+        if steps <= 0:
+            raise RequestError(f"steps must be at least 1, got {steps}")
+        lo, _, hi = (self.manifest["shape_range"][k] for k in ("min", "opt", "max"))
+        if not lo[0] <= batch <= hi[0]:
+            raise RequestError(f"batch {batch} is outside the engines' profile ({lo[0]}..{hi[0]}); "
+                               f"use --batch {hi[0]} or less, or rebuild with a larger profile")
+        for what, v, i in (("height", height, 1), ("width", width, 2)):
+            if not lo[i] <= v <= hi[i]:
+                raise RequestError(f"{what} {v} is outside the engines' range {lo[i]}..{hi[i]} px; "
+                                   f"pick a size inside it or rebuild with a wider profile")
+        point = ShapePoint(batch, height, width)
+        for name in ("transformer", "vae_decoder"):
+            spec = specs_for(self.geo, [name])[name]
+            self.executors[name].check_shapes(spec.input_shapes(point, self.geo))
+
+    # -- stages ---------------------------------------------------------------------------------------
+    def tokenizers(self):
+        if self._tokenizers is None:
+            from transformers import AutoTokenizer
+
+            a = self.dir / ASSETS
+            self._tokenizers = (AutoTokenizer.from_pretrained(a / "tokenizer", local_files_only=True),
+                                AutoTokenizer.from_pretrained(a / "tokenizer_2", local_files_only=True))
+        return self._tokenizers
+
+    def _tokenize(self, tokenizer, prompts: list[str], length: int, label: str):
+        ids = tokenizer(prompts, padding="max_length", max_length=length, truncation=True, return_tensors="pt").input_ids
+        full = tokenizer(prompts, padding="longest", return_tensors="pt").input_ids
+        if full.shape[-1] > length:
+            removed = tokenizer.batch_decode(full[:, length - 1: -1])
+            log.warning("prompt truncated to %d %s tokens; dropped: %s", length, label, removed)
+        return ids
+
+    def encode_prompts(self, prompts: list[str]):
+        """(pooled [B, D], t5 [B, T, D']) as float32 on the executor device; each distinct prompt encoded once."""
+        import torch
+
+        new = [p for p in dict.fromkeys(prompts) if p not in self._embeds]
+        if new:
+            clip_tok, t5_tok = self.tokenizers()
+            clip_ids = self._tokenize(clip_tok, new, self.geo.clip_length, "CLIP")
+            t5_ids = self._tokenize(t5_tok, new, self.geo.t5_length, "T5")
+            pooled = self.executors["clip"].infer({"input_ids": clip_ids})["pooled_embeds"].float()
+            text = self.executors["t5"].infer({"input_ids": t5_ids})["text_embeds"].float()
+            for i, p in enumerate(new):
+                self._embeds[p] = (pooled[i].clone(), text[i].clone())
+        pooled = torch.stack([self._embeds[p][0] for p in prompts])
+        text = torch.stack([self._embeds[p][1] for p in prompts])
+        return pooled, text
+
+    def generate(self, prompts: list[str], height: int, width: int, steps: int, guidance: float = 3.5,
+                 seed: int = 0, trace: bool = False) -> Result:
+        import torch
+
+        batch = len(prompts)
+        if batch == 0 or any(not isinstance(p, str) for p in prompts):
+            raise RequestError("give at least one prompt (text)")
+        self.check_request(batch, height, width, steps)
+        geo, dev = self.geo, self.executors["transformer"].device
+        timings = Timings()
+        t_start = time.perf_counter()
+
+        pooled, text = self.encode_prompts(prompts)
+        if self.low_vram:
+            self.executors["clip"].deactivate()
+            self.executors["t5"].deactivate()
+        timings.text_encoders = _elapsed(t_start, dev)
+
+        generator = torch.Generator("cpu").manual_seed(seed)
+        latents = fm.initial_noise(batch, geo.latent_channels, height, width, geo.vae_scale_factor, generator).to(dev)
+        m = geo.pixel_multiple
+        img_ids = fm.latent_image_ids(height // m, width // m).to(dev)
+        txt_ids = fm.text_ids(geo.t5_length).to(dev)
+        timesteps, sigmas = fm.flow_match_sigmas(steps, latents.shape[1], self.scheduler_config)
+        # everything the loop needs is on the device before it starts: no host reads inside
+        t_in = (timesteps / 1000).to(dev)
+        dts = (sigmas[1:] - sigmas[:-1]).to(dev)
+        feeds = {"hidden_states": latents, "encoder_hidden_states": text.to(dev), "pooled_projections": pooled.to(dev),
+                 "img_ids": img_ids, "txt_ids": txt_ids}
+        if geo.guidance:
+            feeds["guidance"] = torch.full([batch], guidance, dtype=torch.float32).to(dev)
+        trace_latents = []
+        step_marks = [_mark(dev)]
+        for i in range(steps):
+            feeds["timestep"] = t_in[i].expand(batch)
+            feeds["hidden_states"] = latents
+            noise_pred = self.executors["transformer"].infer(feeds)["noise_pred"]
+            latents = fm.euler_step(latents, noise_pred.float(), dts[i])
+            step_marks.append(_mark(dev))
+            if trace:
+                trace_latents.append(latents.detach().to("cpu", copy=True))
+        timings.steps = _intervals(step_marks, dev)
+        if self.low_vram:
+            self.executors["transformer"].deactivate()
+
+        t_vae = time.perf_counter()
+        lat = fm.unpack_latents(latents, height, width, geo.vae_scale_factor)
+        lat = fm.latents_for_vae(lat, self.scaling_factor, self.shift_factor)
+        image = self.executors["vae_decoder"].infer({"latent": lat})["image"].float()
+        images = fm.to_uint8(image)
+        if self.low_vram:
+            self.executors["vae_decoder"].deactivate()
+        timings.vae = time.perf_counter() - t_vae
+        timings.total = time.perf_counter() - t_start
+        if not (images.size and image.isfinite().all()):
+            raise FluxtrtError("the VAE produced NaN/Inf; rebuild the VAE in fp32 (`--precision vae_decoder=fp32`)")
+        return Result(images, timings, trace_latents)
+
+
+def _json(path: Path) -> dict:
+    import json
+
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ManifestError(f"cannot read {path} ({e}); rebuild with `fluxtrt build`") from None
+
+
+def _elapsed(t0: float, dev) -> float:
+    if dev.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def _mark(dev):
+    """A timestamp that costs no host sync: a recorded CUDA event on the GPU, the clock on the CPU."""
+    if dev.type == "cuda":
+        import torch
+
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+    return time.perf_counter()
+
+
+def _intervals(marks: list, dev) -> list[float]:
+    """Seconds per step from the marks (read after the loop, so the loop itself never waits)."""
+    if not marks:
+        return []
+    if dev.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+        return [a.elapsed_time(b) / 1000 for a, b in zip(marks, marks[1:])]
+    return [b - a for a, b in zip(marks, marks[1:])]

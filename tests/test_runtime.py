@@ -1,0 +1,208 @@
+"""The runtime: `fluxtrt run` semantics against diffusers' FluxPipeline, executor checks, request errors."""
+
+import numpy as np
+import pytest
+import torch
+
+from fluxtrt.build.manifest import ManifestError
+from fluxtrt.errors import BackendUnavailableError
+
+pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installed (pip install -e '.[rtx]')")
+
+from fluxtrt.build.pipeline import build_gpu  # noqa: E402
+from fluxtrt.gpus import load_gpu  # noqa: E402
+from fluxtrt.runtime.executors import ShapeError, check_gpu_for  # noqa: E402
+from fluxtrt.runtime.pipeline import FluxEngines, RequestError  # noqa: E402
+
+MAX_UINT8_DIFF = 2  # of 255, image vs diffusers
+_ENGINES = {}
+
+
+@pytest.fixture(scope="module")
+def fp32_engines(tmp_path_factory):
+    """Tiny engines built with every component in fp32, so ONNX Runtime can be compared with fp32 diffusers."""
+
+    def get(model):
+        if model not in _ENGINES:
+            from fluxtrt.models.source import resolve_model
+
+            src = resolve_model(model)
+            root = tmp_path_factory.mktemp(f"eng-{model}")
+            cfg = load_gpu("4090").with_precision({c: "fp32" for c in load_gpu("4090").precision})
+            build_gpu(src, cfg, root, components=["clip", "t5", "transformer", "vae_decoder"])
+            _ENGINES[model] = (src, root / "4090")
+        return _ENGINES[model]
+
+    return get
+
+
+def reference(src, prompts, h, w, steps, guidance, seed):
+    pipe = src.load_pipeline()
+    latents = []
+
+    def keep(p, i, t, kw):
+        latents.append(kw["latents"].clone())
+        return {}
+
+    # schnell runs T5 at 256 tokens, as its model card's example passes max_sequence_length=256
+    img = pipe(prompts, height=h, width=w, num_inference_steps=steps, guidance_scale=guidance,
+               max_sequence_length=src.geometry.t5_length, generator=torch.Generator().manual_seed(seed), output_type="np", callback_on_step_end=keep).images
+    return (img * 255).round().astype("uint8"), latents
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny", "tiny-schnell"])
+@pytest.mark.parametrize("prompts,h,w", [
+    (["a red fox in the snow"], 256, 256),
+    (["a lighthouse on a rocky coast at night"], 256, 384),
+    (["an oil painting of a lake", "a bowl of ramen"], 320, 256),
+], ids=["square", "non-square", "batch2"])
+def test_onnxruntime_run_matches_diffusers(fp32_engines, model, prompts, h, w):
+    src, engines = fp32_engines(model)
+    seed = int(np.random.default_rng().integers(0, 2**31))
+    steps = 4 if model == "tiny-schnell" else 5
+    ref, ref_latents = reference(src, prompts, h, w, steps, 3.5, seed)
+    res = FluxEngines(engines, "onnxruntime").generate(prompts, h, w, steps, 3.5, seed, trace=True)
+    assert len(res.latents_per_step) == steps == len(ref_latents)
+    for i, (a, b) in enumerate(zip(res.latents_per_step, ref_latents)):
+        err = float((a - b).abs().max())
+        assert err < 1e-3, f"latents diverge from diffusers at step {i}: {err:.2e}"
+    assert res.images.shape == ref.shape == (len(prompts), h, w, 3)
+    diff = int(np.abs(res.images.astype(int) - ref.astype(int)).max())
+    assert diff <= MAX_UINT8_DIFF, diff
+    assert res.images.std() > 1  # not a constant image
+
+
+def test_default_precision_engines_run_on_onnxruntime(tmp_path, tiny_schnell):
+    """The shipped 4090 config (fp16 CLIP, bf16 T5/transformer, fp32 VAE) runs end to end on ONNX Runtime."""
+    build_gpu(tiny_schnell, load_gpu("4090"), tmp_path, components=["clip", "t5", "transformer", "vae_decoder"])
+    res = FluxEngines(tmp_path / "4090", "onnxruntime").generate(["a cat"], 256, 256, 2, seed=3)
+    assert res.images.shape == (1, 256, 256, 3) and res.images.std() > 1
+    assert len(res.timings.steps) == 2 and all(t > 0 for t in res.timings.steps)
+
+
+def test_prompt_embeddings_are_reused(fp32_engines):
+    _, engines = fp32_engines("tiny-schnell")
+    pipe = FluxEngines(engines, "onnxruntime")
+    calls = []
+    clip = pipe.executors["clip"]
+    orig = clip.infer
+    clip.infer = lambda feeds: calls.append(feeds["input_ids"].shape[0]) or orig(feeds)
+    pooled, text = pipe.encode_prompts(["a", "b", "a", "a"])
+    assert calls == [2] and pooled.shape[0] == 4 and torch.equal(pooled[0], pooled[2])
+    pipe.encode_prompts(["b", "a"])
+    assert calls == [2]  # nothing new to encode
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(height=250), "height 250 is not a positive multiple of 16; use 240 or 256"),
+    (dict(width=1000), "width 1000 is not a positive multiple of 16; use 992 or 1008"),
+    (dict(height=2048), "outside the engines' range 256..1536 px"),
+    (dict(steps=0), "steps must be at least 1"),
+    (dict(batch=5), "batch 5 is outside the engines' profile \\(1..4\\)"),
+])
+def test_request_errors(fp32_engines, kwargs, message):
+    _, engines = fp32_engines("tiny-schnell")
+    pipe = FluxEngines(engines, "onnxruntime")
+    req = dict(batch=1, height=256, width=256, steps=2) | kwargs
+    with pytest.raises(RequestError, match=message):
+        pipe.check_request(**req)
+
+
+def test_profile_check_of_an_executor(fp32_engines):
+    _, engines = fp32_engines("tiny-schnell")
+    ex = FluxEngines(engines, "onnxruntime").executors["transformer"]
+    ex.check_shapes({"hidden_states": (2, 1024, 16)})
+    with pytest.raises(ShapeError, match="outside the engine's profile \\[1, 256, 16\\]..\\[4, 9216, 16\\]"):
+        ex.check_shapes({"hidden_states": (1, 10000, 16)})
+
+
+def test_tensorrt_executor_refuses_without_gpu(fp32_engines, monkeypatch):
+    _, engines = fp32_engines("tiny-schnell")
+    monkeypatch.setattr("fluxtrt.build.backends.local_gpu_capabilities", lambda: [])
+    with pytest.raises(BackendUnavailableError, match="needs an NVIDIA GPU.*--backend onnxruntime"):
+        FluxEngines(engines, "tensorrt")
+
+
+def test_tensorrt_executor_refuses_other_gpu_or_version(fp32_engines, monkeypatch):
+    from fluxtrt.build.backends import TensorRTRTX
+    from fluxtrt.build.manifest import read_manifest
+
+    _, engines = fp32_engines("tiny-schnell")
+    manifest = read_manifest(engines)
+    monkeypatch.setattr("fluxtrt.build.backends.local_gpu_capabilities", lambda: ["8.6"])
+    with pytest.raises(BackendUnavailableError, match="built for sm89 .* this GPU is sm86"):
+        check_gpu_for(manifest, TensorRTRTX())
+    monkeypatch.setattr("fluxtrt.build.backends.local_gpu_capabilities", lambda: ["8.9"])
+    check_gpu_for(manifest, TensorRTRTX())  # right GPU, right version: accepted
+    with pytest.raises(BackendUnavailableError, match="built by tensorrt-rtx .* but 0.0 is installed"):
+        check_gpu_for(dict(manifest, backend_version=manifest["backend_version"]), type("B", (), {"version": "0.0"})())
+
+
+def test_corrupt_onnx_or_manifest_is_refused(fp32_engines, tmp_path):
+    import json
+    import shutil
+
+    _, engines = fp32_engines("tiny-schnell")
+    copy = tmp_path / "onnx"
+    shutil.copytree(engines.parent / "onnx", copy)
+    shutil.copytree(engines, tmp_path / "4090")
+    clip = next(copy.glob("*/clip.onnx"))
+    clip.write_bytes(clip.read_bytes()[:-10])
+    pipe = FluxEngines(tmp_path / "4090", "onnxruntime")
+    with pytest.raises(ManifestError, match="does not match the manifest's sha256"):
+        pipe.generate(["x"], 256, 256, 1)
+    (tmp_path / "4090" / "manifest.json").write_text("{not json")
+    with pytest.raises(ManifestError, match="unreadable"):
+        FluxEngines(tmp_path / "4090", "onnxruntime")
+    (tmp_path / "4090" / "manifest.json").write_text(json.dumps({"schema": 99}))
+    with pytest.raises(ManifestError, match="not a fluxtrt manifest"):
+        FluxEngines(tmp_path / "4090", "onnxruntime")
+
+
+def test_cli_run_writes_png(fp32_engines, tmp_path):
+    from PIL import Image
+    from typer.testing import CliRunner
+
+    from fluxtrt.cli import app
+
+    _, engines = fp32_engines("tiny-schnell")
+    out = tmp_path / "img.png"
+    res = CliRunner().invoke(app, ["run", "--prompt", "a cat", "--engines", str(engines), "--height", "256",
+                                   "--width", "384", "--batch", "2", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    for i in range(2):
+        img = Image.open(tmp_path / f"img-{i}.png")
+        assert img.size == (384, 256)
+    assert "timings" in res.output and "step mean" in res.output
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "   "], "the prompt is empty"),
+    (["--prompt", "x", "--height", "100"], "not a positive multiple of 16"),
+    (["--prompt", "x", "--batch", "0"], "--batch must be at least 1"),
+    (["--prompt", "x", "--out", "x.jpg"], "must end in .png"),
+    ([], "pass exactly one of --prompt"),
+])
+def test_cli_run_bad_input_is_one_line(fp32_engines, args, message):
+    from typer.testing import CliRunner
+
+    from fluxtrt.cli import app
+
+    _, engines = fp32_engines("tiny-schnell")
+    res = CliRunner().invoke(app, ["run", "--engines", str(engines), *args])
+    assert res.exit_code == 2, res.output
+    assert message in res.output and "Traceback" not in res.output
+
+
+def test_cli_prompts_file_not_utf8(fp32_engines, tmp_path):
+    from typer.testing import CliRunner
+
+    from fluxtrt.cli import app
+
+    _, engines = fp32_engines("tiny-schnell")
+    bad = tmp_path / "p.txt"
+    bad.write_bytes(b"caf\xe9 au lait\n")
+    res = CliRunner().invoke(app, ["run", "--engines", str(engines), "--prompts-file", str(bad)])
+    assert res.exit_code == 2 and "is not UTF-8" in res.output
