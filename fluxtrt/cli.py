@@ -174,14 +174,14 @@ def build(
                                       progress=lambda n, p: bar.update(tasks[n], phase=p))
     table = Table(title=f"{cfg.key}: {manifest['backend']} {manifest['backend_version']} for "
                         f"sm{cfg.compute_capability.replace('.', '')}, model {source.id} ({source.variant}) -> {out_dir / cfg.key}")
-    for col in ("component", "precision", "export", "build", "layers", "engine size", "seconds"):
+    for col in ("component", "precision", "export", "optimize", "build", "layers", "engine size", "seconds"):
         table.add_column(col)
     by = {(r.component, r.stage): r for r in results}
     for name in tasks:
         e = manifest["components"][name]
-        ex, bu = by[(name, "export")], by[(name, "build")]
-        table.add_row(name, e["precision"], ex.status, bu.status, str(e["layers"]), _human(e["bytes"]),
-                      f"{ex.seconds + bu.seconds:.1f}")
+        stages = [by[(name, s)] for s in ("export", "optimize", "build")]
+        table.add_row(name, e["precision"], *(r.status for r in stages), str(e["layers"]), _human(e["bytes"]),
+                      f"{sum(r.seconds for r in stages):.1f}")
     out.print(table)
     if all(r.status == "reused" for r in results):
         out.print("Nothing to do: every engine is up to date (use --force to rebuild).")
@@ -305,16 +305,16 @@ def run(
     many = sum(len(c) for c in chunks) > 1
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as bar:
-        task = bar.add_task(f"{chosen} {height}x{width}, {steps} steps", total=len(chunks))
+        task = bar.add_task(f"{chosen} {height}x{width}, {len(chunks)} call(s) x {steps} steps",
+                            total=len(chunks) * steps)
         for k, chunk in enumerate(chunks):
-            res = pipe.generate(chunk, height, width, steps, guidance, seed + k)
+            res = pipe.generate(chunk, height, width, steps, guidance, seed + k, on_step=lambda i: bar.advance(task))
             for j, img in enumerate(res.images):
                 idx = sum(len(c) for c in chunks[:k]) + j
                 dest = out_path.with_name(f"{out_path.stem}-{idx}{out_path.suffix}") if many else out_path
                 _save_png(img, dest)
                 paths.append(dest)
             all_timings.append(res.timings)
-            bar.advance(task)
     table = Table(title="timings (seconds)")
     for col in ("call", "text encoders", "step mean", "step min", "step max", "VAE decode", "total"):
         table.add_column(col)
@@ -356,6 +356,52 @@ def _save_png(image, dest: Path) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+@app.command()
+@friendly
+def optimize(
+    in_dir: Path = typer.Option(..., "--in", help="Folder written by `fluxtrt export` (fp32)."),
+    out_dir: Path = typer.Option(..., "--out", help="Folder for the optimized ONNX files."),
+    passes: Optional[list[str]] = typer.Option(None, "--passes", help="Passes, comma-separated (default: cleanup, fold_constants, infer_shapes, fuse_projections, fuse_rmsnorm, fuse_gelu_tanh, cleanup)."),
+    dtype: str = typer.Option("fp32", "--dtype", help="Precision placement: fp32, fp16 or bf16 (norms, softmax, outputs stay fp32)."),
+    components: Optional[list[str]] = typer.Option(None, "--components", "-c", help=COMPONENTS_HELP),
+):
+    """Run graph passes and precision placement; print node counts per pass and TensorRT layers before/after."""
+    _quiet_libraries()
+    import json
+
+    from rich.table import Table
+
+    from .components import specs_for
+    from .errors import FluxtrtError
+    from .models.source import resolve_model
+    from .optimize.pipeline import check_passes, optimize_file
+    from .validate import bound_for, compare_onnx
+
+    info_path = in_dir / "export.json"
+    if not info_path.exists():
+        raise FluxtrtError(f"{in_dir} has no export.json; export first with `fluxtrt export --out {in_dir}`")
+    info = json.loads(info_path.read_text())
+    if info.get("dtype") != "fp32":
+        raise FluxtrtError(f"optimize takes an fp32 export (its precision placement casts); {in_dir} is {info.get('dtype')}")
+    pass_names = check_passes(_split(passes))
+    geo = resolve_model(info["model"]).geometry
+    names = _split(components) or list(info["components"])
+    for name, spec in specs_for(geo, names).items():
+        src = in_dir / info["components"][name]["file"]
+        rep = optimize_file(src, out_dir / src.name, name, pass_names, dtype)
+        check = compare_onnx(src, rep.path, spec, geo, bound_for(name, dtype, 1e-5))
+        if not check.ok:
+            raise FluxtrtError(f"optimized {name} disagrees with the export: " + "; ".join(check.failures()))
+        table = Table(title=f"{name}: TensorRT layers {rep.trt_layers_before} -> {rep.trt_layers_after}; "
+                            f"max rel err vs export {check.max_rel_err:.1e}")
+        for col in ("pass", "nodes before", "nodes after", "seconds"):
+            table.add_column(col)
+        for p, before, after, sec in rep.rows:
+            table.add_row(p, str(before), str(after), f"{sec:.2f}")
+        out.print(table)
+    out.print(f"wrote {out_dir}")
 
 
 def _human(n: float) -> str:

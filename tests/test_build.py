@@ -50,6 +50,7 @@ def check_manifest(root, src, cfg, manifest):
         assert e["precision"] == cfg.precision[name]
         assert sha256_file(gpu_dir / e["engine"]) == e["sha256"] and e["bytes"] > 10_000
         assert sha256_file(root / e["onnx"]) == e["onnx_sha256"]
+        assert e["onnx"].split("/")[1].endswith(f"-{cfg.precision[name]}-opt")  # built from the optimized graph
         assert [i["name"] for i in e["inputs"]] == [t.name for t in spec.inputs]
         assert [o["name"] for o in e["outputs"]] == [t.name for t in spec.outputs]
         # the profile TensorRT holds covers exactly the documented range (256..1536 px, batch 1..4)
@@ -79,7 +80,7 @@ def test_build_sm86_reuses_exports(built, model):
     built(model, "4090")
     root, src, cfg, manifest, results = built(model, "3090")
     check_manifest(root, src, cfg, manifest)
-    assert all(r.status == "reused" for r in results if r.stage == "export")  # ONNX shared across GPUs
+    assert all(r.status == "reused" for r in results if r.stage in ("export", "optimize"))  # ONNX shared across GPUs
     assert manifest["compute_capability"] == "8.6"
 
 
@@ -101,7 +102,7 @@ def test_changed_config_rebuilds_only_what_changed(built, tmp_path):
     cfg2 = load_config_file(custom)
     manifest2, results = build_gpu(src, cfg2, root)
     status = {(r.component, r.stage): r.status for r in results}
-    assert status.pop(("vae_decoder", "export")) == "built" and status.pop(("vae_decoder", "build")) == "built"
+    assert status.pop(("vae_decoder", "optimize")) == "built" and status.pop(("vae_decoder", "build")) == "built"
     assert set(status.values()) == {"reused"}
     assert manifest2["components"]["vae_decoder"]["precision"] == "fp16"
     # restore, so other tests see the shipped config's engines (the fp32 export is reused)
@@ -114,7 +115,7 @@ def test_interrupted_engine_write_is_not_trusted(built):
     engine = root / "4090" / "clip.engine"
     engine.write_bytes(engine.read_bytes()[:1000])
     _, results = build_gpu(src, cfg, root, components=["clip"])
-    assert {(r.stage, r.status) for r in results} == {("export", "reused"), ("build", "built")}
+    assert {(r.stage, r.status) for r in results} == {("export", "reused"), ("optimize", "reused"), ("build", "built")}
     assert sha256_file(engine) == read_manifest(root / "4090")["components"]["clip"]["sha256"]
 
 

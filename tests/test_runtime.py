@@ -206,3 +206,20 @@ def test_cli_prompts_file_not_utf8(fp32_engines, tmp_path):
     bad.write_bytes(b"caf\xe9 au lait\n")
     res = CliRunner().invoke(app, ["run", "--engines", str(engines), "--prompts-file", str(bad)])
     assert res.exit_code == 2 and "is not UTF-8" in res.output
+
+
+def test_tensorrt_executor_checks_engine_validity_before_loading(fp32_engines):
+    """TensorRT-RTX's get_engine_validity reads the engine header without a GPU: here it says INVALID, and
+    the executor refuses before deserializing."""
+    from fluxtrt.build.backends import TensorRTRTX
+    from fluxtrt.build.manifest import read_manifest
+    from fluxtrt.runtime.executors import TensorRTExecutor
+
+    _, engines = fp32_engines("tiny-schnell")
+    entry = read_manifest(engines)["components"]["clip"]
+    ex = TensorRTExecutor("clip", entry, engines / entry["engine"], TensorRTRTX())
+    with pytest.raises(BackendUnavailableError, match="says clip.engine cannot run on this machine \\(INVALID"):
+        ex.activate()
+    (engines / "bad.engine").write_bytes(b"x" * 100)
+    with pytest.raises(ManifestError, match="does not match the manifest's sha256"):
+        TensorRTExecutor("clip", entry, engines / "bad.engine", TensorRTRTX()).activate()

@@ -1,7 +1,9 @@
-"""`fluxtrt build`: export -> build per component for one GPU config, incremental by content hashes.
+"""`fluxtrt build`: export -> optimize -> build per component for one GPU config, incremental by content hashes.
 
 Layout under the output root:
-  onnx/<model hash[:12]>-<dtype>/<component>.onnx + export.json   shared by every GPU built from this model
+  onnx/<model hash[:12]>-fp32/<component>.onnx + export.json     the validated fp32 export
+  onnx/<model hash[:12]>-<dtype>-opt/<component>.onnx + optimize.json   optimized, precision placed; both
+                                                                  shared by every GPU built from this model
   <gpu>/<component>.engine, manifest.json, build.log, timing.cache
 A stage is skipped when its inputs' hashes match what the previous run recorded and its output file still
 has the recorded sha256. Engines are written to a temp name and renamed; the manifest is updated after
@@ -18,6 +20,7 @@ from typing import Callable
 from .. import __version__
 from ..components import specs_for
 from ..export import EXPORT_INFO, DEFAULT_OPSET, export_component, write_export_info
+from ..errors import FluxtrtError
 from ..fileio import peak_rss_mb, sha256_file, sha256_json, write_bytes_atomic, write_json_atomic
 from ..gpus import GpuConfig
 from ..models.source import ModelSource
@@ -40,9 +43,29 @@ def onnx_dir_for(out_root: Path, source: ModelSource, dtype: str) -> Path:
 
 
 def ensure_onnx(source: ModelSource, component: str, dtype: str, out_root: Path, force: bool = False,
-                on_phase: Callable[[str], None] = lambda _: None) -> tuple[Path, StageResult]:
-    """The component's validated ONNX in `dtype`, exported unless an identical export exists."""
-    folder = onnx_dir_for(out_root, source, dtype)
+                on_phase: Callable[[str], None] = lambda _: None) -> tuple[Path, list[StageResult]]:
+    """The component's ONNX for the engine: the fp32 export (validated against PyTorch), then the optimize
+    stage at `dtype` (validated against fp32 PyTorch at the dtype's bound). Each step is reused when its
+    inputs are unchanged."""
+    fp32_path, export_res = _ensure_export(source, component, out_root, force, on_phase)
+    opt_path, opt_res = _ensure_optimized(source, component, dtype, fp32_path, out_root, force, on_phase)
+    return opt_path, [export_res, opt_res]
+
+
+def _recorded(folder: Path, info_name: str, component: str, inputs: dict) -> dict | None:
+    """The entry recorded for `component` if its inputs match and its file still has the recorded hash."""
+    info_path = folder / info_name
+    info = json.loads(info_path.read_text()) if info_path.exists() else {}
+    entry = info.get("components", {}).get(component)
+    path = folder / f"{component}.onnx"
+    if entry and all(entry.get("inputs", {}).get(k) == v for k, v in inputs.items()) and path.exists() \
+            and sha256_file(path) == entry["sha256"]:
+        return entry
+    return None
+
+
+def _ensure_export(source, component, out_root, force, on_phase):
+    folder = onnx_dir_for(out_root, source, "fp32")
     info_path = folder / EXPORT_INFO
     info = json.loads(info_path.read_text()) if info_path.exists() else {}
     entry = info.get("components", {}).get(component)
@@ -51,10 +74,49 @@ def ensure_onnx(source: ModelSource, component: str, dtype: str, out_root: Path,
     path = folder / f"{component}.onnx"
     if not force and same_inputs and entry and path.exists() and sha256_file(path) == entry["sha256"]:
         return path, StageResult(component, "export", "reused", 0.0, "unchanged model and exporter")
+    on_phase("export")
     spec = specs_for(source.geometry, [component])[component]
-    res = export_component(source, spec, folder, dtype, validate=True, on_phase=on_phase)
-    write_export_info(folder, source, dtype, DEFAULT_OPSET, [res])
+    res = export_component(source, spec, folder, "fp32", validate=True, on_phase=on_phase)
+    write_export_info(folder, source, "fp32", DEFAULT_OPSET, [res])
     return res.path, StageResult(component, "export", "built", res.seconds, f"max rel err {res.max_rel_err:.1e}")
+
+
+OPTIMIZE_INFO = "optimize.json"
+
+
+def _ensure_optimized(source, component, dtype, fp32_path, out_root, force, on_phase):
+    from ..optimize.passes import DEFAULT_PASSES
+    from ..optimize.pipeline import optimize_file
+    from ..validate import validate_onnx
+
+    folder = Path(out_root) / "onnx" / f"{source.content_hash[:12]}-{dtype}-opt"
+    inputs = {"source_sha256": sha256_file(fp32_path), "passes": list(DEFAULT_PASSES), "dtype": dtype,
+              "fluxtrt": __version__}
+    if not force and _recorded(folder, OPTIMIZE_INFO, component, inputs):
+        return folder / f"{component}.onnx", StageResult(component, "optimize", "reused", 0.0, "unchanged ONNX")
+    on_phase("optimize")
+    t0 = time.perf_counter()
+    report = optimize_file(fp32_path, folder / f"{component}.onnx", component, dtype=dtype, count_layers=False)
+    on_phase("validate")
+    spec = specs_for(source.geometry, [component])[component]
+    from ..export import export_patches
+
+    module = spec.wrap(source.load_component(spec.subfolder)).eval()
+    with export_patches(module):
+        check = validate_onnx(report.path, module, spec, source.geometry, dtype)
+    if not check.ok:
+        report.path.unlink()
+        raise FluxtrtError(f"optimized {component} ({dtype}) disagrees with PyTorch: " + "; ".join(check.failures()))
+    info_path = folder / OPTIMIZE_INFO
+    info = json.loads(info_path.read_text()) if info_path.exists() else {"components": {}}
+    info["components"][component] = {
+        "inputs": inputs, "sha256": sha256_file(report.path), "max_rel_err": check.max_rel_err,
+        "nodes": [report.rows[0][1], report.rows[-1][2]],
+    }
+    write_json_atomic(info_path, info)
+    seconds = time.perf_counter() - t0
+    return report.path, StageResult(component, "optimize", "built", seconds,
+                                    f"{report.rows[0][1]} -> {report.rows[-1][2]} nodes, max rel err {check.max_rel_err:.1e}")
 
 
 ASSET_DIRS = ("tokenizer", "tokenizer_2", "scheduler")
@@ -122,7 +184,7 @@ def build_gpu(source: ModelSource, cfg: GpuConfig, out_root: Path, components=No
         for name, spec in specs.items():
             dtype = cfg.precision[name]
             onnx_path, res = ensure_onnx(source, name, dtype, out_root, force, lambda p, n=name: progress(n, p))
-            results.append(res)
+            results.extend(res)
             onnx_sha = sha256_file(onnx_path)
             ws = name in cfg.weight_streaming
             profile = spec.profile(rng, geo)

@@ -143,6 +143,10 @@ class TensorRTExecutor(Executor):
         if sha256_file(self.engine_path) != self.entry["sha256"]:
             raise ManifestError(f"{self.engine_path} does not match the manifest's sha256 (corrupt or replaced); "
                                 "rebuild with `fluxtrt build --force`")
+        validity = self.backend.runtime_validity(self.engine_path)
+        if validity is not None and validity.startswith("INVALID"):
+            raise BackendUnavailableError(f"{self.backend.name} says {self.engine_path.name} cannot run on this "
+                                          f"machine ({validity}); build for this GPU with `fluxtrt build`")
         runtime = trt.Runtime(self.backend.logger)
         if hasattr(runtime, "engine_host_code_allowed"):
             runtime.engine_host_code_allowed = False

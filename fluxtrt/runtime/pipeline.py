@@ -145,7 +145,7 @@ class FluxEngines:
         return pooled, text
 
     def generate(self, prompts: list[str], height: int, width: int, steps: int, guidance: float = 3.5,
-                 seed: int = 0, trace: bool = False) -> Result:
+                 seed: int = 0, trace: bool = False, on_step=None) -> Result:
         import torch
 
         batch = len(prompts)
@@ -183,6 +183,8 @@ class FluxEngines:
             noise_pred = self.executors["transformer"].infer(feeds)["noise_pred"]
             latents = fm.euler_step(latents, noise_pred.float(), dts[i])
             step_marks.append(_mark(dev))
+            if on_step is not None:
+                on_step(i)  # host-side callback (progress bar); reads nothing from the device
             if trace:
                 trace_latents.append(latents.detach().to("cpu", copy=True))
         timings.steps = _intervals(step_marks, dev)

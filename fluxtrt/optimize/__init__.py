@@ -1,0 +1,1 @@
+"""Optimize stage: graph passes and the pass pipeline."""

@@ -1,0 +1,235 @@
+"""Graph passes on onnx-graphsurgeon graphs. Each is a small named function `pass(graph) -> graph` that can
+run alone; `PASSES` lists them in the default order. Fusions match only exact patterns (constants checked)
+and leave everything else alone."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+# Ops that need a newer opset than the exporter's 19: Gelu (20), RMSNormalization (23).
+FUSED_OPSET = 23
+FOLD_LIMIT_BYTES = 1 << 20
+gs.logger.G_LOGGER.severity = gs.logger.G_LOGGER.ERROR
+
+
+def _const(t, value=None, tol=1e-6) -> bool:
+    if not isinstance(t, gs.Constant):
+        return False
+    if value is None:
+        return True
+    v = np.asarray(t.values, dtype=np.float64)
+    return v.size == 1 and abs(float(v.reshape(-1)[0]) - value) <= tol * max(1.0, abs(value))
+
+
+def _only_consumer(t):
+    return t.outputs[0] if len(t.outputs) == 1 else None
+
+
+def _other(node, t):
+    """The input of a binary node that is not `t` (None if `t` is not one of exactly two inputs)."""
+    ins = list(node.inputs)
+    if len(ins) != 2 or t not in ins:
+        return None
+    return ins[1] if ins[0] is t else ins[0]
+
+
+def _bump_opset(graph: gs.Graph, opset: int) -> None:
+    """Raise the default-domain opset (ops used by the exported graphs kept their semantics from 19 to 23)."""
+    if graph.opset < opset:
+        graph.opset = opset
+        for d in graph.import_domains or []:
+            if d.domain in ("", "ai.onnx"):
+                d.version = opset
+
+
+def cleanup(graph: gs.Graph) -> gs.Graph:
+    """Remove dead nodes and unused tensors; sort topologically."""
+    return graph.cleanup().toposort()
+
+
+def fold_constants(graph: gs.Graph) -> gs.Graph:
+    """Evaluate every subgraph that depends only on constants (shape arithmetic, weight transposes)."""
+    # the size limit keeps e.g. T5's position bias ([1, heads, T, T]) computed, not stored
+    return graph.fold_constants(error_ok=False, size_threshold=FOLD_LIMIT_BYTES).cleanup().toposort()
+
+
+def infer_shapes(graph: gs.Graph) -> gs.Graph:
+    """ONNX shape inference (on disk for models over 2 GB), so fusions can read ranks."""
+    import onnx
+
+    model = gs.export_onnx(graph)
+    if model.ByteSize() < 2_000_000_000:
+        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    else:
+        import os
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            src, dst = os.path.join(d, "in.onnx"), os.path.join(d, "out.onnx")
+            onnx.save(model, src, save_as_external_data=True)
+            onnx.shape_inference.infer_shapes_path(src, dst)
+            inferred = onnx.load(dst)
+    return gs.import_onnx(inferred)
+
+
+def fuse_projections(graph: gs.Graph) -> gs.Graph:
+    """MatMuls that read the same activation with constant [K, N_i] weights (q/k/v projections, and the
+    single-stream block's q/k/v/mlp projections) become one MatMul over concatenated weights, one bias Add
+    (when every branch has a constant bias), and a Split back into the original tensors."""
+    groups = defaultdict(list)
+    for n in graph.nodes:
+        if n.op == "MatMul" and not isinstance(n.inputs[0], gs.Constant) and _const(n.inputs[1]) \
+                and n.inputs[1].values.ndim == 2:
+            groups[n.inputs[0].name].append(n)
+    count = 0
+    for nodes in groups.values():
+        if len(nodes) < 2:
+            continue
+        dtypes = {n.inputs[1].values.dtype for n in nodes}
+        ks = {n.inputs[1].values.shape[0] for n in nodes}
+        if len(dtypes) != 1 or len(ks) != 1:
+            continue
+        biases = []
+        for n in nodes:
+            add = _only_consumer(n.outputs[0])
+            b = _other(add, n.outputs[0]) if add is not None and add.op == "Add" else None
+            biases.append((add, b) if _const(b) and b.values.ndim == 1 and b.values.shape[0] ==
+                          n.inputs[1].values.shape[1] else None)
+        with_bias = all(biases)
+        x = nodes[0].inputs[0]
+        weight = gs.Constant(f"fused_w_{count}_{nodes[0].name}", np.concatenate([n.inputs[1].values for n in nodes], 1))
+        sizes = [n.inputs[1].values.shape[1] for n in nodes]
+        mm_out = gs.Variable(f"fused_mm_{count}_{nodes[0].name}", dtype=nodes[0].outputs[0].dtype)
+        new_nodes = [gs.Node("MatMul", f"fused_matmul_{count}", inputs=[x, weight], outputs=[mm_out])]
+        split_in = mm_out
+        if with_bias:
+            bias = gs.Constant(f"fused_b_{count}_{nodes[0].name}", np.concatenate([b.values for _, b in biases]))
+            split_in = gs.Variable(f"fused_add_{count}_{nodes[0].name}", dtype=mm_out.dtype)
+            new_nodes.append(gs.Node("Add", f"fused_bias_{count}", inputs=[mm_out, bias], outputs=[split_in]))
+        targets = [add.outputs[0] for add, _ in biases] if with_bias else [n.outputs[0] for n in nodes]
+        for n in nodes:
+            n.outputs = []
+        for add, _ in (biases if with_bias else []):
+            add.outputs = []
+        split_sizes = gs.Constant(f"fused_sizes_{count}_{nodes[0].name}", np.array(sizes, dtype=np.int64))
+        new_nodes.append(gs.Node("Split", f"fused_split_{count}", attrs={"axis": -1},
+                                 inputs=[split_in, split_sizes], outputs=targets))
+        graph.nodes.extend(new_nodes)
+        count += 1
+    return graph.cleanup().toposort()
+
+
+def fuse_rmsnorm(graph: gs.Graph) -> gs.Graph:
+    """x * 1/sqrt(mean(x^2, last axis) + eps) [* w]  ->  RMSNormalization(x, w, axis=-1, epsilon=eps)."""
+    count = 0
+    for pow_node in [n for n in graph.nodes if n.op == "Pow"]:
+        x = pow_node.inputs[0]
+        if not _const(pow_node.inputs[1], 2.0) or isinstance(x, gs.Constant):
+            continue
+        mean = _only_consumer(pow_node.outputs[0])
+        if mean is None or mean.op != "ReduceMean" or len(mean.inputs) != 2 or not _const(mean.inputs[1]):
+            continue
+        axes = np.asarray(mean.inputs[1].values).reshape(-1)
+        rank = len(x.shape) if x.shape is not None else None
+        if mean.attrs.get("keepdims", 1) != 1 or len(axes) != 1 or not (axes[0] == -1 or (rank and axes[0] == rank - 1)):
+            continue
+        add = _only_consumer(mean.outputs[0])
+        eps = _other(add, mean.outputs[0]) if add is not None and add.op == "Add" else None
+        if not _const(eps) or eps.values.size != 1:
+            continue
+        sqrt = _only_consumer(add.outputs[0])
+        rec = _only_consumer(sqrt.outputs[0]) if sqrt is not None and sqrt.op == "Sqrt" else None
+        mul = _only_consumer(rec.outputs[0]) if rec is not None and rec.op == "Reciprocal" else None
+        if mul is None or mul.op != "Mul" or _other(mul, rec.outputs[0]) is not x:
+            continue
+        out, scale = mul.outputs[0], None
+        wmul = _only_consumer(out)
+        w = _other(wmul, out) if wmul is not None and wmul.op == "Mul" else None
+        last = x.shape[-1] if x.shape else None
+        if _const(w) and w.values.ndim == 1 and (last is None or not isinstance(last, int) or w.values.shape[0] == last):
+            scale, out = w, wmul.outputs[0]
+            wmul.outputs = []
+        if scale is None:
+            if not isinstance(last, int):
+                continue
+            scale = gs.Constant(f"rms_ones_{count}", np.ones(last, dtype=eps.values.dtype))
+        elif scale.values.dtype != np.asarray(eps.values).dtype and x.dtype is not None and scale.values.dtype != x.dtype:
+            continue  # the weight multiply changes dtype: not the plain pattern
+        mul.outputs = []
+        graph.nodes.append(gs.Node("RMSNormalization", f"rmsnorm_{count}", inputs=[x, scale], outputs=[out],
+                                   attrs={"axis": -1, "epsilon": float(np.asarray(eps.values).reshape(-1)[0])}))
+        count += 1
+    if count:
+        _bump_opset(graph, FUSED_OPSET)
+    return graph.cleanup().toposort()
+
+
+def fuse_gelu_tanh(graph: gs.Graph) -> gs.Graph:
+    """0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))  ->  Gelu(x, approximate="tanh")."""
+    count = 0
+    for tanh in [n for n in graph.nodes if n.op == "Tanh"]:
+        inner = tanh.inputs[0].inputs[0] if tanh.inputs[0].inputs else None
+        if inner is None or inner.op != "Mul":
+            continue
+        c = next((i for i in inner.inputs if _const(i, 0.7978845608, 1e-5)), None)
+        s = _other(inner, c) if c is not None else None
+        add = s.inputs[0] if s is not None and s.inputs else None
+        if add is None or add.op != "Add":
+            continue
+        x = cube = None
+        for a, b in (add.inputs, add.inputs[::-1]):
+            p = b.inputs[0] if b.inputs else None
+            if p is not None and p.op == "Mul":
+                k = next((i for i in p.inputs if _const(i, 0.044715, 1e-4)), None)
+                pw = _other(p, k).inputs[0] if k is not None and _other(p, k).inputs else None
+                if pw is not None and pw.op == "Pow" and pw.inputs[0] is a and _const(pw.inputs[1], 3.0):
+                    x, cube = a, pw
+        if x is None:
+            continue
+        plus = _only_consumer(tanh.outputs[0])
+        if plus is None or plus.op != "Add" or not _const(_other(plus, tanh.outputs[0]), 1.0):
+            continue
+        # follow the multiplies after (1 + tanh): constants must multiply to 0.5 and x must appear once
+        t, factor, seen_x, last = plus.outputs[0], 1.0, False, None
+        for _ in range(2):
+            m = _only_consumer(t)
+            if m is None or m.op != "Mul":
+                break
+            o = _other(m, t)
+            if _const(o) and o.values.size == 1:
+                factor *= float(np.asarray(o.values).reshape(-1)[0])
+            elif o is x and not seen_x:
+                seen_x = True
+            elif o is not None and o.inputs and o.inputs[0].op == "Mul" and x in o.inputs[0].inputs \
+                    and not seen_x and _const(_other(o.inputs[0], x)):
+                seen_x, factor = True, factor * float(np.asarray(_other(o.inputs[0], x).values).reshape(-1)[0])
+            else:
+                break
+            t, last = m.outputs[0], m
+            if seen_x and abs(factor - 0.5) < 1e-6:
+                break
+        if last is None or not seen_x or abs(factor - 0.5) > 1e-6:
+            continue
+        out = last.outputs[0]
+        last.outputs = []
+        graph.nodes.append(gs.Node("Gelu", f"gelu_tanh_{count}", attrs={"approximate": "tanh"}, inputs=[x],
+                                   outputs=[out]))
+        count += 1
+    if count:
+        _bump_opset(graph, FUSED_OPSET)
+    return graph.cleanup().toposort()
+
+
+PASSES = {
+    "cleanup": cleanup,
+    "fold_constants": fold_constants,
+    "infer_shapes": infer_shapes,
+    "fuse_projections": fuse_projections,
+    "fuse_rmsnorm": fuse_rmsnorm,
+    "fuse_gelu_tanh": fuse_gelu_tanh,
+}
+DEFAULT_PASSES = ("cleanup", "fold_constants", "infer_shapes", "fuse_projections", "fuse_rmsnorm",
+                  "fuse_gelu_tanh", "cleanup")

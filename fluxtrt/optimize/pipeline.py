@@ -1,0 +1,96 @@
+"""The optimize stage: run named passes over an exported ONNX, place precision, write it atomically, and
+report node counts per pass and TensorRT layer counts before/after (TensorRT-RTX parses on CPU)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import FluxtrtError
+from .passes import DEFAULT_PASSES, PASSES
+from .precision import place_precision
+
+
+@dataclass
+class OptimizeReport:
+    component: str
+    rows: list = field(default_factory=list)  # (pass, nodes before, nodes after, seconds)
+    trt_layers_before: int | None = None
+    trt_layers_after: int | None = None
+    path: Path | None = None
+
+
+def check_passes(names) -> list[str]:
+    names = list(names or DEFAULT_PASSES)
+    unknown = [n for n in names if n not in PASSES]
+    if unknown:
+        raise FluxtrtError(f"unknown pass(es) {', '.join(unknown)}; available: {', '.join(PASSES)}")
+    return names
+
+
+def optimize_model(model, passes=None, dtype: str = "fp32", component: str = "", report: OptimizeReport | None = None):
+    """ModelProto -> optimized ModelProto (passes on graphsurgeon, then precision placement on the proto)."""
+    import onnx_graphsurgeon as gs
+
+    report = report or OptimizeReport(component)
+    graph = gs.import_onnx(model)
+    for name in check_passes(passes):
+        before, t0 = len(graph.nodes), time.perf_counter()
+        graph = PASSES[name](graph)
+        report.rows.append((name, before, len(graph.nodes), time.perf_counter() - t0))
+    out = gs.export_onnx(graph)
+    before = len(out.graph.node)
+    t0 = time.perf_counter()
+    out = place_precision(out, dtype, component)
+    report.rows.append((f"precision:{dtype}", before, len(out.graph.node), time.perf_counter() - t0))
+    out.producer_name = model.producer_name
+    out.producer_version = model.producer_version
+    return out, report
+
+
+def save_model(model, path: Path, external_threshold: int = 1_800_000_000) -> None:
+    """Write atomically; weights go to `<name>.data` beside it when the model is large."""
+    import onnx
+
+    from ..fileio import publish, staging_dir
+
+    path = Path(path)
+    with staging_dir(path.parent, path.stem) as tmp:
+        external = model.ByteSize() > external_threshold if model.ByteSize() >= 0 else True
+        onnx.save(model, str(tmp / path.name), save_as_external_data=external,
+                  location=f"{path.name}.data" if external else None)
+        publish(sorted(tmp.iterdir(), key=lambda p: p.suffix == ".onnx"), path.parent)
+
+
+def trt_layer_count(onnx_path: Path) -> int | None:
+    """Layers of the network TensorRT-RTX parses from the file (None without tensorrt-rtx)."""
+    try:
+        from ..build.backends import TensorRTRTX
+
+        backend = TensorRTRTX()
+        trt = backend.trt
+    except FluxtrtError:
+        return None
+    builder = trt.Builder(backend.logger)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, backend.logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errs = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise FluxtrtError(f"TensorRT-RTX cannot parse {onnx_path}: {errs}")
+    return network.num_layers
+
+
+def optimize_file(in_path: Path, out_path: Path, component: str, passes=None, dtype: str = "fp32",
+                  count_layers: bool = True) -> OptimizeReport:
+    import onnx
+
+    report = OptimizeReport(component)
+    model = onnx.load(str(in_path))
+    optimized, report = optimize_model(model, passes, dtype, component, report)
+    save_model(optimized, out_path)
+    report.path = Path(out_path)
+    if count_layers:
+        report.trt_layers_before = trt_layer_count(in_path)
+        report.trt_layers_after = trt_layer_count(out_path)
+    return report

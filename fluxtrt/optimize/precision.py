@@ -1,0 +1,118 @@
+"""Precision placement for strongly typed TensorRT networks, on the ONNX proto after the graph passes.
+
+`place_precision(model, dtype)` casts weights and activations of an fp32 graph to fp16/bf16 and keeps fp32
+islands where low precision hurts or TensorRT lacks a kernel: normalizations and softmax (statistics in
+fp32), `Resize` in bf16 (TensorRT has no bf16 Resize), and the graph outputs (the Euler update and VAE
+post-processing read fp32). Each island is Cast(to fp32) -> op -> Cast(back); weights feeding only islands
+stay fp32. Works on the proto (not onnx-graphsurgeon), because graphsurgeon widens bf16 constants it reads."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from ..errors import FluxtrtError
+
+LOW = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
+KEEP_FP32 = {"LayerNormalization", "RMSNormalization", "InstanceNormalization", "GroupNormalization", "Softmax"}
+KEEP_FP32_BF16_ONLY = {"Resize"}
+# T5 overflows fp16 (activations exceed 65504): refuse rather than produce NaNs.
+NO_FP16 = {"t5"}
+
+
+def _convert(t: TensorProto, to: int) -> None:
+    arr = numpy_helper.to_array(t).astype(np.float32)
+    with np.errstate(over="ignore"):  # float32 min/max (attention masks) become -inf/inf, as intended
+        _store(t, arr, to)
+
+
+def _store(t: TensorProto, arr, to: int) -> None:
+    if to == TensorProto.FLOAT16:
+        new = numpy_helper.from_array(arr.astype(np.float16), t.name)
+    else:
+        import ml_dtypes
+
+        new = numpy_helper.from_array(arr.astype(ml_dtypes.bfloat16), t.name)
+    t.CopyFrom(new)
+
+
+def place_precision(model: onnx.ModelProto, dtype: str, component: str = "") -> onnx.ModelProto:
+    if dtype == "fp32":
+        return model
+    if dtype not in LOW:
+        raise FluxtrtError(f"unknown dtype '{dtype}'; choose fp32, fp16 or bf16")
+    if dtype == "fp16" and component in NO_FP16:
+        raise FluxtrtError(f"{component} overflows in plain fp16; use bf16 (the default) or fp32 for it")
+    low = LOW[dtype]
+    g = model.graph
+    keep_ops = KEEP_FP32 | (KEEP_FP32_BF16_ONLY if dtype == "bf16" else set())
+    consumers: dict[str, list] = {}
+    for n in g.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+
+    def stays_fp32(name: str) -> bool:
+        """Read only by fp32 islands, or a Resize's roi/scales (which are float32 by definition)."""
+        users = consumers.get(name, [])
+        return bool(users) and all(u.op_type in keep_ops or (u.op_type == "Resize" and list(u.input).index(name) > 0)
+                                   for u in users)
+
+    # 1. weights: to low precision unless only fp32 islands read them
+    fp32_inits = set()
+    for t in g.initializer:
+        if t.data_type != TensorProto.FLOAT:
+            continue
+        if stays_fp32(t.name):
+            fp32_inits.add(t.name)
+        else:
+            _convert(t, low)
+    # 2. constants and casts inside the graph
+    for n in g.node:
+        if n.op_type == "Constant" and all(stays_fp32(o) for o in n.output):
+            fp32_inits.update(n.output)
+            continue
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.TENSOR and a.t.data_type == TensorProto.FLOAT:
+                _convert(a.t, low)
+            elif a.type == onnx.AttributeProto.INT and a.name == "to" and n.op_type == "Cast" and a.i == TensorProto.FLOAT:
+                a.i = low
+    # 3. graph inputs in low precision; outputs stay fp32 through a final cast
+    for vi in g.input:
+        if vi.type.tensor_type.elem_type == TensorProto.FLOAT:
+            vi.type.tensor_type.elem_type = low
+    del g.value_info[:]
+    new_nodes = []
+    for n in g.node:
+        if n.op_type in keep_ops:
+            for k, name in enumerate(n.input):
+                if not name or name in fp32_inits or (k > 0 and n.op_type == "Resize"):
+                    continue  # Resize's roi/scales/sizes are not activations
+                cast_out = f"{name}__fp32_for_{n.name}"
+                new_nodes.append(helper.make_node("Cast", [name], [cast_out], to=TensorProto.FLOAT,
+                                                  name=f"{n.name}__in{k}_fp32"))
+                n.input[k] = cast_out
+            outs = list(n.output)
+            for k, name in enumerate(outs):
+                tmp = f"{name}__fp32"
+                n.output[k] = tmp
+                new_nodes.append(n)
+                n = helper.make_node("Cast", [tmp], [name], to=low, name=f"{n.name}__out{k}_back")
+        new_nodes.append(n)
+    # de-duplicate (a node with several outputs was appended once per output above)
+    seen, ordered = set(), []
+    for n in new_nodes:
+        if id(n) not in seen:
+            seen.add(id(n))
+            ordered.append(n)
+    outs = {o.name for o in g.output if o.type.tensor_type.elem_type == TensorProto.FLOAT}
+    final = []
+    for n in ordered:
+        for k, name in enumerate(n.output):
+            if name in outs:
+                n.output[k] = f"{name}__low"
+                final.append(helper.make_node("Cast", [f"{name}__low"], [name], to=TensorProto.FLOAT,
+                                              name=f"{name}__to_fp32"))
+    del g.node[:]
+    g.node.extend(ordered + final)
+    return model

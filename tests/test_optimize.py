@@ -1,0 +1,154 @@
+"""Optimize stage: every pass keeps the outputs; fusions match where the pattern occurs and nowhere else."""
+
+import math
+
+import onnx
+import pytest
+import torch
+
+from fluxtrt.components import specs_for
+from fluxtrt.errors import FluxtrtError
+from fluxtrt.optimize.passes import DEFAULT_PASSES, PASSES
+from fluxtrt.optimize.pipeline import optimize_file, optimize_model, save_model, trt_layer_count
+from fluxtrt.validate import bound_for, compare_onnx, validate_onnx
+
+PASS_BOUND = 1e-5  # fp32: optimized vs unoptimized graph, both in ONNX Runtime, fresh random inputs
+COMPONENTS = ("clip", "t5", "transformer", "vae_decoder", "vae_encoder")
+
+
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_each_pass_alone_keeps_outputs(exported, tmp_path, component):
+    src, out, _ = exported("tiny")
+    spec = specs_for(src.geometry)[component]
+    original = onnx.load(str(out / f"{component}.onnx"))
+    for name in PASSES:
+        model, _ = optimize_model(original, ["infer_shapes", name] if name.startswith("fuse") else [name])
+        path = tmp_path / f"{name}.onnx"
+        save_model(model, path)
+        report = compare_onnx(out / f"{component}.onnx", path, spec, src.geometry, PASS_BOUND)
+        assert report.ok, (name, report.failures())
+
+
+@pytest.mark.parametrize("component,dtype", [(c, d) for c in COMPONENTS for d in ("fp16", "bf16")
+                                             if not (c == "t5" and d == "fp16")])
+def test_low_precision_within_bound_vs_fp32_pytorch(exported, tmp_path, component, dtype):
+    src, out, _ = exported("tiny")
+    spec = specs_for(src.geometry)[component]
+    rep = optimize_file(out / f"{component}.onnx", tmp_path / f"{component}.onnx", component, dtype=dtype,
+                        count_layers=False)
+    check = validate_onnx(rep.path, spec.wrap(src.load_component(spec.subfolder)), spec, src.geometry, dtype)
+    bound = bound_for(component, dtype, 1e-4)
+    assert check.ok and check.max_rel_err <= bound, check.failures()
+    assert check.max_rel_err > 1e-5  # the cast really happened
+    model = onnx.load(str(rep.path))
+    low = {"fp16": onnx.TensorProto.FLOAT16, "bf16": onnx.TensorProto.BFLOAT16}[dtype]
+    assert any(t.data_type == low for t in model.graph.initializer)
+    assert all(o.type.tensor_type.elem_type == onnx.TensorProto.FLOAT for o in model.graph.output)  # outputs fp32
+    kept = [n for n in model.graph.node if n.op_type in ("LayerNormalization", "RMSNormalization", "Softmax",
+                                                         "InstanceNormalization")]
+    assert kept and all(n.input[0].endswith(f"__fp32_for_{n.name}") for n in kept)  # fp32 islands
+
+
+def test_t5_fp16_is_refused(exported, tmp_path):
+    src, out, _ = exported("tiny")
+    with pytest.raises(FluxtrtError, match="overflows in plain fp16"):
+        optimize_file(out / "t5.onnx", tmp_path / "t5.onnx", "t5", dtype="fp16", count_layers=False)
+
+
+def test_fused_transformer_has_fewer_nodes_and_trt_layers(exported, tmp_path):
+    pytest.importorskip("tensorrt_rtx")
+    src, out, _ = exported("tiny")
+    rep = optimize_file(out / "transformer.onnx", tmp_path / "transformer.onnx", "transformer")
+    nodes_before, nodes_after = rep.rows[0][1], rep.rows[-1][2]
+    print(f"tiny transformer: ONNX nodes {nodes_before} -> {nodes_after}, "
+          f"TensorRT layers {rep.trt_layers_before} -> {rep.trt_layers_after}")
+    assert nodes_after < 0.85 * nodes_before
+    assert rep.trt_layers_after < rep.trt_layers_before
+    ops = {n.op_type for n in onnx.load(str(rep.path)).graph.node}
+    assert {"RMSNormalization", "Gelu"} <= ops and "Tanh" not in ops
+
+
+def _export_tiny_module(module, example, path):
+    torch.onnx.export(module.eval(), example, str(path), dynamo=True, opset_version=19, verbose=False)
+    return onnx.load(str(path))
+
+
+def _ops(model):
+    return [n.op_type for n in model.graph.node]
+
+
+def test_projection_fusion_matches_several_groups_and_not_others(tmp_path):
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = (torch.nn.Linear(8, 8) for _ in range(3))
+            self.a, self.b = torch.nn.Linear(8, 4), torch.nn.Linear(8, 12)
+            self.lone = torch.nn.Linear(16, 8)
+
+        def forward(self, x, y):
+            first = self.q(x) + self.k(x) * self.v(x)
+            second = torch.cat([self.a(first), self.b(first)], -1)
+            dyn = x @ y + x @ y.transpose(-1, -2)  # shared input but no constant weights: must not fuse
+            return self.lone(second) + dyn
+
+    x, y = torch.randn(2, 5, 8), torch.randn(2, 8, 8)
+    model = _export_tiny_module(M(), (x, y), tmp_path / "m.onnx")
+    fused, _ = optimize_model(model, ["infer_shapes", "fuse_projections"])
+    save_model(fused, tmp_path / "f.onnx")
+    ops = _ops(fused)
+    assert ops.count("Split") == _ops(model).count("Split") + 2  # two groups fused (q/k/v and a/b)
+    assert ops.count("MatMul") == _ops(model).count("MatMul") - 3
+    import numpy as np
+    import onnxruntime as ort
+
+    feeds = {"x": x.numpy(), "y": y.numpy()}
+    a = ort.InferenceSession(str(tmp_path / "m.onnx")).run(None, feeds)[0]
+    b = ort.InferenceSession(str(tmp_path / "f.onnx")).run(None, feeds)[0]
+    assert np.abs(a - b).max() / np.abs(a).max() < PASS_BOUND
+
+
+def test_rmsnorm_and_gelu_fusions_match_exact_patterns_only(tmp_path):
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.rand(16) + 0.5)
+
+        def forward(self, x):
+            r1 = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w   # RMSNorm with weight
+            r2 = r1 * torch.rsqrt(r1.pow(2).mean(-1, keepdim=True) + 1e-5)          # without weight
+            miss = r2 * torch.rsqrt(r2.pow(2).mean(1, keepdim=True) + 1e-6)         # wrong axis: no fusion
+            g1 = torch.nn.functional.gelu(miss, approximate="tanh")
+            g2 = torch.nn.functional.gelu(g1 + 1, approximate="tanh")
+            near = 0.6 * g2 * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g2 + 0.044715 * g2**3)))  # not GELU
+            return near
+
+    x = torch.randn(2, 6, 16)
+    model = _export_tiny_module(M(), (x,), tmp_path / "m.onnx")
+    fused, _ = optimize_model(model, ["infer_shapes", "fuse_rmsnorm", "fuse_gelu_tanh"])
+    save_model(fused, tmp_path / "f.onnx")
+    ops = _ops(fused)
+    assert ops.count("RMSNormalization") == 2 and ops.count("Gelu") == 2
+    assert ops.count("Tanh") == 1 and ops.count("ReduceMean") == 1  # the near-misses stay as they were
+    import numpy as np
+    import onnxruntime as ort
+
+    a = ort.InferenceSession(str(tmp_path / "m.onnx")).run(None, {"x": x.numpy()})[0]
+    b = ort.InferenceSession(str(tmp_path / "f.onnx")).run(None, {"x": x.numpy()})[0]
+    assert np.abs(a - b).max() / np.abs(a).max() < PASS_BOUND
+
+
+def test_cli_optimize_prints_counts(exported, tmp_path):
+    from typer.testing import CliRunner
+
+    from fluxtrt.cli import app
+
+    src, out, _ = exported("tiny")
+    res = CliRunner().invoke(app, ["optimize", "--in", str(out), "--out", str(tmp_path), "-c", "t5", "--dtype", "bf16"])
+    assert res.exit_code == 0, res.output
+    assert "fuse_rmsnorm" in res.output and "TensorRT layers" in res.output and "precision:bf16" in res.output
+    res = CliRunner().invoke(app, ["optimize", "--in", str(out), "--out", str(tmp_path), "--passes", "nope"])
+    assert res.exit_code == 2 and "unknown pass(es) nope" in res.output
+
+
+def test_default_passes_are_registered():
+    assert set(DEFAULT_PASSES) <= set(PASSES)
