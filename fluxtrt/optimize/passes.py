@@ -223,6 +223,57 @@ def fuse_gelu_tanh(graph: gs.Graph) -> gs.Graph:
     return graph.cleanup().toposort()
 
 
+def _ints(t) -> list[int] | None:
+    return [int(v) for v in np.asarray(t.values).reshape(-1)] if _const(t) else None
+
+
+def _last_pair_slice(squeeze, start: int):
+    """X if `squeeze` is Squeeze(Slice(X, [start], [start+1], [-1]), [-1]) over a last axis of size 2."""
+    if squeeze is None or squeeze.op != "Squeeze" or _ints(squeeze.inputs[1]) != [-1]:
+        return None
+    sl = squeeze.inputs[0].inputs[0] if squeeze.inputs[0].inputs else None
+    if sl is None or sl.op != "Slice" or len(sl.inputs) < 4:
+        return None
+    steps = _ints(sl.inputs[4]) if len(sl.inputs) > 4 else [1]
+    x = sl.inputs[0]
+    if (_ints(sl.inputs[1]), _ints(sl.inputs[2]), _ints(sl.inputs[3]), steps) != ([start], [start + 1], [-1], [1]):
+        return None
+    if x.shape is None or x.shape[-1] != 2:
+        return None
+    return x
+
+
+def simplify_rotary(graph: gs.Graph) -> gs.Graph:
+    """FLUX's rotary embedding rotates channel pairs: stack([-x_imag, x_real], -1) built from two Slices,
+    two Squeezes, a Neg, two Unsqueezes and a Concat over X = x.view(..., D/2, 2). Replace the eight nodes
+    by Gather(X, [1, 0], axis=-1) * [-1, 1]."""
+    count = 0
+    for concat in [n for n in graph.nodes if n.op == "Concat" and n.attrs.get("axis") == -1 and len(n.inputs) == 2]:
+        first, second = (t.inputs[0] if t.inputs else None for t in concat.inputs)
+        if first is None or second is None or first.op != "Unsqueeze" or second.op != "Unsqueeze":
+            continue
+        if _ints(first.inputs[1]) != [-1] or _ints(second.inputs[1]) != [-1]:
+            continue
+        neg = first.inputs[0].inputs[0] if first.inputs[0].inputs else None
+        if neg is None or neg.op != "Neg":
+            continue
+        x_imag = _last_pair_slice(neg.inputs[0].inputs[0] if neg.inputs[0].inputs else None, 1)
+        x_real = _last_pair_slice(second.inputs[0].inputs[0] if second.inputs[0].inputs else None, 0)
+        if x_imag is None or x_imag is not x_real:
+            continue
+        dtype = x_imag.dtype or np.float32
+        swapped = gs.Variable(f"rotary_swap_{count}", dtype=x_imag.dtype)
+        out = concat.outputs[0]
+        concat.outputs = []
+        graph.nodes.append(gs.Node("Gather", f"rotary_gather_{count}", attrs={"axis": -1},
+                                   inputs=[x_imag, gs.Constant(f"rotary_idx_{count}", np.array([1, 0], np.int64))],
+                                   outputs=[swapped]))
+        graph.nodes.append(gs.Node("Mul", f"rotary_sign_{count}", outputs=[out], inputs=[
+            swapped, gs.Constant(f"rotary_signs_{count}", np.array([-1.0, 1.0], dtype=dtype))]))
+        count += 1
+    return graph.cleanup().toposort()
+
+
 PASSES = {
     "cleanup": cleanup,
     "fold_constants": fold_constants,
@@ -230,6 +281,7 @@ PASSES = {
     "fuse_projections": fuse_projections,
     "fuse_rmsnorm": fuse_rmsnorm,
     "fuse_gelu_tanh": fuse_gelu_tanh,
+    "simplify_rotary": simplify_rotary,
 }
 DEFAULT_PASSES = ("cleanup", "fold_constants", "infer_shapes", "fuse_projections", "fuse_rmsnorm",
-                  "fuse_gelu_tanh", "cleanup")
+                  "fuse_gelu_tanh", "simplify_rotary", "cleanup")

@@ -1,8 +1,8 @@
 """Precision placement for strongly typed TensorRT networks, on the ONNX proto after the graph passes.
 
 `place_precision(model, dtype)` casts weights and activations of an fp32 graph to fp16/bf16 and keeps fp32
-islands where low precision hurts or TensorRT lacks a kernel: normalizations and softmax (statistics in
-fp32), `Resize` in bf16 (TensorRT has no bf16 Resize), and the graph outputs (the Euler update and VAE
+islands where low precision hurts or TensorRT lacks a kernel: normalizations and softmax outside attention
+(statistics in fp32; attention's MatMul-Softmax-MatMul stays in the graph's precision so TensorRT fuses it), `Resize` in bf16 (TensorRT has no bf16 Resize), and the graph outputs (the Euler update and VAE
 post-processing read fp32). Each island is Cast(to fp32) -> op -> Cast(back); weights feeding only islands
 stay fp32. Works on the proto (not onnx-graphsurgeon), because graphsurgeon widens bf16 constants it reads."""
 
@@ -82,9 +82,23 @@ def place_precision(model: onnx.ModelProto, dtype: str, component: str = "") -> 
         if vi.type.tensor_type.elem_type == TensorProto.FLOAT:
             vi.type.tensor_type.elem_type = low
     del g.value_info[:]
+    producers = {o: n for n in g.node for o in n.output}
+
+    def attention_softmax(n) -> bool:
+        """Softmax between two MatMuls (scores -> weights -> values): left in the graph's precision so
+        TensorRT can fuse the attention into one kernel (its fused kernels keep softmax statistics in fp32)."""
+        if n.op_type != "Softmax":
+            return False
+        src = producers.get(n.input[0])
+        while src is not None and src.op_type == "Add":
+            src = next((producers.get(i) for i in src.input if producers.get(i) is not None
+                        and producers[i].op_type in ("MatMul", "Add")), None)
+        users = consumers.get(n.output[0], [])
+        return src is not None and src.op_type == "MatMul" and bool(users) and all(u.op_type == "MatMul" for u in users)
+
     new_nodes = []
     for n in g.node:
-        if n.op_type in keep_ops:
+        if n.op_type in keep_ops and not attention_softmax(n):
             for k, name in enumerate(n.input):
                 if not name or name in fp32_inits or (k > 0 and n.op_type == "Resize"):
                     continue  # Resize's roi/scales/sizes are not activations
