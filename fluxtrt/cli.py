@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 import sys
 from pathlib import Path
 from typing import Optional
@@ -23,8 +24,9 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console(stderr=True)
-out = Console()
+# Tables are wide: when writing to a file or pipe (logs, CI), do not cut them at 80 columns.
+console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+out = Console(width=None if sys.stdout.isatty() else 200)
 _STATE = {"debug": False}
 
 
@@ -237,23 +239,34 @@ def _read_prompts(prompt: Optional[str], prompts_file: Optional[Path]) -> list[s
     return [prompt]
 
 
-def _pick_backend(backend: str, engines: Path) -> str:
-    """`auto`: the TensorRT executor where a GPU can run the engines, else ONNX Runtime (said once)."""
-    if backend != "auto":
-        return backend
-    from .build.backends import get_backend
+def _pick_backend(backend: str, engines: Optional[Path]) -> tuple[str, list[str]]:
+    """(backend, components that fall back to PyTorch). `auto`: the TensorRT executor where this GPU can run
+    the engines; else PyTorch on a CUDA GPU (e.g. TensorRT-RTX on Hopper); else ONNX Runtime. Components the
+    manifest lacks fall back to PyTorch. Each choice is said once."""
     from .build.manifest import read_manifest
+    from .runtime.pipeline import RUN_COMPONENTS
+
+    if engines is None:
+        return "torch", []
+    manifest = read_manifest(engines)
+    missing = [c for c in RUN_COMPONENTS if c not in manifest["components"]]
+    if missing:
+        console.print(f"[yellow]note:[/] no engine for {', '.join(missing)}: running PyTorch for it", highlight=False)
+    if backend != "auto":
+        return backend, missing
+    from .build.backends import get_backend, local_gpu_capabilities
     from .errors import FluxtrtError
     from .runtime.executors import check_gpu_for
 
-    manifest = read_manifest(engines)
     try:
-        b = get_backend(manifest["backend"])
-        check_gpu_for(manifest, b)
-        return "tensorrt"
+        check_gpu_for(manifest, get_backend(manifest["backend"]))
+        return "tensorrt", missing
     except FluxtrtError as e:
+        if local_gpu_capabilities():
+            console.print(f"[yellow]note:[/] running the PyTorch modules on this GPU instead ({e})", highlight=False)
+            return "torch", missing
         console.print(f"[yellow]note:[/] using ONNX Runtime on the engines' source ONNX ({e})", highlight=False)
-        return "onnxruntime"
+        return "onnxruntime", missing
 
 
 @app.command()
@@ -261,8 +274,12 @@ def _pick_backend(backend: str, engines: Path) -> str:
 def run(
     prompt: Optional[str] = typer.Option(None, "--prompt", help="What to draw."),
     prompts_file: Optional[Path] = typer.Option(None, "--prompts-file", help="UTF-8 file, one prompt per line."),
-    engines: Path = typer.Option(Path("engines/4090"), "--engines", "-e", help="Folder written by `fluxtrt build` (OUT/<gpu>)."),
-    backend: str = typer.Option("auto", "--backend", help="tensorrt (engines on an NVIDIA GPU), onnxruntime (the ONNX they were built from), or auto."),
+    engines: Optional[Path] = typer.Option(None, "--engines", "-e", help="Folder written by `fluxtrt build` (OUT/<gpu>)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="With --backend torch and no --engines: " + MODEL_HELP),
+    backend: str = typer.Option("auto", "--backend", help="tensorrt (engines on an NVIDIA GPU), onnxruntime (the ONNX they were built from), torch (the PyTorch modules), or auto."),
+    fallback: Optional[list[str]] = typer.Option(None, "--fallback", help="Components to run in PyTorch instead, e.g. t5,transformer."),
+    torch_dtype: str = typer.Option("bf16", "--torch-dtype", help="dtype of PyTorch components: bf16, fp16, fp32."),
+    compile: bool = typer.Option(False, "--compile", help="torch.compile the PyTorch components."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Denoising steps (default: 28 dev, 4 schnell)."),
     guidance: float = typer.Option(3.5, "--guidance", help="Distilled guidance scale (dev only; ignored by schnell)."),
     height: Optional[int] = typer.Option(None, "--height", help="Pixels, a multiple of 16 (default: the profile's opt)."),
@@ -292,13 +309,24 @@ def run(
         raise FluxtrtError(f"--seed must be in 0..2^63-1, got {seed}")
     if out_path.suffix.lower() != ".png":
         raise FluxtrtError(f"--out must end in .png, got {out_path}")
-    manifest = read_manifest(engines)
-    opt = manifest["shape_range"]["opt"]
+    if engines is None and model is None:
+        engines = Path("engines/4090")
+    source = None
+    if engines is None:
+        from .models.source import resolve_model
+
+        source = resolve_model(model)
+        variant, opt = source.variant, [1, 1024, 1024]
+    else:
+        manifest = read_manifest(engines)
+        variant, opt = manifest["model"]["variant"], manifest["shape_range"]["opt"]
     height, width = height or opt[1], width or opt[2]
-    steps = steps if steps is not None else (28 if manifest["model"]["variant"] == "dev" else 4)
-    chosen = _pick_backend(backend, engines)
+    steps = steps if steps is not None else (28 if variant == "dev" else 4)
+    chosen, missing = _pick_backend(backend, engines)
     logging.getLogger("fluxtrt").addHandler(_WarningLine())
-    pipe = FluxEngines(engines, chosen, low_vram, weight_streaming_budget and weight_streaming_budget << 20, cuda_graph)
+    pipe = FluxEngines(engines, chosen, low_vram, weight_streaming_budget and weight_streaming_budget << 20, cuda_graph,
+                       model=source, fallback=sorted(set(_split(fallback) or []) | set(missing)),
+                       torch_dtype=torch_dtype, compile=compile)
     chunks = [prompts[i:i + batch] for i in range(0, len(prompts), batch)] if len(prompts) > 1 else [prompts * batch]
     pipe.check_request(max(len(c) for c in chunks), height, width, steps)  # fail before any work
     paths, all_timings = [], []
@@ -316,15 +344,119 @@ def run(
                 paths.append(dest)
             all_timings.append(res.timings)
     table = Table(title="timings (seconds)")
-    for col in ("call", "text encoders", "step mean", "step min", "step max", "VAE decode", "total"):
+    for col in ("call", "text encoders", "step mean", "step min", "step max", "VAE decode", "total", "peak GPU GB"):
         table.add_column(col)
     for k, t in enumerate(all_timings):
         st = t.steps or [0.0]
+        mem = f"{t.peak_memory_gb:.2f}" if t.peak_memory_gb is not None else "-"
         table.add_row(str(k), f"{t.text_encoders:.3f}", f"{sum(st) / len(st):.3f}", f"{min(st):.3f}", f"{max(st):.3f}",
-                      f"{t.vae:.3f}", f"{t.total:.3f}")
+                      f"{t.vae:.3f}", f"{t.total:.3f}", mem)
     out.print(table)
     for p in paths:
         out.print(f"wrote {p}")
+
+
+@app.command()
+@friendly
+def bench(
+    engines: Optional[Path] = typer.Option(None, "--engines", "-e", help="Folder written by `fluxtrt build`."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="With --backend torch: " + MODEL_HELP + " Also random:flux.1-dev / random:flux.1-schnell (full size, random weights)."),
+    backend: str = typer.Option("auto", "--backend", help="tensorrt, onnxruntime, torch or auto (as for run)."),
+    sizes: str = typer.Option("512", "--sizes", help="Square image sizes in pixels, comma-separated."),
+    batches: str = typer.Option("1", "--batch", help="Batch sizes, comma-separated."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Denoising steps (default: 28 dev, 4 schnell)."),
+    runs: int = typer.Option(3, "--runs", help="Measured runs per row (median and spread)."),
+    warmup: int = typer.Option(1, "--warmup", help="Unmeasured runs first."),
+    baseline: str = typer.Option("none", "--baseline", help="diffusers: also run diffusers' FluxPipeline in this process and print ratios; none."),
+    torch_dtype: str = typer.Option("bf16", "--torch-dtype", help="dtype for PyTorch components and the diffusers baseline on a GPU (CPU: fp32)."),
+    compile: bool = typer.Option(False, "--compile", help="torch.compile our PyTorch transformer and the baseline's, alike."),
+    cuda_graph: bool = typer.Option(False, "--cuda-graph", help="CUDA-graph the transformer step (torch on GPU; TensorRT-RTX's strategy)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the table as JSON."),
+    plot_out: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG chart (needs matplotlib)."),
+):
+    """Measure latency per component, seconds per image and peak memory, optionally against diffusers."""
+    _quiet_libraries()
+    import json
+
+    import torch
+    from rich.table import Table
+
+    from . import __version__
+    from .bench import add_ratios, bench_diffusers, bench_fluxtrt, plot, to_json
+    from .errors import FluxtrtError
+    from .fileio import write_json_atomic
+    from .models.source import resolve_model
+    from .runtime.pipeline import FluxEngines
+
+    try:
+        size_list = [int(v) for v in sizes.split(",") if v.strip()]
+        batch_list = [int(v) for v in batches.split(",") if v.strip()]
+    except ValueError:
+        raise FluxtrtError(f"--sizes and --batch take comma-separated integers, got {sizes!r} / {batches!r}") from None
+    if runs < 1 or warmup < 0:
+        raise FluxtrtError("--runs must be at least 1 and --warmup at least 0")
+    if baseline not in ("diffusers", "none"):
+        raise FluxtrtError(f"--baseline is diffusers or none, got {baseline!r}")
+    if plot_out is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise FluxtrtError("--plot needs matplotlib: pip install matplotlib") from None
+    if engines is None and model is None:
+        raise FluxtrtError("pass --engines DIR, or --backend torch --model MODEL")
+    source = resolve_model(model) if engines is None else None
+    chosen, missing = _pick_backend(backend, engines)
+    pipe = FluxEngines(engines, chosen, model=source, fallback=missing, torch_dtype=torch_dtype,
+                       compile=compile, cuda_graph=cuda_graph)
+    variant = pipe.geo.variant
+    steps = steps if steps is not None else (28 if variant == "dev" else 4)
+    label = f"fluxtrt ({chosen})"
+    dpipe = None
+    if baseline == "diffusers":
+        src = source or resolve_model(pipe.manifest["model"]["id"])
+        on_gpu = pipe.device.type == "cuda"
+        dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[torch_dtype] if on_gpu else torch.float32
+        dpipe = src.load_pipeline(dt, pipe.device.type)
+        dpipe.set_progress_bar_config(disable=True)
+        if compile:
+            dpipe.transformer = torch.compile(dpipe.transformer, fullgraph=False, dynamic=False)
+    rows = []
+    for size in size_list:
+        for b in batch_list:
+            console.print(f"measuring {label} {size}x{size} batch {b}, {steps} steps ...", highlight=False)
+            ours = bench_fluxtrt(pipe, label, size, size, b, steps, runs, warmup)
+            rows.append(ours)
+            if dpipe is not None:
+                console.print(f"measuring diffusers {size}x{size} batch {b} ...", highlight=False)
+                base = bench_diffusers(dpipe, pipe.geo, size, size, b, steps, runs, warmup, pipe.device)
+                add_ratios(ours, base)
+                rows.append(base)
+    table = Table(title=f"fluxtrt bench: {pipe.geo.variant}, {steps} steps, {runs} runs (median \\[min-max])")
+    for col in ("system", "size", "batch", "text enc s", "step s", "VAE s", "end-to-end s", "s/image", "img/min",
+                "outside transformer", "peak GB", "speedup vs diffusers"):
+        table.add_column(col)
+
+    def fmt(m):
+        return f"{m.median:.3f} [{m.min:.3f}-{m.max:.3f}]"
+
+    for r in rows:
+        speed = f"{r.ratios['end_to_end_s']:.2f}x (step {r.ratios['transformer_step_s']:.2f}x)" if r.ratios else ""
+        table.add_row(r.system, f"{r.width}x{r.height}", str(r.batch), fmt(r.text_encoders_s), fmt(r.transformer_step_s),
+                      fmt(r.vae_decode_s), fmt(r.end_to_end_s), f"{r.seconds_per_image:.3f}", f"{r.images_per_minute:.1f}",
+                      f"{100 * r.outside_transformer_share:.1f}%", "-" if r.peak_memory_gb is None else f"{r.peak_memory_gb:.1f}",
+                      speed)
+    out.print(table)
+    meta = {"fluxtrt": __version__, "torch": torch.__version__, "device": torch.cuda.get_device_name() if
+            pipe.device.type == "cuda" else "cpu", "backend": chosen, "steps": steps, "runs": runs, "warmup": warmup,
+            "compile": compile, "cuda_graph": cuda_graph, "torch_dtype": torch_dtype,
+            "model": source.id if source else pipe.manifest["model"]["id"], "date": time.strftime("%Y-%m-%d")}
+    if json_out is not None:
+        write_json_atomic(json_out, to_json(rows, meta))
+        out.print(f"wrote {json_out}")
+    if plot_out is not None:
+        plot(rows, plot_out)
+        out.print(f"wrote {plot_out}")
+    del json
 
 
 class _WarningLine:

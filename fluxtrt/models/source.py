@@ -11,6 +11,8 @@ from pathlib import Path
 
 from ..components import Geometry
 from ..errors import ModelSourceError
+from .random_arch import MARKER as RANDOM_MARKER
+from .random_arch import RANDOM_NAMES, random_component, random_model_dir
 from .tiny import TINY_NAMES, tiny_model_dir
 
 REQUIRED = ("transformer", "text_encoder", "text_encoder_2", "vae", "tokenizer", "tokenizer_2", "scheduler")
@@ -35,13 +37,18 @@ class ModelSource:
             ) from None
 
     @property
+    def random_weights(self) -> bool:
+        """Architecture-only (`random:...`): components are instantiated from configs, nothing is loaded."""
+        return (self.path / RANDOM_MARKER).exists()
+
+    @property
     def variant(self) -> str:
         return self.geometry.variant
 
     @cached_property
     def content_hash(self) -> str:
         """sha256 over every file's relative path and content (cached by size and mtime for big files)."""
-        h = hashlib.sha256()
+        h = hashlib.sha256(self.id.encode() if self.random_weights else b"")
         for f in sorted(p for p in self.path.rglob("*") if p.is_file()):
             rel = f.relative_to(self.path).as_posix()
             if rel.startswith(".") or "/." in rel:
@@ -49,9 +56,12 @@ class ModelSource:
             h.update(rel.encode() + b"\0" + file_sha256(f).encode() + b"\n")
         return h.hexdigest()
 
-    def load_component(self, subfolder: str, dtype=None):
-        """Load one diffusers/transformers module from the folder (CPU, eval mode)."""
+    def load_component(self, subfolder: str, dtype=None, device="cpu"):
+        """Load one diffusers/transformers module from the folder (eval mode)."""
         import torch
+
+        if self.random_weights:
+            return random_component(subfolder, self.path, dtype or torch.float32, device)
         from diffusers import AutoencoderKL, FluxTransformer2DModel
         from transformers import CLIPTextModel, T5EncoderModel
 
@@ -61,14 +71,20 @@ class ModelSource:
         }
         kwargs = {"torch_dtype": dtype or torch.float32}
         model = classes[subfolder].from_pretrained(self.path / subfolder, local_files_only=True, **kwargs)
-        return model.eval()
+        return model.to(device).eval()
 
-    def load_pipeline(self, dtype=None):
-        """The reference diffusers FluxPipeline (CPU)."""
+    def load_pipeline(self, dtype=None, device="cpu"):
+        """The reference diffusers FluxPipeline."""
         import torch
-        from diffusers import FluxPipeline
+        from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
-        return FluxPipeline.from_pretrained(self.path, local_files_only=True, torch_dtype=dtype or torch.float32)
+        dtype = dtype or torch.float32
+        if not self.random_weights:
+            return FluxPipeline.from_pretrained(self.path, local_files_only=True, torch_dtype=dtype).to(device)
+        clip_tok, t5_tok = self.load_tokenizers()
+        parts = {k: self.load_component(k, dtype, device) for k in ("transformer", "text_encoder", "text_encoder_2", "vae")}
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config())
+        return FluxPipeline(scheduler=scheduler, tokenizer=clip_tok, tokenizer_2=t5_tok, **parts)
 
     def load_tokenizers(self):
         from transformers import AutoTokenizer
@@ -105,6 +121,10 @@ def resolve_model(model: str | Path) -> ModelSource:
     name = str(model)
     if name in TINY_NAMES:
         return ModelSource(id=name, path=tiny_model_dir(name))
+    if name in RANDOM_NAMES:
+        return ModelSource(id=name, path=random_model_dir(name))
+    if name.startswith("random:"):
+        raise ModelSourceError(f"unknown architecture '{name}'; choose {', '.join(RANDOM_NAMES)}")
     path = Path(name).expanduser()
     if not path.exists():
         if _HUB_ID.match(name) and not name.startswith((".", "/")):

@@ -245,3 +245,69 @@ def check_gpu_for(manifest: dict, backend) -> None:
         raise BackendUnavailableError(
             f"these engines were built by {manifest['backend']} {manifest['backend_version']} but "
             f"{backend.version} is installed; rebuild, or install {manifest['backend']}=={manifest['backend_version']}")
+
+
+class TorchExecutor(Executor):
+    """A component's PyTorch module from the model folder on the pipeline's device (bf16 by default), the
+    fallback where no engine can run (e.g. TensorRT-RTX on Hopper). Optionally torch.compile'd."""
+
+    kind = "torch"
+
+    def __init__(self, component: str, source, spec, device: str = "cuda", dtype: str = "bf16",
+                 compile: bool = False):
+        super().__init__(component, {"profile": {}})
+        self.source, self.spec, self.compile = source, spec, compile
+        self._device = device
+        self.dtype_name = dtype
+        self.module = None
+        self._cpu_copy = None
+
+    @property
+    def device(self):
+        import torch
+
+        return torch.device(self._device)
+
+    @property
+    def dtype(self):
+        import torch
+
+        return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[self.dtype_name]
+
+    def activate(self) -> None:
+        if self._cpu_copy is not None:  # --low-vram brought it back to the CPU: move, do not reload
+            self.module = self._cpu_copy.to(self.device)
+            self._cpu_copy = None
+        else:
+            raw = self.source.load_component(self.spec.subfolder, self.dtype, self._device)
+            self.module = self.spec.wrap(raw).eval()
+        self._fn = self.module
+        if self.compile:
+            import torch
+
+            self._fn = torch.compile(self.module, fullgraph=False, dynamic=False)
+        self.active = True
+
+    def deactivate(self) -> None:
+        import torch
+
+        if self.module is not None:
+            self._cpu_copy = self.module.to("cpu")
+        self.module = self._fn = None
+        self.active = False
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def infer_impl(self, feeds: dict) -> dict:
+        import torch
+
+        args = []
+        for t in self.spec.inputs:
+            if t.name not in feeds:
+                continue
+            v = feeds[t.name]
+            args.append(v.to(self.device, self.dtype, non_blocking=True) if v.is_floating_point()
+                        else v.to(self.device, non_blocking=True))
+        with torch.inference_mode():
+            out = self._fn(*args)
+        return {self.spec.outputs[0].name: out}

@@ -15,7 +15,7 @@ from ..build.manifest import ManifestError, component_entry, read_manifest
 from ..components import Geometry, ShapePoint, specs_for
 from ..errors import FluxtrtError
 from . import flux_math as fm
-from .executors import OnnxRuntimeExecutor, SharedActivations, TensorRTExecutor, check_gpu_for
+from .executors import OnnxRuntimeExecutor, SharedActivations, TensorRTExecutor, TorchExecutor, check_gpu_for
 
 log = logging.getLogger("fluxtrt")
 ASSETS = "model"  # tokenizers and config files copied beside the engines at build time
@@ -32,6 +32,7 @@ class Timings:
     steps: list = field(default_factory=list)
     vae: float = 0.0
     total: float = 0.0
+    peak_memory_gb: float | None = None
 
 
 @dataclass
@@ -47,46 +48,105 @@ def nearest_multiples(value: int, m: int) -> str:
 
 
 class FluxEngines:
-    """Engines of one GPU folder (or the ONNX they were built from) and the pipeline over them."""
+    """The pipeline over one set of executors: engines of one GPU folder (TensorRT), the ONNX they were built
+    from (ONNX Runtime), or the model's PyTorch modules (torch), mixed per component with `fallback`."""
 
-    def __init__(self, engine_dir: Path, backend: str = "tensorrt", low_vram: bool = False,
-                 weight_streaming_budget: int | None = None, cuda_graph: bool = False, providers=None):
-        self.dir = Path(engine_dir)
-        self.manifest = read_manifest(self.dir)
-        assets = self.dir / ASSETS
-        if not (assets / "tokenizer").is_dir():
-            raise ManifestError(f"{assets} lacks the tokenizers copied at build time; rebuild with `fluxtrt build`")
+    def __init__(self, engine_dir: Path | None = None, backend: str = "tensorrt", low_vram: bool = False,
+                 weight_streaming_budget: int | None = None, cuda_graph: bool = False, providers=None,
+                 model=None, fallback=(), torch_dtype: str = "bf16", device: str | None = None,
+                 compile: bool = False):
+        import torch
+
+        self.low_vram, self.cuda_graph = low_vram, cuda_graph
+        self.backend_name = backend
+        self.executors = {}
+        self.manifest = None
+        if engine_dir is not None:
+            self.dir = Path(engine_dir)
+            self.manifest = read_manifest(self.dir)
+            assets = self.dir / ASSETS
+            if not (assets / "tokenizer").is_dir():
+                raise ManifestError(f"{assets} lacks the tokenizers copied at build time; rebuild with `fluxtrt build`")
+        elif model is None or backend != "torch":
+            raise FluxtrtError("pass --engines DIR (built by `fluxtrt build`), or --backend torch with --model")
+        else:
+            assets = model.path
+        self.assets = assets
         self.geo = Geometry.from_folder(assets)
         self.scheduler_config = _json(assets / "scheduler" / "scheduler_config.json")
         vae = _json(assets / "vae" / "config.json")
         self.scaling_factor, self.shift_factor = vae["scaling_factor"], vae.get("shift_factor") or 0.0
-        self.low_vram = low_vram
-        self.backend_name = backend
-        self.executors = {}
-        if backend == "tensorrt":
-            import torch
+        torch_names = set(RUN_COMPONENTS) if backend == "torch" else set(fallback)
+        unknown = torch_names - set(RUN_COMPONENTS)
+        if unknown:
+            raise FluxtrtError(f"--fallback takes {', '.join(RUN_COMPONENTS)}; got {', '.join(sorted(unknown))}")
+        if torch_names:
+            if model is None:
+                from ..models.source import resolve_model
 
+                model = resolve_model(self.manifest["model"]["id"])
+            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            specs = specs_for(self.geo, sorted(torch_names))
+            for name in torch_names:
+                self.executors[name] = TorchExecutor(name, model, specs[name], device, torch_dtype, compile)
+        engine_names = [n for n in RUN_COMPONENTS if n not in torch_names]
+        self.stream = None
+        if engine_names and backend == "tensorrt":
             from ..build.backends import get_backend
 
             trt_backend = get_backend(self.manifest["backend"])
             trt_backend.trt  # clear error if the package is missing
             check_gpu_for(self.manifest, trt_backend)
-            self.stream = torch.cuda.Stream()
             shared = SharedActivations()
-            for name in RUN_COMPONENTS:
+            for name in engine_names:
                 e = component_entry(self.manifest, name)
                 self.executors[name] = TensorRTExecutor(
-                    name, e, self.dir / e["engine"], trt_backend, self.stream, shared,
+                    name, e, self.dir / e["engine"], trt_backend, None, shared,
                     weight_streaming_budget, cuda_graph and name == "transformer")
-        elif backend == "onnxruntime":
-            self.stream = None
-            for name in RUN_COMPONENTS:
+        elif engine_names and backend == "onnxruntime":
+            for name in engine_names:
                 e = component_entry(self.manifest, name)
                 self.executors[name] = OnnxRuntimeExecutor(name, e, self.dir.parent / e["onnx"], providers)
-        else:
-            raise FluxtrtError(f"unknown backend '{backend}'; choose tensorrt or onnxruntime")
+        elif engine_names:
+            raise FluxtrtError(f"unknown backend '{backend}'; choose tensorrt, onnxruntime or torch")
+        if self.device.type == "cuda":
+            self.stream = torch.cuda.Stream()  # the one stream everything runs on
+            for ex in self.executors.values():
+                if isinstance(ex, TensorRTExecutor):
+                    ex.stream = self.stream
         self._tokenizers = None
         self._embeds: dict[str, tuple] = {}  # prompt -> (pooled [D], t5 [T, D']) reused within a run
+        self._graphs: dict[tuple, CudaGraphStep] = {}
+
+    @property
+    def device(self):
+        return self.executors["transformer"].device
+
+    sync_check = False  # tests set it: any host-device synchronisation inside the loop then raises
+
+    def _on_stream(self):
+        import contextlib
+
+        import torch
+
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def _step_function(self, feeds: dict):
+        """step(latents, timestep) -> noise_pred: eager, or a CUDA graph captured once per shape."""
+        ex = self.executors["transformer"]
+        if self.cuda_graph and isinstance(ex, TorchExecutor) and self.device.type == "cuda":
+            key = tuple((k, tuple(v.shape)) for k, v in sorted(feeds.items()))
+            if key not in self._graphs:
+                self._graphs[key] = CudaGraphStep(ex, feeds, self.stream)
+            graph = self._graphs[key]
+            graph.set_call_inputs(feeds)
+            return graph
+
+        def eager(latents, timestep):
+            feeds["hidden_states"], feeds["timestep"] = latents, timestep
+            return ex.infer(feeds)["noise_pred"]
+
+        return eager
 
     # -- request checks -------------------------------------------------------------------------------
     def check_request(self, batch: int, height: int, width: int, steps: int) -> None:
@@ -96,6 +156,8 @@ class FluxEngines:
                 raise RequestError(f"{what} {v} is not a positive multiple of {m}; use {nearest_multiples(max(v, 1), m)}")
         if steps <= 0:
             raise RequestError(f"steps must be at least 1, got {steps}")
+        if self.manifest is None:
+            return  # PyTorch modules take any size that is a multiple of the pixel multiple
         lo, _, hi = (self.manifest["shape_range"][k] for k in ("min", "opt", "max"))
         if not lo[0] <= batch <= hi[0]:
             raise RequestError(f"batch {batch} is outside the engines' profile ({lo[0]}..{hi[0]}); "
@@ -106,6 +168,8 @@ class FluxEngines:
                                    f"pick a size inside it or rebuild with a wider profile")
         point = ShapePoint(batch, height, width)
         for name in ("transformer", "vae_decoder"):
+            if name not in self.executors:
+                continue
             spec = specs_for(self.geo, [name])[name]
             self.executors[name].check_shapes(spec.input_shapes(point, self.geo))
 
@@ -114,7 +178,7 @@ class FluxEngines:
         if self._tokenizers is None:
             from transformers import AutoTokenizer
 
-            a = self.dir / ASSETS
+            a = self.assets
             self._tokenizers = (AutoTokenizer.from_pretrained(a / "tokenizer", local_files_only=True),
                                 AutoTokenizer.from_pretrained(a / "tokenizer_2", local_files_only=True))
         return self._tokenizers
@@ -152,41 +216,45 @@ class FluxEngines:
         if batch == 0 or any(not isinstance(p, str) for p in prompts):
             raise RequestError("give at least one prompt (text)")
         self.check_request(batch, height, width, steps)
-        geo, dev = self.geo, self.executors["transformer"].device
+        geo, dev = self.geo, self.device
         timings = Timings()
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         t_start = time.perf_counter()
 
-        pooled, text = self.encode_prompts(prompts)
+        with self._on_stream():
+            pooled, text = self.encode_prompts(prompts)
         if self.low_vram:
             self.executors["clip"].deactivate()
             self.executors["t5"].deactivate()
         timings.text_encoders = _elapsed(t_start, dev)
 
         generator = torch.Generator("cpu").manual_seed(seed)
-        latents = fm.initial_noise(batch, geo.latent_channels, height, width, geo.vae_scale_factor, generator).to(dev)
+        latents = fm.initial_noise(batch, geo.latent_channels, height, width, geo.vae_scale_factor, generator)
         m = geo.pixel_multiple
-        img_ids = fm.latent_image_ids(height // m, width // m).to(dev)
-        txt_ids = fm.text_ids(geo.t5_length).to(dev)
         timesteps, sigmas = fm.flow_match_sigmas(steps, latents.shape[1], self.scheduler_config)
-        # everything the loop needs is on the device before it starts: no host reads inside
-        t_in = (timesteps / 1000).to(dev)
-        dts = (sigmas[1:] - sigmas[:-1]).to(dev)
-        feeds = {"hidden_states": latents, "encoder_hidden_states": text.to(dev), "pooled_projections": pooled.to(dev),
-                 "img_ids": img_ids, "txt_ids": txt_ids}
-        if geo.guidance:
-            feeds["guidance"] = torch.full([batch], guidance, dtype=torch.float32).to(dev)
-        trace_latents = []
-        step_marks = [_mark(dev)]
-        for i in range(steps):
-            feeds["timestep"] = t_in[i].expand(batch)
-            feeds["hidden_states"] = latents
-            noise_pred = self.executors["transformer"].infer(feeds)["noise_pred"]
-            latents = fm.euler_step(latents, noise_pred.float(), dts[i])
-            step_marks.append(_mark(dev))
-            if on_step is not None:
-                on_step(i)  # host-side callback (progress bar); reads nothing from the device
-            if trace:
-                trace_latents.append(latents.detach().to("cpu", copy=True))
+        with self._on_stream():
+            # everything the loop needs is on the device before it starts: no host reads inside
+            latents = latents.to(dev)
+            t_in = (timesteps / 1000).to(dev)
+            dts = (sigmas[1:] - sigmas[:-1]).to(dev)
+            feeds = {"hidden_states": latents, "encoder_hidden_states": text.to(dev),
+                     "pooled_projections": pooled.to(dev), "img_ids": fm.latent_image_ids(height // m, width // m).to(dev),
+                     "txt_ids": fm.text_ids(geo.t5_length).to(dev), "timestep": t_in[0].expand(batch)}
+            if geo.guidance:
+                feeds["guidance"] = torch.full([batch], guidance, dtype=torch.float32).to(dev)
+            step = self._step_function(feeds)
+            trace_latents = []
+            step_marks = [_mark(dev)]
+            with _sync_guard(dev, self.sync_check):
+                for i in range(steps):
+                    noise_pred = step(latents, t_in[i].expand(batch))
+                    latents = fm.euler_step(latents, noise_pred.float(), dts[i])
+                    step_marks.append(_mark(dev))
+                    if on_step is not None:
+                        on_step(i)  # host-side callback (progress bar); reads nothing from the device
+                    if trace:
+                        trace_latents.append(latents.detach().to("cpu", copy=True))
         timings.steps = _intervals(step_marks, dev)
         if self.low_vram:
             self.executors["transformer"].deactivate()
@@ -194,15 +262,69 @@ class FluxEngines:
         t_vae = time.perf_counter()
         lat = fm.unpack_latents(latents, height, width, geo.vae_scale_factor)
         lat = fm.latents_for_vae(lat, self.scaling_factor, self.shift_factor)
-        image = self.executors["vae_decoder"].infer({"latent": lat})["image"].float()
+        with self._on_stream():
+            image = self.executors["vae_decoder"].infer({"latent": lat})["image"].float()
         images = fm.to_uint8(image)
         if self.low_vram:
             self.executors["vae_decoder"].deactivate()
         timings.vae = time.perf_counter() - t_vae
         timings.total = time.perf_counter() - t_start
+        if dev.type == "cuda":
+            timings.peak_memory_gb = torch.cuda.max_memory_allocated() / 2**30
         if not (images.size and image.isfinite().all()):
             raise FluxtrtError("the VAE produced NaN/Inf; rebuild the VAE in fp32 (`--precision vae_decoder=fp32`)")
         return Result(images, timings, trace_latents)
+
+
+class CudaGraphStep:
+    """The transformer step captured as a CUDA graph for one set of shapes and replayed every step. Its
+    static input buffers are allocated once per shape; a step only copies latents and timestep into them."""
+
+    PER_STEP = ("hidden_states", "timestep")
+
+    def __init__(self, executor, feeds: dict, stream):
+        import torch
+
+        self.static = {k: v.clone() for k, v in feeds.items()}
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up outside the graph (allocator, lazy init)
+                executor.infer(self.static)
+        stream.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=stream):
+            self.out = executor.infer(self.static)["noise_pred"]
+
+    def set_call_inputs(self, feeds: dict) -> None:
+        for k, v in feeds.items():
+            if k not in self.PER_STEP:
+                self.static[k].copy_(v)
+
+    def __call__(self, latents, timestep):
+        self.static["hidden_states"].copy_(latents)
+        self.static["timestep"].copy_(timestep)
+        self.graph.replay()
+        return self.out
+
+
+def _sync_guard(dev, enabled: bool):
+    """torch.cuda.set_sync_debug_mode("error") around the loop when asked: a hidden sync raises."""
+    import contextlib
+
+    if not enabled or dev.type != "cuda":
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def guard():
+        import torch
+
+        old = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(old)
+
+    return guard()
 
 
 def _json(path: Path) -> dict:

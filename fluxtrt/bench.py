@@ -1,0 +1,165 @@
+"""`fluxtrt bench`: per-component latency, end-to-end seconds per image, images per minute and peak device
+memory for fluxtrt's pipeline, and the same measured on diffusers' FluxPipeline in the same process.
+Device timings use CUDA events, CPU timings a monotonic clock; every number is a median over `runs` runs
+after `warmup` runs, with min and max as spread; ratios are computed from numbers of the same run."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+PROMPT = "a photo of a red fox sitting in fresh snow, morning light, 85mm"
+
+
+@dataclass
+class Measure:
+    median: float
+    min: float
+    max: float
+
+    @classmethod
+    def of(cls, values):
+        values = list(values)
+        return cls(statistics.median(values), min(values), max(values))
+
+
+@dataclass
+class Row:
+    system: str  # "fluxtrt (<backend>)" or "diffusers"
+    height: int
+    width: int
+    batch: int
+    steps: int
+    text_encoders_s: Measure
+    transformer_step_s: Measure
+    vae_decode_s: Measure
+    end_to_end_s: Measure
+    seconds_per_image: float
+    images_per_minute: float
+    outside_transformer_share: float  # of end-to-end time: text encoders, scheduler, VAE, Python
+    peak_memory_gb: float | None
+    ratios: dict = field(default_factory=dict)  # diffusers time / ours, per measure (> 1: we are faster)
+
+
+def _peak_gb(device) -> float | None:
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+
+
+def _sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench_fluxtrt(pipe, label: str, h: int, w: int, batch: int, steps: int, runs: int, warmup: int) -> Row:
+    import torch
+
+    prompts = [PROMPT] * batch
+    samples = []
+    for k in range(warmup + runs):
+        pipe._embeds.clear()  # time the text encoders every run
+        if pipe.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        _sync(pipe.device)
+        res = pipe.generate(prompts, h, w, steps, seed=k)
+        if k >= warmup:
+            samples.append(res.timings)
+    total = Measure.of(t.total for t in samples)
+    inside = statistics.median(sum(t.steps) for t in samples)
+    return Row(label, h, w, batch, steps, Measure.of(t.text_encoders for t in samples),
+               Measure.of(statistics.median(t.steps) for t in samples), Measure.of(t.vae for t in samples), total,
+               total.median / batch, 60 * batch / total.median, 1 - inside / total.median,
+               max((t.peak_memory_gb or 0) for t in samples) if samples[0].peak_memory_gb is not None else None)
+
+
+class _CallTimer:
+    """Times every call of a module with hooks: CUDA events on the GPU (read after the run), else the clock."""
+
+    def __init__(self, module, device):
+        self.device, self.marks = device, []
+        self.handles = [module.register_forward_pre_hook(lambda *a: self._mark()),
+                        module.register_forward_hook(lambda *a: self._mark())]
+
+    def _mark(self):
+        import torch
+
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append(ev)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def take(self) -> list[float]:
+        _sync(self.device)
+        pairs = list(zip(self.marks[0::2], self.marks[1::2]))
+        self.marks = []
+        if self.device.type == "cuda":
+            return [a.elapsed_time(b) / 1000 for a, b in pairs]
+        return [b - a for a, b in pairs]
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def bench_diffusers(dpipe, geo, h: int, w: int, batch: int, steps: int, runs: int, warmup: int, device) -> Row:
+    import torch
+
+    timers = {"transformer": _CallTimer(dpipe.transformer, device), "vae": _CallTimer(dpipe.vae.decoder, device),
+              "clip": _CallTimer(dpipe.text_encoder, device), "t5": _CallTimer(dpipe.text_encoder_2, device)}
+    rows = []
+    try:
+        for k in range(warmup + runs):
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            _sync(device)
+            t0 = time.perf_counter()
+            dpipe([PROMPT] * batch, height=h, width=w, num_inference_steps=steps, guidance_scale=3.5,
+                  max_sequence_length=geo.t5_length, generator=torch.Generator().manual_seed(k), output_type="np")
+            _sync(device)
+            total = time.perf_counter() - t0
+            t = {name: tm.take() for name, tm in timers.items()}
+            if k >= warmup:
+                rows.append((total, sum(t["clip"]) + sum(t["t5"]), t["transformer"], sum(t["vae"]), _peak_gb(device)))
+    finally:
+        for tm in timers.values():
+            tm.close()
+    total = Measure.of(r[0] for r in rows)
+    inside = statistics.median(sum(r[2]) for r in rows)
+    return Row("diffusers", h, w, batch, steps, Measure.of(r[1] for r in rows),
+               Measure.of(statistics.median(r[2]) for r in rows), Measure.of(r[3] for r in rows), total,
+               total.median / batch, 60 * batch / total.median, 1 - inside / total.median, rows[0][4])
+
+
+def add_ratios(ours: Row, base: Row) -> None:
+    for key in ("text_encoders_s", "transformer_step_s", "vae_decode_s", "end_to_end_s"):
+        ours.ratios[key] = getattr(base, key).median / max(getattr(ours, key).median, 1e-12)
+
+
+def to_json(rows: list[Row], meta: dict) -> dict:
+    return {"meta": meta, "rows": [asdict(r) for r in rows]}
+
+
+def plot(rows: list[Row], path) -> None:
+    """A PNG bar chart: end-to-end seconds per image and transformer step, per system and size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r.system}\n{r.width}x{r.height} b{r.batch}" for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(max(6, 1.6 * len(rows)), 4))
+    axes[0].bar(labels, [r.seconds_per_image for r in rows], color="tab:blue")
+    axes[0].set_title("seconds per image (end to end)")
+    axes[1].bar(labels, [r.transformer_step_s.median * 1000 for r in rows], color="tab:orange")
+    axes[1].set_title("transformer step (ms)")
+    for ax in axes:
+        ax.tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=100)
+    plt.close(fig)
