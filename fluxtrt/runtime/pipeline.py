@@ -224,10 +224,10 @@ class FluxEngines:
 
         with self._on_stream():
             pooled, text = self.encode_prompts(prompts)
+        timings.text_encoders = _elapsed(t_start, dev)  # synchronizes: the encoders are done with their weights
         if self.low_vram:
             self.executors["clip"].deactivate()
             self.executors["t5"].deactivate()
-        timings.text_encoders = _elapsed(t_start, dev)
 
         generator = torch.Generator("cpu").manual_seed(seed)
         latents = fm.initial_noise(batch, geo.latent_channels, height, width, geo.vae_scale_factor, generator)
@@ -260,18 +260,19 @@ class FluxEngines:
             self.executors["transformer"].deactivate()
 
         t_vae = time.perf_counter()
-        lat = fm.unpack_latents(latents, height, width, geo.vae_scale_factor)
-        lat = fm.latents_for_vae(lat, self.scaling_factor, self.shift_factor)
-        with self._on_stream():
+        with self._on_stream():  # all device work, including unpacking, on the one stream
+            lat = fm.unpack_latents(latents, height, width, geo.vae_scale_factor)
+            lat = fm.latents_for_vae(lat, self.scaling_factor, self.shift_factor)
             image = self.executors["vae_decoder"].infer({"latent": lat})["image"].float()
-        images = fm.to_uint8(image)
-        if self.low_vram:
+            images = fm.to_uint8(image)  # the copy to the host is ordered after the decode on our stream
+            finite = bool(image.isfinite().all())
+        if self.low_vram:  # finite/uint8 above waited for the decode
             self.executors["vae_decoder"].deactivate()
         timings.vae = time.perf_counter() - t_vae
         timings.total = time.perf_counter() - t_start
         if dev.type == "cuda":
             timings.peak_memory_gb = torch.cuda.max_memory_allocated() / 2**30
-        if not (images.size and image.isfinite().all()):
+        if not (images.size and finite):
             raise FluxtrtError("the VAE produced NaN/Inf; rebuild the VAE in fp32 (`--precision vae_decoder=fp32`)")
         return Result(images, timings, trace_latents)
 
