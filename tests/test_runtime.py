@@ -223,3 +223,78 @@ def test_tensorrt_executor_checks_engine_validity_before_loading(fp32_engines):
     (engines / "bad.engine").write_bytes(b"x" * 100)
     with pytest.raises(ManifestError, match="does not match the manifest's sha256"):
         TensorRTExecutor("clip", entry, engines / "bad.engine", TensorRTRTX()).activate()
+
+
+def test_torch_executor_on_cpu_matches_diffusers(tiny_schnell):
+    """The torch backend runs the same pipeline over the PyTorch modules (here fp32 on the CPU)."""
+    prompts, h, w, steps, seed = ["a bowl of ramen"], 256, 384, 4, 5
+    pipe = FluxEngines(None, "torch", model=tiny_schnell, torch_dtype="fp32", device="cpu")
+    ours = pipe.generate(prompts, h, w, steps, seed=seed, trace=True)
+    ref, latents = reference(tiny_schnell, prompts, h, w, steps, 3.5, seed)
+    assert max(float((a - b).abs().max()) for a, b in zip(ours.latents_per_step, latents)) < 1e-4
+    assert int(np.abs(ours.images.astype(int) - ref.astype(int)).max()) <= MAX_UINT8_DIFF
+
+
+def test_fallback_mixes_engines_and_torch(fp32_engines):
+    from fluxtrt.runtime.executors import OnnxRuntimeExecutor, TorchExecutor
+
+    src, engines = fp32_engines("tiny-schnell")
+    pipe = FluxEngines(engines, "onnxruntime", fallback=["transformer"], torch_dtype="fp32", device="cpu")
+    assert isinstance(pipe.executors["transformer"], TorchExecutor)
+    assert isinstance(pipe.executors["clip"], OnnxRuntimeExecutor)
+    mixed = pipe.generate(["a cat"], 256, 256, 2, seed=4)
+    plain = FluxEngines(engines, "onnxruntime").generate(["a cat"], 256, 256, 2, seed=4)
+    assert int(np.abs(mixed.images.astype(int) - plain.images.astype(int)).max()) <= MAX_UINT8_DIFF
+    with pytest.raises(Exception, match="--fallback takes"):
+        FluxEngines(engines, "onnxruntime", fallback=["unet"])
+
+
+def test_auto_backend_choice(fp32_engines, monkeypatch):
+    from fluxtrt.cli import _pick_backend
+
+    _, engines = fp32_engines("tiny-schnell")
+    monkeypatch.setattr("fluxtrt.build.backends.local_gpu_capabilities", lambda: [])
+    assert _pick_backend("auto", engines) == ("onnxruntime", [])
+    monkeypatch.setattr("fluxtrt.build.backends.local_gpu_capabilities", lambda: ["9.0"])  # an H100/H200
+    assert _pick_backend("auto", engines) == ("torch", [])  # TensorRT-RTX refuses sm90: PyTorch on the GPU
+    monkeypatch.setattr("fluxtrt.build.backends.local_gpu_capabilities", lambda: ["8.9"])
+    assert _pick_backend("auto", engines) == ("tensorrt", [])
+
+
+def test_cli_bench_json_and_plot(fp32_engines, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from fluxtrt.cli import app
+
+    _, engines = fp32_engines("tiny-schnell")
+    res = CliRunner().invoke(app, ["bench", "--engines", str(engines), "--backend", "onnxruntime", "--sizes", "256",
+                                   "--batch", "1,2", "--steps", "2", "--runs", "2", "--warmup", "0",
+                                   "--baseline", "diffusers", "--json", str(tmp_path / "b.json"),
+                                   "--plot", str(tmp_path / "b.png")])
+    assert res.exit_code == 0, res.output
+    data = json.loads((tmp_path / "b.json").read_text())
+    rows = data["rows"]
+    assert [r["system"] for r in rows] == ["fluxtrt (onnxruntime)", "diffusers"] * 2
+    assert [r["batch"] for r in rows] == [1, 1, 2, 2]
+    for ours, base in zip(rows[0::2], rows[1::2]):
+        for key in ("text_encoders_s", "transformer_step_s", "vae_decode_s", "end_to_end_s"):
+            assert 0 < ours[key]["min"] <= ours[key]["median"] <= ours[key]["max"]
+            assert base[key]["median"] > 0
+            assert ours["ratios"][key] == pytest.approx(base[key]["median"] / ours[key]["median"])
+        assert ours["images_per_minute"] == pytest.approx(60 * ours["batch"] / ours["end_to_end_s"]["median"])
+        assert 0 < ours["outside_transformer_share"] < 1
+    assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert data["meta"]["backend"] == "onnxruntime" and data["meta"]["steps"] == 2
+
+
+def test_random_architecture_is_full_size():
+    from fluxtrt.models.source import resolve_model
+
+    src = resolve_model("random:flux.1-dev")
+    geo = src.geometry
+    assert (geo.t5_hidden, geo.clip_hidden, geo.in_channels, geo.latent_channels, geo.t5_length) == (4096, 768, 64, 16, 512)
+    assert src.random_weights and resolve_model("random:flux.1-schnell").variant == "schnell"
+    vae = src.load_component("vae", torch.float32)  # 84M parameters: small enough for the CPU
+    assert sum(p.numel() for p in vae.parameters()) > 80e6
