@@ -176,14 +176,17 @@ def build(
                                       progress=lambda n, p: bar.update(tasks[n], phase=p))
     table = Table(title=f"{cfg.key}: {manifest['backend']} {manifest['backend_version']} for "
                         f"sm{cfg.compute_capability.replace('.', '')}, model {source.id} ({source.variant}) -> {out_dir / cfg.key}")
-    for col in ("component", "precision", "export", "optimize", "build", "layers", "engine size", "seconds"):
+    for col in ("component", "precision", "export", "optimize", "build", "layers", "engine size", "seconds",
+                "bytes written", "peak RSS"):
         table.add_column(col)
     by = {(r.component, r.stage): r for r in results}
     for name in tasks:
         e = manifest["components"][name]
         stages = [by[(name, s)] for s in ("export", "optimize", "build")]
-        table.add_row(name, e["precision"], *(r.status for r in stages), str(e["layers"]), _human(e["bytes"]),
-                      f"{sum(r.seconds for r in stages):.1f}")
+        table.add_row(name, e["precision"], *(f"{r.status} {r.seconds:.1f}s" if r.status == "built" else r.status
+                                              for r in stages), str(e["layers"]), _human(e["bytes"]),
+                      f"{sum(r.seconds for r in stages):.1f}", _human(sum(r.bytes_written for r in stages)),
+                      f"{max(r.peak_rss_mb for r in stages):.0f} MB")
     out.print(table)
     if all(r.status == "reused" for r in results):
         out.print("Nothing to do: every engine is up to date (use --force to rebuild).")
@@ -260,13 +263,26 @@ def _pick_backend(backend: str, engines: Optional[Path]) -> tuple[str, list[str]
 
     try:
         check_gpu_for(manifest, get_backend(manifest["backend"]))
-        return "tensorrt", missing
     except FluxtrtError as e:
         if local_gpu_capabilities():
             console.print(f"[yellow]note:[/] running the PyTorch modules on this GPU instead ({e})", highlight=False)
             return "torch", missing
         console.print(f"[yellow]note:[/] using ONNX Runtime on the engines' source ONNX ({e})", highlight=False)
         return "onnxruntime", missing
+    too_big = engines_that_do_not_fit(manifest, missing)
+    if too_big:
+        console.print(f"[yellow]note:[/] {', '.join(too_big)} engine(s) do not fit the free GPU memory and were "
+                      "not built with weight streaming: running them with PyTorch on the CPU", highlight=False)
+    return "tensorrt", missing + [f"{c}@cpu" for c in too_big]
+
+
+def engines_that_do_not_fit(manifest: dict, skip=()) -> list[str]:
+    """Components whose engine is larger than the GPU's free memory (weight-streaming engines excepted)."""
+    import torch
+
+    free = torch.cuda.mem_get_info()[0]
+    return [c for c, e in manifest["components"].items()
+            if c not in skip and c != "vae_encoder" and not e.get("weight_streaming") and e["bytes"] > free]
 
 
 @app.command()

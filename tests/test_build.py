@@ -58,6 +58,12 @@ def check_manifest(root, src, cfg, manifest):
         for inp, (lo, opt, hi) in want.items():
             assert e["profile"][inp] == {"min": list(lo), "opt": list(opt), "max": list(hi)}, (name, inp)
         assert e["layers"] > 10 and e["build_seconds"] > 0 and e["peak_rss_mb"] > 100
+        # footprint per stage: wall time, bytes written, peak RSS (as measured when the stage ran)
+        assert set(e["stages"]) == {"export", "optimize", "build"}
+        for st in e["stages"].values():
+            if st["status"] == "built":
+                assert st["seconds"] > 0 and st["bytes_written"] > 0 and st["peak_rss_mb"] > 100
+        assert e["stages"]["build"]["bytes_written"] in (0, e["bytes"])
         assert e["weight_streaming"] == (name in cfg.weight_streaming)
         dtypes = {i["name"]: i["dtype"] for i in e["inputs"]}
         float_in = [t.name for t in spec.inputs if t.is_float]

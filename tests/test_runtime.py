@@ -258,6 +258,7 @@ def test_auto_backend_choice(fp32_engines, monkeypatch):
     monkeypatch.setattr("fluxtrt.build.backends.local_gpu_capabilities", lambda: ["9.0"])  # an H100/H200
     assert _pick_backend("auto", engines) == ("torch", [])  # TensorRT-RTX refuses sm90: PyTorch on the GPU
     monkeypatch.setattr("fluxtrt.build.backends.local_gpu_capabilities", lambda: ["8.9"])
+    monkeypatch.setattr("torch.cuda.mem_get_info", lambda: (24 << 30, 24 << 30))
     assert _pick_backend("auto", engines) == ("tensorrt", [])
 
 
@@ -298,3 +299,25 @@ def test_random_architecture_is_full_size():
     assert src.random_weights and resolve_model("random:flux.1-schnell").variant == "schnell"
     vae = src.load_component("vae", torch.float32)  # 84M parameters: small enough for the CPU
     assert sum(p.numel() for p in vae.parameters()) > 80e6
+
+
+def test_engine_that_does_not_fit_falls_back_to_cpu(fp32_engines, monkeypatch):
+    from fluxtrt.build.manifest import read_manifest
+    from fluxtrt.cli import _pick_backend
+    from fluxtrt.runtime.executors import TorchExecutor
+
+    _, engines = fp32_engines("tiny-schnell")
+    manifest = read_manifest(engines)
+    comps = manifest["components"]
+    free = comps["vae_decoder"]["bytes"] - 1  # the VAE decoder engine is 1 byte too big
+    assert comps["transformer"]["weight_streaming"] and comps["transformer"]["bytes"] < free
+    monkeypatch.setattr("fluxtrt.build.backends.local_gpu_capabilities", lambda: ["8.9"])
+    monkeypatch.setattr("torch.cuda.mem_get_info", lambda: (free, 2 * free))
+    backend, fallback = _pick_backend("auto", engines)
+    assert backend == "tensorrt" and fallback == ["vae_decoder@cpu"]
+    monkeypatch.setattr("torch.cuda.mem_get_info", lambda: (1000, 2000))  # nothing fits...
+    _, fallback = _pick_backend("auto", engines)
+    assert "transformer@cpu" not in fallback  # ...but weight streaming lets the transformer run anyway
+    pipe = FluxEngines(engines, "onnxruntime", fallback=["vae_decoder@cpu"], device="cpu")
+    ex = pipe.executors["vae_decoder"]
+    assert isinstance(ex, TorchExecutor) and ex.device.type == "cpu" and ex.dtype_name == "fp32"

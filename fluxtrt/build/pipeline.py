@@ -32,10 +32,22 @@ from .manifest import MANIFEST, SCHEMA, read_manifest
 @dataclass
 class StageResult:
     component: str
-    stage: str  # "export" or "build"
+    stage: str  # "export", "optimize" or "build"
     status: str  # "built", "reused"
     seconds: float
     detail: str = ""
+    bytes_written: int = 0
+    peak_rss_mb: float = 0.0  # the process's peak RSS when the stage ended (a running maximum)
+
+    def footprint(self) -> dict:
+        return {"status": self.status, "seconds": round(self.seconds, 3), "bytes_written": self.bytes_written,
+                "peak_rss_mb": round(self.peak_rss_mb, 1)}
+
+
+def _files_bytes(onnx_path: Path) -> int:
+    """Bytes of an ONNX file and its external data."""
+    data = Path(f"{onnx_path}.data")
+    return onnx_path.stat().st_size + (data.stat().st_size if data.exists() else 0)
 
 
 def onnx_dir_for(out_root: Path, source: ModelSource, dtype: str) -> Path:
@@ -78,7 +90,8 @@ def _ensure_export(source, component, out_root, force, on_phase):
     spec = specs_for(source.geometry, [component])[component]
     res = export_component(source, spec, folder, "fp32", validate=True, on_phase=on_phase)
     write_export_info(folder, source, "fp32", DEFAULT_OPSET, [res])
-    return res.path, StageResult(component, "export", "built", res.seconds, f"max rel err {res.max_rel_err:.1e}")
+    return res.path, StageResult(component, "export", "built", res.seconds, f"max rel err {res.max_rel_err:.1e}",
+                                 res.bytes, peak_rss_mb())
 
 
 OPTIMIZE_INFO = "optimize.json"
@@ -116,7 +129,8 @@ def _ensure_optimized(source, component, dtype, fp32_path, out_root, force, on_p
     write_json_atomic(info_path, info)
     seconds = time.perf_counter() - t0
     return report.path, StageResult(component, "optimize", "built", seconds,
-                                    f"{report.rows[0][1]} -> {report.rows[-1][2]} nodes, max rel err {check.max_rel_err:.1e}")
+                                    f"{report.rows[0][1]} -> {report.rows[-1][2]} nodes, max rel err {check.max_rel_err:.1e}",
+                                    _files_bytes(report.path), peak_rss_mb())
 
 
 ASSET_DIRS = ("tokenizer", "tokenizer_2", "scheduler")
@@ -195,23 +209,25 @@ def build_gpu(source: ModelSource, cfg: GpuConfig, out_root: Path, components=No
                     and sha256_file(engine_path) == prev.get("sha256")):
                 results.append(StageResult(name, "build", "reused", 0.0, "same ONNX, config and backend"))
                 progress(name, "reused")
-                continue
+                continue  # the manifest keeps the footprint measured when the engine was built
             progress(name, "build")
             t0 = time.perf_counter()
             built = build_engine(backend, onnx_path, spec, geo, rng, cfg.compute_capability, ws,
                                  cfg.builder_optimization_level, gpu_dir / "timing.cache", log)
             seconds = time.perf_counter() - t0
             write_bytes_atomic(engine_path, built.data)
+            results.append(StageResult(name, "build", "built", seconds, f"{built.layers} layers", len(built.data),
+                                       peak_rss_mb()))
             manifest["components"][name] = {
                 "engine": engine_path.name, "sha256": sha256_file(engine_path), "bytes": len(built.data),
                 "precision": dtype, "onnx": str(onnx_path.relative_to(Path(out_root))), "onnx_sha256": onnx_sha,
                 "build_key": key, "weight_streaming": ws, "layers": built.layers,
                 "inputs": built.inputs, "outputs": built.outputs, "profile": built.profile,
                 "build_seconds": round(seconds, 3), "peak_rss_mb": round(peak_rss_mb(), 1),
+                "stages": {r.stage: r.footprint() for r in results[-3:]},
             }
             write_json_atomic(gpu_dir / MANIFEST, manifest)
             log.write(f"built {name}: {built.layers} layers, {len(built.data)} bytes, {seconds:.1f} s\n")
-            results.append(StageResult(name, "build", "built", seconds, f"{built.layers} layers"))
             progress(name, "done")
     write_json_atomic(gpu_dir / MANIFEST, manifest)
     return manifest, results

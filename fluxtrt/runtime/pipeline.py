@@ -76,7 +76,9 @@ class FluxEngines:
         self.scheduler_config = _json(assets / "scheduler" / "scheduler_config.json")
         vae = _json(assets / "vae" / "config.json")
         self.scaling_factor, self.shift_factor = vae["scaling_factor"], vae.get("shift_factor") or 0.0
-        torch_names = set(RUN_COMPONENTS) if backend == "torch" else set(fallback)
+        # "name@cpu" runs that component's PyTorch module on the CPU (an engine that does not fit the GPU)
+        on_cpu = {f.split("@")[0] for f in fallback if f.endswith("@cpu")}
+        torch_names = set(RUN_COMPONENTS) if backend == "torch" else {f.split("@")[0] for f in fallback}
         unknown = torch_names - set(RUN_COMPONENTS)
         if unknown:
             raise FluxtrtError(f"--fallback takes {', '.join(RUN_COMPONENTS)}; got {', '.join(sorted(unknown))}")
@@ -88,7 +90,10 @@ class FluxEngines:
             device = device or ("cuda" if torch.cuda.is_available() else "cpu")
             specs = specs_for(self.geo, sorted(torch_names))
             for name in torch_names:
-                self.executors[name] = TorchExecutor(name, model, specs[name], device, torch_dtype, compile)
+                dev_name = "cpu" if name in on_cpu else device
+                self.executors[name] = TorchExecutor(name, model, specs[name], dev_name,
+                                                     "fp32" if dev_name == "cpu" and name in on_cpu else torch_dtype,
+                                                     compile)
         engine_names = [n for n in RUN_COMPONENTS if n not in torch_names]
         self.stream = None
         if engine_names and backend == "tensorrt":
