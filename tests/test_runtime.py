@@ -321,3 +321,15 @@ def test_engine_that_does_not_fit_falls_back_to_cpu(fp32_engines, monkeypatch):
     pipe = FluxEngines(engines, "onnxruntime", fallback=["vae_decoder@cpu"], device="cpu")
     ex = pipe.executors["vae_decoder"]
     assert isinstance(ex, TorchExecutor) and ex.device.type == "cpu" and ex.dtype_name == "fp32"
+
+
+def test_shared_activation_buffer_grows_to_the_largest_engine():
+    """Buffer planning of the TensorRT executor (the logic runs on any device; on a GPU it is CUDA memory)."""
+    from fluxtrt.runtime.executors import SharedActivations
+
+    shared = SharedActivations(device="cpu")
+    p1 = shared.pointer(1000)
+    assert shared.pointer(10) == p1 and shared.buffer.numel() == 1000  # smaller engines reuse it
+    shared.pointer(5000)
+    assert shared.buffer.numel() == 5000  # a larger engine grows it once
+    assert shared.pointer(4000) == shared.pointer(5000)

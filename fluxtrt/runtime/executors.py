@@ -162,6 +162,11 @@ class TensorRTExecutor(Executor):
                 rc.set_execution_context_allocation_strategy(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
             if self.cuda_graph:
                 rc.cuda_graph_strategy = trt.CudaGraphStrategy.WHOLE_GRAPH_CAPTURE
+            if hasattr(rc, "create_runtime_cache"):  # TensorRT-RTX: JIT kernels cached per GPU, kept on disk
+                self.runtime_cache = rc.create_runtime_cache()
+                if self.runtime_cache_path.exists():
+                    self.runtime_cache.deserialize(self.runtime_cache_path.read_bytes())  # rejected if stale
+                rc.set_runtime_cache(self.runtime_cache)
             context = engine.create_execution_context(rc)
         elif self.shared_memory is not None:
             context = engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
@@ -173,7 +178,19 @@ class TensorRTExecutor(Executor):
     def memory_size(self) -> int:
         return int(self.engine.device_memory_size_v2) if self.engine is not None else 0
 
+    @property
+    def runtime_cache_path(self) -> Path:
+        return self.engine_path.with_suffix(".runtime.cache")
+
+    def save_runtime_cache(self) -> None:
+        from ..fileio import write_bytes_atomic
+
+        cache = getattr(self, "runtime_cache", None)
+        if cache is not None:
+            write_bytes_atomic(self.runtime_cache_path, bytes(cache.serialize()))
+
     def deactivate(self) -> None:
+        self.save_runtime_cache()
         self.context = self.engine = None
         self._outputs.clear()
         self.active = False
@@ -214,16 +231,19 @@ def _dtype_of(entry: dict, name: str) -> str:
 
 
 class SharedActivations:
-    """One device buffer for all engines' activations, grown to the largest one (engines run one at a time)."""
+    """One device buffer for all engines' activations, grown to the largest one (engines run one at a time
+    on one stream, so they can share it)."""
 
-    def __init__(self):
+    def __init__(self, device: str = "cuda"):
         self.buffer = None
+        self.device = device
 
     def pointer(self, size: int) -> int:
         import torch
 
         if self.buffer is None or self.buffer.numel() < size:
-            self.buffer = torch.empty(max(size, 1), dtype=torch.uint8, device="cuda")
+            self.buffer = None  # free the smaller one first
+            self.buffer = torch.empty(max(size, 1), dtype=torch.uint8, device=self.device)
         return self.buffer.data_ptr()
 
 

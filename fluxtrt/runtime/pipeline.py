@@ -277,6 +277,9 @@ class FluxEngines:
         timings.total = time.perf_counter() - t_start
         if dev.type == "cuda":
             timings.peak_memory_gb = torch.cuda.max_memory_allocated() / 2**30
+        for ex in self.executors.values():  # persist TensorRT-RTX's JIT kernel cache for the next run
+            if isinstance(ex, TensorRTExecutor) and ex.active:
+                ex.save_runtime_cache()
         if not (images.size and finite):
             raise FluxtrtError("the VAE produced NaN/Inf; rebuild the VAE in fp32 (`--precision vae_decoder=fp32`)")
         return Result(images, timings, trace_latents)
