@@ -58,6 +58,12 @@ def friendly(fn):
 
             console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
+        except OSError as e:
+            if e.errno != 28 or _STATE["debug"]:  # ENOSPC: say which file and what to do
+                raise
+            console.print(f"[bold red]error:[/] no space left on the device while writing {e.filename or 'a file'}; "
+                          "free some space or use --out on another disk (nothing half-written was kept)")
+            raise typer.Exit(2) from None
         except KeyboardInterrupt:
             console.print("[yellow]interrupted[/]: nothing half-written was left behind")
             raise typer.Exit(130) from None

@@ -64,6 +64,7 @@ def write_json_atomic(path: Path, obj) -> None:
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    check_space(path, len(data))
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -82,3 +83,53 @@ def peak_rss_mb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class DiskFullError(OSError):
+    pass
+
+
+def check_space(path: Path, needed: int) -> None:
+    """Refuse before writing `needed` bytes where the disk has less free."""
+    from .errors import FluxtrtError
+
+    free = shutil.disk_usage(Path(path).parent).free
+    if needed > free:
+        raise FluxtrtError(f"not enough disk space for {path}: {needed / 1e6:.1f} MB needed, {free / 1e6:.1f} MB free; "
+                           "free some space or write elsewhere with --out")
+
+
+@contextlib.contextmanager
+def exclusive_lock(folder: Path, what: str = "fluxtrt build"):
+    """One writer per output folder: a second build into it fails at once with a clear message (the kernel
+    releases the lock if the holder dies, so a killed build never blocks the next one)."""
+    import fcntl
+
+    from .errors import FluxtrtError
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    lock_path = folder / ".fluxtrt.lock"
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            raise FluxtrtError(f"another {what} (pid {holder}) is writing to {folder}; wait for it to finish "
+                               "or use another --out") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def remove_stale_staging(folder: Path) -> int:
+    """Staging folders left by a killed run (only call while holding the folder's lock)."""
+    n = 0
+    for tmp in Path(folder).rglob(".tmp-*"):
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+            n += 1
+    return n

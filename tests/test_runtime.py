@@ -333,3 +333,15 @@ def test_shared_activation_buffer_grows_to_the_largest_engine():
     shared.pointer(5000)
     assert shared.buffer.numel() == 5000  # a larger engine grows it once
     assert shared.pointer(4000) == shared.pointer(5000)
+
+
+def test_nan_from_a_component_is_reported_by_name(fp32_engines):
+    from fluxtrt.runtime.pipeline import NonFiniteError
+
+    _, engines = fp32_engines("tiny-schnell")
+    pipe = FluxEngines(engines, "onnxruntime")
+    ex = pipe.executors["t5"]
+    orig = ex.infer
+    ex.infer = lambda feeds: {k: v * float("nan") for k, v in orig(feeds).items()}
+    with pytest.raises(NonFiniteError, match="t5 produced NaN/Inf .*--precision t5=bf16"):
+        pipe.generate(["a cat"], 256, 256, 2)

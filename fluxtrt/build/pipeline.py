@@ -21,7 +21,8 @@ from .. import __version__
 from ..components import specs_for
 from ..export import EXPORT_INFO, DEFAULT_OPSET, export_component, write_export_info
 from ..errors import FluxtrtError
-from ..fileio import peak_rss_mb, sha256_file, sha256_json, write_bytes_atomic, write_json_atomic
+from ..fileio import (exclusive_lock, peak_rss_mb, remove_stale_staging, sha256_file, sha256_json,
+                      write_bytes_atomic, write_json_atomic)
 from ..gpus import GpuConfig
 from ..models.source import ModelSource
 from .backends import get_backend
@@ -177,6 +178,12 @@ def build_gpu(source: ModelSource, cfg: GpuConfig, out_root: Path, components=No
     rng = cfg.shape_range(static)
     gpu_dir = Path(out_root) / cfg.key
     gpu_dir.mkdir(parents=True, exist_ok=True)
+    with exclusive_lock(Path(out_root)):
+        remove_stale_staging(Path(out_root))
+        return _build_locked(source, cfg, out_root, gpu_dir, backend, geo, specs, rng, force, progress)
+
+
+def _build_locked(source, cfg, out_root, gpu_dir, backend, geo, specs, rng, force, progress):
     old = read_manifest(gpu_dir, required=False) or {}
     if old.get("model", {}).get("hash") not in (None, source.content_hash):
         old = {}  # another model was built here before: nothing of it can be reused

@@ -26,6 +26,16 @@ class RequestError(FluxtrtError):
     """A generation request the engines cannot serve (size, steps, batch)."""
 
 
+class NonFiniteError(FluxtrtError):
+    """A component produced NaN or Inf."""
+
+
+def _check_finite(t, component: str) -> None:
+    if not bool(t.isfinite().all()):
+        raise NonFiniteError(f"{component} produced NaN/Inf (fp16 overflow?); build it in bf16 "
+                             f"(`fluxtrt build --precision {component}=bf16`) or run it in fp32")
+
+
 @dataclass
 class Timings:
     text_encoders: float = 0.0
@@ -230,6 +240,8 @@ class FluxEngines:
         with self._on_stream():
             pooled, text = self.encode_prompts(prompts)
         timings.text_encoders = _elapsed(t_start, dev)  # synchronizes: the encoders are done with their weights
+        _check_finite(pooled, "clip")
+        _check_finite(text, "t5")
         if self.low_vram:
             self.executors["clip"].deactivate()
             self.executors["t5"].deactivate()
@@ -261,6 +273,7 @@ class FluxEngines:
                     if trace:
                         trace_latents.append(latents.detach().to("cpu", copy=True))
         timings.steps = _intervals(step_marks, dev)
+        _check_finite(latents, "transformer")  # after the loop: the loop itself never reads the device
         if self.low_vram:
             self.executors["transformer"].deactivate()
 
@@ -281,7 +294,7 @@ class FluxEngines:
             if isinstance(ex, TensorRTExecutor) and ex.active:
                 ex.save_runtime_cache()
         if not (images.size and finite):
-            raise FluxtrtError("the VAE produced NaN/Inf; rebuild the VAE in fp32 (`--precision vae_decoder=fp32`)")
+            raise NonFiniteError("vae_decoder produced NaN/Inf; build it in fp32 (`--precision vae_decoder=fp32`)")
         return Result(images, timings, trace_latents)
 
 
