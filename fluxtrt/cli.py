@@ -158,8 +158,12 @@ def build(
     precision: Optional[list[str]] = typer.Option(None, "--precision", "-p", help="Override the config's precision: `bf16` for all, or `transformer=fp16,t5=bf16`."),
     static_shape: Optional[bool] = typer.Option(None, "--static-shape/--dynamic-shape", help="Pin the profile to the config's opt batch and resolution (default: the config's choice)."),
     force: bool = typer.Option(False, "--force", help="Rebuild every stage even if its inputs are unchanged."),
+    calibration_size: int = typer.Option(32, "--calibration-size", help="fp8: prompts from the calibration file."),
+    calibration_steps: int = typer.Option(4, "--calibration-steps", help="fp8: denoising steps per calibration prompt."),
+    calibration_prompts: Optional[Path] = typer.Option(None, "--calibration-prompts", help="fp8: prompt file (default calibration/prompts.txt)."),
 ):
-    """Export, then build serialized TensorRT engines for one GPU, reusing every unchanged stage."""
+    """Export, optimize (and quantize), then build serialized TensorRT engines for one GPU, reusing every
+    unchanged stage."""
     _quiet_libraries()
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from rich.table import Table
@@ -179,7 +183,9 @@ def build(
                   TimeElapsedColumn(), console=console) as bar:
         tasks = {n: bar.add_task(n, phase="waiting") for n in specs_for(source.geometry, names)}
         manifest, results = build_gpu(source, cfg, out_dir, names, static_shape, force,
-                                      progress=lambda n, p: bar.update(tasks[n], phase=p))
+                                      progress=lambda n, p: bar.update(tasks[n], phase=p),
+                                      calibration={"size": calibration_size, "steps": calibration_steps,
+                                                   "prompts_file": calibration_prompts})
     table = Table(title=f"{cfg.key}: {manifest['backend']} {manifest['backend_version']} for "
                         f"sm{cfg.compute_capability.replace('.', '')}, model {source.id} ({source.variant}) -> {out_dir / cfg.key}")
     for col in ("component", "precision", "export", "optimize", "build", "layers", "engine size", "seconds",
@@ -197,6 +203,44 @@ def build(
     if all(r.status == "reused" for r in results):
         out.print("Nothing to do: every engine is up to date (use --force to rebuild).")
     out.print(f"manifest: {out_dir / cfg.key / 'manifest.json'}; log: {out_dir / cfg.key / 'build.log'}")
+
+
+@app.command()
+@friendly
+def calibrate(
+    model: str = typer.Option("tiny", "--model", "-m", help=MODEL_HELP),
+    out_dir: Path = typer.Option(Path("engines"), "--out", "-o", help="Output root (the cache goes to OUT/calibration/)."),
+    recipe: str = typer.Option("fp8", "--recipe", help="Recipe to calibrate for (fp8; weight-only recipes need none)."),
+    size: int = typer.Option(32, "--calibration-size", help="Prompts used from the file."),
+    steps: int = typer.Option(4, "--calibration-steps", help="Denoising steps per prompt."),
+    prompts: Optional[Path] = typer.Option(None, "--calibration-prompts", help="Prompt file (default calibration/prompts.txt)."),
+    resolution: int = typer.Option(1024, "--resolution", help="The profile's opt size; a smaller non-square size is added."),
+):
+    """Run calibration alone: collect the transformer's inputs with diffusers' pipeline, measure activation
+    ranges, and cache them (a later `fluxtrt build --precision transformer=fp8` reuses the cache)."""
+    _quiet_libraries()
+    import hashlib
+
+    import onnx
+
+    from .build.pipeline import _ensure_export
+    from .errors import FluxtrtError
+    from .models.source import resolve_model
+    from .optimize.pipeline import optimize_model
+    from .quantize.calibration import calibrate as run_calibration
+
+    if recipe != "fp8":
+        raise FluxtrtError(f"only fp8 needs calibration (activation ranges); '{recipe}' is weight-only or unknown")
+    if size < 1 or steps < 1:
+        raise FluxtrtError("--calibration-size and --calibration-steps must be at least 1")
+    source = resolve_model(model)
+    fp32_path, _ = _ensure_export(source, "transformer", out_dir, False, lambda p: None)
+    graph, _ = optimize_model(onnx.load(str(fp32_path)), None, "fp32", "transformer")
+    with console.status("calibrating (running the reference pipeline over the prompts)..."):
+        cal = run_calibration(source, graph, hashlib.sha256(graph.SerializeToString()).hexdigest(), recipe,
+                              out_dir / "calibration", prompts, size, steps, resolution)
+    state = "reused the cache" if cal.cached else f"measured {cal.samples} transformer calls"
+    out.print(f"{recipe} calibration for {source.id}: {len(cal.amax)} activation ranges, {state} -> {cal.path}")
 
 
 @app.command()
@@ -506,6 +550,9 @@ def _save_png(image, dest: Path) -> None:
     os.close(fd)
     try:
         Image.fromarray(image).save(tmp, format="PNG")
+        from .fileio import _umask_mode
+
+        os.chmod(tmp, _umask_mode())
         os.replace(tmp, dest)
     finally:
         if os.path.exists(tmp):

@@ -12,6 +12,13 @@ import tempfile
 from pathlib import Path
 
 
+def _umask_mode() -> int:
+    """The mode a plain open() would give a new file (mkstemp makes 0600 files)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -54,6 +61,7 @@ def write_json_atomic(path: Path, obj) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f, indent=2, sort_keys=True, default=str)
             f.write("\n")
+        os.chmod(tmp, _umask_mode())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -71,6 +79,7 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, _umask_mode())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

@@ -13,13 +13,18 @@ from .components import ComponentSpec, Geometry, ShapePoint
 # Bounds on the relative error against fp32 PyTorch for graphs in lower precision (weights and activations
 # cast; bf16 is checked with its weights' rounding, see upcast_bf16). Per component where it differs.
 RTOL_BY_DTYPE = {"fp16": 2e-2, "bf16": 5e-2}
-RTOL_BY_COMPONENT = {("transformer", "fp16"): 5e-2, ("transformer", "bf16"): 1e-1}
+RTOL_BY_COMPONENT = {("transformer", "fp16"): 5e-2, ("transformer", "bf16"): 1e-1,
+                     # quantized linear layers on top of bf16 placement
+                     ("transformer", "fp8"): 1.5e-1, ("transformer", "int8-wo"): 1.5e-1,
+                     ("transformer", "int4-wo"): 2e-1}
 
 
 def bound_for(component: str, dtype: str, fp32_bound: float) -> float:
     if dtype == "fp32":
         return fp32_bound
-    return RTOL_BY_COMPONENT.get((component, dtype), RTOL_BY_DTYPE[dtype])
+    if (component, dtype) in RTOL_BY_COMPONENT:
+        return RTOL_BY_COMPONENT[(component, dtype)]
+    return RTOL_BY_DTYPE[dtype]
 
 
 @dataclass

@@ -39,6 +39,7 @@ class StageResult:
     detail: str = ""
     bytes_written: int = 0
     peak_rss_mb: float = 0.0  # the process's peak RSS when the stage ended (a running maximum)
+    info: dict | None = None  # optimize: the quantization record (recipe, calibration, kept layers)
 
     def footprint(self) -> dict:
         return {"status": self.status, "seconds": round(self.seconds, 3), "bytes_written": self.bytes_written,
@@ -56,12 +57,12 @@ def onnx_dir_for(out_root: Path, source: ModelSource, dtype: str) -> Path:
 
 
 def ensure_onnx(source: ModelSource, component: str, dtype: str, out_root: Path, force: bool = False,
-                on_phase: Callable[[str], None] = lambda _: None) -> tuple[Path, list[StageResult]]:
+                on_phase: Callable[[str], None] = lambda _: None, calib=None) -> tuple[Path, list[StageResult]]:
     """The component's ONNX for the engine: the fp32 export (validated against PyTorch), then the optimize
     stage at `dtype` (validated against fp32 PyTorch at the dtype's bound). Each step is reused when its
     inputs are unchanged."""
     fp32_path, export_res = _ensure_export(source, component, out_root, force, on_phase)
-    opt_path, opt_res = _ensure_optimized(source, component, dtype, fp32_path, out_root, force, on_phase)
+    opt_path, opt_res = _ensure_optimized(source, component, dtype, fp32_path, out_root, force, on_phase, calib)
     return opt_path, [export_res, opt_res]
 
 
@@ -98,40 +99,94 @@ def _ensure_export(source, component, out_root, force, on_phase):
 OPTIMIZE_INFO = "optimize.json"
 
 
-def _ensure_optimized(source, component, dtype, fp32_path, out_root, force, on_phase):
+def _ensure_optimized(source, component, dtype, fp32_path, out_root, force, on_phase, calib=None):
+    """Optimize passes, then (for fp8 / int8-wo / int4-wo) calibration and Q/DQ, then precision placement."""
+    from ..gpus import QUANTIZED
     from ..optimize.passes import DEFAULT_PASSES
-    from ..optimize.pipeline import optimize_file
     from ..validate import validate_onnx
 
+    calib = dict(calib or {})
     folder = Path(out_root) / "onnx" / f"{source.content_hash[:12]}-{dtype}-opt"
     inputs = {"source_sha256": sha256_file(fp32_path), "passes": list(DEFAULT_PASSES), "dtype": dtype,
               "fluxtrt": __version__}
-    if not force and _recorded(folder, OPTIMIZE_INFO, component, inputs):
-        return folder / f"{component}.onnx", StageResult(component, "optimize", "reused", 0.0, "unchanged ONNX")
+    if dtype in QUANTIZED:
+        from ..quantize.calibration import DEFAULT_PROMPTS
+
+        prompts = Path(calib.get("prompts_file") or DEFAULT_PROMPTS)
+        inputs["calibration"] = {"prompts_sha256": sha256_file(prompts), "size": calib.get("size", 32),
+                                 "steps": calib.get("steps", 4)}
+    entry = None if force else _recorded(folder, OPTIMIZE_INFO, component, inputs)
+    if entry:
+        res = StageResult(component, "optimize", "reused", 0.0, "unchanged ONNX")
+        res.info = entry.get("quantization")
+        return folder / f"{component}.onnx", res
     on_phase("optimize")
     t0 = time.perf_counter()
-    report = optimize_file(fp32_path, folder / f"{component}.onnx", component, dtype=dtype, count_layers=False)
+    out_path, report, quant = optimize_component(source, component, dtype, fp32_path, folder, out_root, calib,
+                                                 on_phase)
     on_phase("validate")
     spec = specs_for(source.geometry, [component])[component]
     from ..export import export_patches
 
     module = spec.wrap(source.load_component(spec.subfolder)).eval()
     with export_patches(module):
-        check = validate_onnx(report.path, module, spec, source.geometry, dtype)
+        check = validate_onnx(out_path, module, spec, source.geometry, dtype)
     if not check.ok:
-        report.path.unlink()
+        out_path.unlink()
         raise FluxtrtError(f"optimized {component} ({dtype}) disagrees with PyTorch: " + "; ".join(check.failures()))
     info_path = folder / OPTIMIZE_INFO
     info = json.loads(info_path.read_text()) if info_path.exists() else {"components": {}}
     info["components"][component] = {
-        "inputs": inputs, "sha256": sha256_file(report.path), "max_rel_err": check.max_rel_err,
-        "nodes": [report.rows[0][1], report.rows[-1][2]],
+        "inputs": inputs, "sha256": sha256_file(out_path), "max_rel_err": check.max_rel_err,
+        "nodes": [report.rows[0][1], report.rows[-1][2]], "quantization": quant,
     }
     write_json_atomic(info_path, info)
     seconds = time.perf_counter() - t0
-    return report.path, StageResult(component, "optimize", "built", seconds,
-                                    f"{report.rows[0][1]} -> {report.rows[-1][2]} nodes, max rel err {check.max_rel_err:.1e}",
-                                    _files_bytes(report.path), peak_rss_mb())
+    res = StageResult(component, "optimize", "built", seconds,
+                      f"{report.rows[0][1]} -> {report.rows[-1][2]} nodes, max rel err {check.max_rel_err:.1e}",
+                      _files_bytes(out_path), peak_rss_mb())
+    res.info = quant
+    return out_path, res
+
+
+def optimize_component(source, component, dtype, fp32_path, folder, out_root, calib, on_phase):
+    """-> (path, optimize report, quantization record or None). Quantized recipes: passes at fp32, calibrate
+    (fp8, cached), insert Q/DQ, then place everything else in bf16."""
+    import hashlib
+
+    import onnx
+
+    from ..gpus import QUANTIZED
+    from ..optimize.pipeline import optimize_model, save_model
+    from ..optimize.precision import place_precision
+
+    if dtype not in QUANTIZED:
+        from ..optimize.pipeline import optimize_file
+
+        report = optimize_file(fp32_path, folder / f"{component}.onnx", component, dtype=dtype, count_layers=False)
+        return report.path, report, None
+    from ..quantize.calibration import calibrate
+    from ..quantize.qdq import quantize_model
+
+    model, report = optimize_model(onnx.load(str(fp32_path)), None, "fp32", component)
+    record = {"recipe": dtype}
+    amax = None
+    if dtype == "fp8":
+        on_phase("calibrate")
+        cal = calibrate(source, model, hashlib.sha256(model.SerializeToString()).hexdigest(), dtype,
+                        Path(out_root) / "calibration", calib.get("prompts_file"), calib.get("size", 32),
+                        calib.get("steps", 4), calib.get("opt_resolution", 1024))
+        amax = cal.amax
+        record.update(calibration=cal.key, calibration_cached=cal.cached, calibration_samples=cal.samples,
+                      calibration_file=str(cal.path.relative_to(Path(out_root))))
+    on_phase("quantize")
+    model, plan = quantize_model(model, dtype, amax)
+    model = place_precision(model, "bf16", component)
+    record.update(quantized_layers=len(plan.quantized), kept_in_high_precision=plan.kept,
+                  other_layers="bf16")
+    path = folder / f"{component}.onnx"
+    save_model(model, path)
+    return path, report, record
 
 
 ASSET_DIRS = ("tokenizer", "tokenizer_2", "scheduler")
@@ -169,7 +224,8 @@ def build_key(onnx_sha: str, backend: str, backend_version: str, cfg: GpuConfig,
 
 
 def build_gpu(source: ModelSource, cfg: GpuConfig, out_root: Path, components=None, static: bool | None = None,
-              force: bool = False, progress: Callable[[str, str], None] = lambda c, p: None) -> tuple[dict, list]:
+              force: bool = False, progress: Callable[[str, str], None] = lambda c, p: None,
+              calibration: dict | None = None) -> tuple[dict, list]:
     """Build (or reuse) every requested component's engine for one GPU config. Returns (manifest, stage results)."""
     backend = get_backend(cfg.backend)
     backend.check_target(cfg.compute_capability)
@@ -180,10 +236,11 @@ def build_gpu(source: ModelSource, cfg: GpuConfig, out_root: Path, components=No
     gpu_dir.mkdir(parents=True, exist_ok=True)
     with exclusive_lock(Path(out_root)):
         remove_stale_staging(Path(out_root))
-        return _build_locked(source, cfg, out_root, gpu_dir, backend, geo, specs, rng, force, progress)
+        calib = dict(calibration or {}, opt_resolution=rng.opt.height)
+        return _build_locked(source, cfg, out_root, gpu_dir, backend, geo, specs, rng, force, progress, calib)
 
 
-def _build_locked(source, cfg, out_root, gpu_dir, backend, geo, specs, rng, force, progress):
+def _build_locked(source, cfg, out_root, gpu_dir, backend, geo, specs, rng, force, progress, calib):
     old = read_manifest(gpu_dir, required=False) or {}
     if old.get("model", {}).get("hash") not in (None, source.content_hash):
         old = {}  # another model was built here before: nothing of it can be reused
@@ -204,7 +261,7 @@ def _build_locked(source, cfg, out_root, gpu_dir, backend, geo, specs, rng, forc
                   f"model {source.id} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         for name, spec in specs.items():
             dtype = cfg.precision[name]
-            onnx_path, res = ensure_onnx(source, name, dtype, out_root, force, lambda p, n=name: progress(n, p))
+            onnx_path, res = ensure_onnx(source, name, dtype, out_root, force, lambda p, n=name: progress(n, p), calib)
             results.extend(res)
             onnx_sha = sha256_file(onnx_path)
             ws = name in cfg.weight_streaming
@@ -232,6 +289,7 @@ def _build_locked(source, cfg, out_root, gpu_dir, backend, geo, specs, rng, forc
                 "inputs": built.inputs, "outputs": built.outputs, "profile": built.profile,
                 "build_seconds": round(seconds, 3), "peak_rss_mb": round(peak_rss_mb(), 1),
                 "stages": {r.stage: r.footprint() for r in results[-3:]},
+                "quantization": results[-2].info,
             }
             write_json_atomic(gpu_dir / MANIFEST, manifest)
             log.write(f"built {name}: {built.layers} layers, {len(built.data)} bytes, {seconds:.1f} s\n")

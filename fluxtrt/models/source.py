@@ -78,6 +78,9 @@ class ModelSource:
         import torch
         from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
+        from diffusers.utils import logging as dlog
+
+        dlog.disable_progress_bar()
         dtype = dtype or torch.float32
         if not self.random_weights:
             return FluxPipeline.from_pretrained(self.path, local_files_only=True, torch_dtype=dtype).to(device)

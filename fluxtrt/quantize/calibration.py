@@ -1,0 +1,123 @@
+"""Calibration: the transformer's real inputs, collected by running diffusers' FluxPipeline on the prompts in
+`calibration/prompts.txt` at several resolutions and every denoising step, then the activation ranges (max |x|)
+of every MatMul the recipe quantizes, measured by ONNX Runtime on the graph being quantized.
+
+The result is cached on disk (JSON) under a key of everything it depends on: model content hash, prompts
+file hash, recipe, sample count, steps, resolutions, and the sha256 of the graph. Rebuilding, or building for
+another GPU, reuses it; a changed prompt file or recipe misses the cache and recalibrates."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import __version__
+from ..errors import FluxtrtError
+from ..fileio import sha256_json, write_json_atomic
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "calibration" / "prompts.txt"
+
+
+@dataclass
+class Calibration:
+    key: str
+    amax: dict  # activation tensor name -> max |x|
+    cached: bool
+    path: Path
+    samples: int
+
+
+def read_prompts(path: Path) -> list[str]:
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except OSError as e:
+        raise FluxtrtError(f"cannot read calibration prompts {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise FluxtrtError(f"calibration prompts {path} are not UTF-8 text") from None
+    prompts = [p.strip() for p in text.splitlines() if p.strip()]
+    if not prompts:
+        raise FluxtrtError(f"{path} holds no prompts (one per line)")
+    return prompts
+
+
+def resolutions_for(geo, opt: int) -> list[tuple[int, int]]:
+    """Two sizes: the profile's opt (square) and a smaller non-square one, both multiples of 16."""
+    m = geo.pixel_multiple
+    small = max(m * 4, (opt // 2) // m * m)
+    return [(opt, opt), (small, small + 2 * m)]
+
+
+def collect_inputs(source, prompts: list[str], sizes: list[tuple[int, int]], steps: int) -> list[dict]:
+    """Run the reference pipeline; return the transformer's keyword inputs at every step (numpy)."""
+    import torch
+
+    pipe = source.load_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    captured = []
+
+    def grab(module, args, kwargs):
+        captured.append({k: kwargs[k].detach().float().numpy().copy() for k in
+                         ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "img_ids",
+                          "txt_ids", "guidance") if kwargs.get(k) is not None})
+
+    handle = pipe.transformer.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        for i, prompt in enumerate(prompts):
+            h, w = sizes[i % len(sizes)]
+            with torch.no_grad():
+                pipe(prompt, height=h, width=w, num_inference_steps=steps, guidance_scale=3.5,
+                     max_sequence_length=source.geometry.t5_length, generator=torch.Generator().manual_seed(i),
+                     output_type="latent")
+    finally:
+        handle.remove()
+    return captured
+
+
+def activation_ranges(model, names: list[str], samples: list[dict]) -> dict:
+    """max |x| of each named tensor over all samples, from ONNX Runtime on the (fp32) graph."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    probe = copy.deepcopy(model)
+    for n in names:
+        probe.graph.output.append(helper.make_tensor_value_info(n, TensorProto.FLOAT, None))
+    session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+    wanted = {i.name for i in session.get_inputs()}
+    amax: dict[str, float] = {}
+    for feeds in samples:
+        outs = session.run(names, {k: v for k, v in feeds.items() if k in wanted})
+        for n, o in zip(names, outs):
+            amax[n] = max(amax.get(n, 0.0), float(np.abs(o).max()))
+    return amax
+
+
+def calibrate(source, model, onnx_sha: str, recipe: str, cache_dir: Path, prompts_file: Path | None = None,
+              size: int = 32, steps: int = 4, opt_resolution: int = 1024) -> Calibration:
+    """Activation ranges for `recipe` on `model` (an fp32 ONNX ModelProto of the transformer), cached."""
+    from .qdq import plan
+
+    prompts_file = Path(prompts_file or DEFAULT_PROMPTS)
+    prompts = read_prompts(prompts_file)[:size]
+    sizes = resolutions_for(source.geometry, opt_resolution)
+    key = sha256_json({
+        "model": source.content_hash, "prompts": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
+        "recipe": recipe, "size": len(prompts), "steps": steps, "sizes": sizes, "graph": onnx_sha,
+        "fluxtrt": __version__,
+    })
+    path = Path(cache_dir) / f"calibration-{key[:16]}.json"
+    if path.exists():
+        data = json.loads(path.read_text())
+        if data.get("key") == key:
+            return Calibration(key, data["amax"], True, path, data["samples"])
+    p = plan(model, recipe)
+    names = sorted({n.input[0] for n in model.graph.node if n.name in p.quantized})
+    samples = collect_inputs(source, prompts, sizes, steps)
+    amax = activation_ranges(model, names, samples)
+    write_json_atomic(path, {"key": key, "recipe": recipe, "model_hash": source.content_hash,
+                             "prompts_file": str(prompts_file), "prompts": len(prompts), "steps": steps,
+                             "sizes": sizes, "samples": len(samples), "amax": amax})
+    return Calibration(key, amax, False, path, len(samples))

@@ -1,0 +1,125 @@
+"""Quantization: Q/DQ recipes on the tiny transformer, their error and its sensitivity, calibration cache,
+and TensorRT-RTX engines built from the quantized graphs."""
+
+import copy
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from fluxtrt.components import ShapePoint, specs_for
+from fluxtrt.optimize.pipeline import optimize_model
+from fluxtrt.quantize.qdq import plan, quantize_model
+
+# max|quantized - fp32 graph| / max|fp32 graph| on fresh random inputs (tiny transformer, ONNX Runtime)
+BOUNDS = {"fp8": 5e-2, "int8-wo": 2e-2, "int4-wo": 5e-2}
+
+
+@pytest.fixture(scope="module")
+def fp32_transformer(exported):
+    src, out, _ = exported("tiny")
+    model, _ = optimize_model(onnx.load(str(out / "transformer.onnx")), None, "fp32", "transformer")
+    return src, model
+
+
+def _ranges(src, model):
+    from fluxtrt.quantize.calibration import activation_ranges
+
+    spec = specs_for(src.geometry)["transformer"]
+    names = sorted({n.input[0] for n in model.graph.node if n.name in plan(model, "fp8").quantized})
+    samples = [{k: v.numpy() for k, v in spec.sample_inputs(ShapePoint(1, 64, 96), src.geometry, s).items()}
+               for s in range(3)]
+    return activation_ranges(model, names, samples)
+
+
+def _error(src, reference, candidate, seed=123):
+    import onnxruntime as ort
+
+    spec = specs_for(src.geometry)["transformer"]
+    feeds = {k: v.numpy() for k, v in spec.sample_inputs(ShapePoint(2, 48, 80), src.geometry, seed).items()}
+    a = ort.InferenceSession(reference.SerializeToString()).run(None, feeds)[0]
+    b = ort.InferenceSession(candidate.SerializeToString()).run(None, feeds)[0]
+    return float(np.abs(a - b).max() / np.abs(a).max())
+
+
+def test_plan_keeps_the_sensitive_layers(fp32_transformer):
+    _, model = fp32_transformer
+    p = plan(model, "fp8")
+    reasons = sorted(p.kept.values())
+    assert reasons.count("reads a model input (x_embedder / context_embedder)") == 2
+    assert reasons.count("writes the model output (proj_out)") == 1
+    assert len(p.quantized) >= 16 and not set(p.quantized) & set(p.kept)
+    gemms = [n for n in model.graph.node if n.op_type == "Gemm"]
+    assert gemms  # embedders and AdaLN modulation (2-D, once per sample) are Gemms and are never planned
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "int8-wo", "int4-wo"])
+def test_recipe_error_is_bounded_and_the_check_is_sensitive(fp32_transformer, recipe):
+    src, model = fp32_transformer
+    amax = _ranges(src, model) if recipe == "fp8" else None
+    q, p = quantize_model(copy.deepcopy(model), recipe, amax)
+    err = _error(src, model, q)
+    print(f"{recipe}: rel err vs fp32 graph {err:.2e} (bound {BOUNDS[recipe]:.0e})")
+    assert 0 < err <= BOUNDS[recipe]
+    # corrupt the weight scale of one quantized layer (the last: no RMSNorm after it to cancel a scale):
+    # the same check must fail
+    last = p.quantized[-1]
+    name = next(n.input[1] for n in q.graph.node if n.name == f"{last}__w_dq")
+    for t in q.graph.initializer:
+        if t.name == name:
+            t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t) * 16, t.name))
+    assert _error(src, model, q) > BOUNDS[recipe]
+
+
+def test_fp8_without_calibration_is_refused(fp32_transformer):
+    from fluxtrt.errors import FluxtrtError
+
+    _, model = fp32_transformer
+    with pytest.raises(FluxtrtError, match="no calibrated range .* run `fluxtrt calibrate`"):
+        quantize_model(copy.deepcopy(model), "fp8", {})
+
+
+def test_quantized_engines_build_and_calibration_is_cached(tiny_dev, tmp_path):
+    pytest.importorskip("tensorrt_rtx")
+    from fluxtrt.build.pipeline import build_gpu
+    from fluxtrt.gpus import load_gpu
+
+    calib = {"size": 3, "steps": 2}
+    for recipe in ("fp8", "int8-wo", "int4-wo"):
+        cfg = load_gpu("4090").with_precision({"transformer": recipe})
+        manifest, results = build_gpu(tiny_dev, cfg, tmp_path, ["transformer"], calibration=calib)
+        e = manifest["components"]["transformer"]
+        q = e["quantization"]
+        assert e["precision"] == recipe and q["recipe"] == recipe and e["bytes"] > 10_000
+        assert "writes the model output (proj_out)" in q["kept_in_high_precision"].values()
+        if recipe == "fp8":
+            assert q["calibration_cached"] is False and len(q["calibration"]) == 64
+            first_key = q["calibration"]
+    # a rebuild that must redo the optimize stage reuses the calibration cache...
+    cfg = load_gpu("4090").with_precision({"transformer": "fp8"})
+    manifest, _ = build_gpu(tiny_dev, cfg, tmp_path, ["transformer"], force=True, calibration=calib)
+    q = manifest["components"]["transformer"]["quantization"]
+    assert q["calibration_cached"] is True and q["calibration"] == first_key
+    # ...and another prompt file invalidates it
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a teapot on a table\na mountain road at night\nan owl in the rain\n")
+    manifest, results = build_gpu(tiny_dev, cfg, tmp_path, ["transformer"],
+                                  calibration=dict(calib, prompts_file=prompts))
+    q = manifest["components"]["transformer"]["quantization"]
+    assert q["calibration_cached"] is False and q["calibration"] != first_key
+    assert {(r.stage, r.status) for r in results} >= {("optimize", "built"), ("build", "built")}
+
+
+def test_cli_calibrate_caches(tmp_path):
+    from typer.testing import CliRunner
+
+    from fluxtrt.cli import app
+
+    args = ["calibrate", "--model", "tiny-schnell", "--out", str(tmp_path), "--calibration-size", "2",
+            "--calibration-steps", "1", "--resolution", "256"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert "measured" in res.output and "activation ranges" in res.output
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0 and "reused the cache" in res.output
