@@ -161,6 +161,7 @@ def build(
     calibration_size: int = typer.Option(32, "--calibration-size", help="fp8: prompts from the calibration file."),
     calibration_steps: int = typer.Option(4, "--calibration-steps", help="fp8: denoising steps per calibration prompt."),
     calibration_prompts: Optional[Path] = typer.Option(None, "--calibration-prompts", help="fp8: prompt file (default calibration/prompts.txt)."),
+    smoothquant_alpha: float = typer.Option(0.5, "--smoothquant-alpha", help="int8 (W8A8): SmoothQuant migration strength, 0..1."),
 ):
     """Export, optimize (and quantize), then build serialized TensorRT engines for one GPU, reusing every
     unchanged stage."""
@@ -185,7 +186,7 @@ def build(
         manifest, results = build_gpu(source, cfg, out_dir, names, static_shape, force,
                                       progress=lambda n, p: bar.update(tasks[n], phase=p),
                                       calibration={"size": calibration_size, "steps": calibration_steps,
-                                                   "prompts_file": calibration_prompts})
+                                                   "prompts_file": calibration_prompts, "alpha": smoothquant_alpha})
     table = Table(title=f"{cfg.key}: {manifest['backend']} {manifest['backend_version']} for "
                         f"sm{cfg.compute_capability.replace('.', '')}, model {source.id} ({source.variant}) -> {out_dir / cfg.key}")
     for col in ("component", "precision", "export", "optimize", "build", "layers", "engine size", "seconds",
@@ -229,8 +230,11 @@ def calibrate(
     from .optimize.pipeline import optimize_model
     from .quantize.calibration import calibrate as run_calibration
 
-    if recipe != "fp8":
-        raise FluxtrtError(f"only fp8 needs calibration (activation ranges); '{recipe}' is weight-only or unknown")
+    from .quantize.qdq import CALIBRATED
+
+    if recipe not in CALIBRATED:
+        raise FluxtrtError(f"only {', '.join(CALIBRATED)} need calibration (activation ranges); "
+                           f"'{recipe}' is weight-only or unknown")
     if size < 1 or steps < 1:
         raise FluxtrtError("--calibration-size and --calibration-steps must be at least 1")
     source = resolve_model(model)

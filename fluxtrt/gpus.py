@@ -13,8 +13,8 @@ from .fileio import sha256_json
 
 BACKENDS = ("tensorrt-rtx", "tensorrt")
 PRECISIONS = ("fp32", "fp16", "bf16")
-QUANTIZED = ("fp8", "int8-wo", "int4-wo")  # transformer only: Q/DQ on its linear layers, the rest in bf16
-PLANNED_PRECISIONS = ("int8", "fp4")
+QUANTIZED = ("fp8", "fp8-attn", "int8", "int8-wo", "int4-wo")  # transformer only: Q/DQ, the rest in bf16
+PLANNED_PRECISIONS = ("fp4",)
 # Compute capabilities TensorRT-RTX 1.7 builds for (it refuses sm90: Hopper needs full TensorRT).
 RTX_CAPABILITIES = ("8.0", "8.6", "8.9", "12.0", "12.1")
 PIXEL_MULTIPLE = 16
@@ -64,23 +64,27 @@ class GpuConfig:
 
         merged = {**self.precision, **overrides}
         raw = {**self.raw, "precision": merged}
-        _check_precisions(merged, f"--precision for {self.key}", self.compute_capability)
+        _check_precisions(merged, f"--precision for {self.key}", self.compute_capability, self.backend)
         return replace(self, precision=merged, raw=raw)
 
 
-def _check_precisions(prec: dict, where: str, compute_capability: str | None = None) -> None:
+def _check_precisions(prec: dict, where: str, compute_capability: str | None = None,
+                      backend: str | None = None) -> None:
     for comp, p in prec.items():
         if comp not in COMPONENTS:
             raise ConfigError(f"{where}: precision for unknown component '{comp}'; components are {', '.join(COMPONENTS)}")
         if p in PLANNED_PRECISIONS:
-            raise ConfigError(f"{where}: precision '{p}' for {comp} is not implemented yet (W8A8 SmoothQuant and FP4 "
-                              f"are planned); use one of {', '.join(PRECISIONS + QUANTIZED)}")
+            raise ConfigError(f"{where}: precision '{p}' for {comp} is not implemented yet (FP4 is planned); "
+                              f"use one of {', '.join(PRECISIONS + QUANTIZED)}")
         if p in QUANTIZED and comp != "transformer":
             raise ConfigError(f"{where}: '{p}' quantizes the transformer's linear layers only; {comp} takes "
                               f"{', '.join(PRECISIONS)}")
         if p not in PRECISIONS + QUANTIZED:
             raise ConfigError(f"{where}: precision '{p}' for {comp} is not one of {', '.join(PRECISIONS + QUANTIZED)}")
-        if p == "fp8" and compute_capability and tuple(map(int, compute_capability.split("."))) < (8, 9):
+        if p == "int8" and backend == "tensorrt-rtx":
+            raise ConfigError(f"{where}: int8 (W8A8) needs the full TensorRT backend; TensorRT-RTX runs INT8 only as "
+                              "weight-only GEMMs: use int8-wo")
+        if p.startswith("fp8") and compute_capability and tuple(map(int, compute_capability.split("."))) < (8, 9):
             raise ConfigError(f"{where}: fp8 needs compute capability 8.9 or newer (this target is {compute_capability}); "
                               "use int8-wo or int4-wo")
 
@@ -122,7 +126,7 @@ def parse_config(data, key: str, where: str) -> GpuConfig:
                           f"{', '.join(RTX_CAPABILITIES)}); use backend: tensorrt")
     if data["vram_gb"] <= 0:
         raise ConfigError(f"{where}: vram_gb must be positive")
-    _check_precisions(data["precision"], where, cc)
+    _check_precisions(data["precision"], where, cc, data["backend"])
     missing = [c for c in COMPONENTS if c not in data["precision"]]
     if missing:
         raise ConfigError(f"{where}: precision lacks {', '.join(missing)}")

@@ -15,7 +15,8 @@ from .components import ComponentSpec, Geometry, ShapePoint
 RTOL_BY_DTYPE = {"fp16": 2e-2, "bf16": 5e-2}
 RTOL_BY_COMPONENT = {("transformer", "fp16"): 5e-2, ("transformer", "bf16"): 1e-1,
                      # quantized linear layers on top of bf16 placement
-                     ("transformer", "fp8"): 1.5e-1, ("transformer", "int8-wo"): 1.5e-1,
+                     ("transformer", "fp8"): 1.5e-1, ("transformer", "fp8-attn"): 1.5e-1,
+                     ("transformer", "int8"): 1.5e-1, ("transformer", "int8-wo"): 1.5e-1,
                      ("transformer", "int4-wo"): 2e-1}
 
 

@@ -25,6 +25,10 @@ def test_shipped_configs_load():
         assert "transformer" in load_gpu(key).weight_streaming
 
 
+def test_int8_w8a8_accepted_for_full_tensorrt_targets():
+    assert load_gpu("h100").with_precision({"transformer": "int8"}).precision["transformer"] == "int8"
+
+
 def test_unknown_gpu_lists_known():
     with pytest.raises(ConfigError, match="unknown GPU 'v100'; known: 3090, 4090"):
         load_gpu("v100")
@@ -48,6 +52,8 @@ def _base():
     (lambda d: d["precision"].update(t5="fp8"), "quantizes the transformer's linear layers only"),
     (lambda d: d.update(compute_capability="8.6") or d["precision"].update(transformer="fp8"), "fp8 needs compute capability 8.9"),
     (lambda d: d["precision"].update(transformer="int3"), "not one of fp32, fp16, bf16, fp8"),
+    (lambda d: d["precision"].update(transformer="int8"), "int8 \\(W8A8\\) needs the full TensorRT backend"),
+    (lambda d: d.update(compute_capability="8.6") or d["precision"].update(transformer="fp8-attn"), "fp8 needs"),
     (lambda d: d["precision"].pop("t5"), "precision lacks t5"),
     (lambda d: d.update(profile={"batch": [4, 1, 1]}), "1 <= min <= opt <= max"),
     (lambda d: d.update(profile={"resolution": [250, 1024, 1536]}), "multiples of 16"),

@@ -13,7 +13,7 @@ from fluxtrt.optimize.pipeline import optimize_model
 from fluxtrt.quantize.qdq import plan, quantize_model
 
 # max|quantized - fp32 graph| / max|fp32 graph| on fresh random inputs (tiny transformer, ONNX Runtime)
-BOUNDS = {"fp8": 5e-2, "int8-wo": 2e-2, "int4-wo": 5e-2}
+BOUNDS = {"fp8": 5e-2, "fp8-attn": 5e-2, "int8": 5e-2, "int8-wo": 2e-2, "int4-wo": 5e-2}
 
 
 @pytest.fixture(scope="module")
@@ -23,14 +23,18 @@ def fp32_transformer(exported):
     return src, model
 
 
-def _ranges(src, model):
+def _samples(src):
+    spec = specs_for(src.geometry)["transformer"]
+    return [{k: v.numpy() for k, v in spec.sample_inputs(ShapePoint(1, 64, 96), src.geometry, s).items()}
+            for s in range(3)]
+
+
+def _ranges(src, model, recipe="fp8-attn"):
+    """(per-tensor, per-channel) ranges of every tensor the recipes quantize."""
     from fluxtrt.quantize.calibration import activation_ranges
 
-    spec = specs_for(src.geometry)["transformer"]
-    names = sorted({n.input[0] for n in model.graph.node if n.name in plan(model, "fp8").quantized})
-    samples = [{k: v.numpy() for k, v in spec.sample_inputs(ShapePoint(1, 64, 96), src.geometry, s).items()}
-               for s in range(3)]
-    return activation_ranges(model, names, samples)
+    names = plan(model, recipe).calibration_inputs(model)
+    return activation_ranges(model, names, _samples(src), per_channel=True)
 
 
 def _error(src, reference, candidate, seed=123):
@@ -54,11 +58,15 @@ def test_plan_keeps_the_sensitive_layers(fp32_transformer):
     assert gemms  # embedders and AdaLN modulation (2-D, once per sample) are Gemms and are never planned
 
 
-@pytest.mark.parametrize("recipe", ["fp8", "int8-wo", "int4-wo"])
+@pytest.mark.parametrize("recipe", ["fp8", "fp8-attn", "int8", "int8-wo", "int4-wo"])
 def test_recipe_error_is_bounded_and_the_check_is_sensitive(fp32_transformer, recipe):
     src, model = fp32_transformer
-    amax = _ranges(src, model) if recipe == "fp8" else None
-    q, p = quantize_model(copy.deepcopy(model), recipe, amax)
+    amax, channel = _ranges(src, model)
+    q, p = quantize_model(copy.deepcopy(model), recipe, amax, channel_amax=channel, alpha=0.5)
+    if recipe == "fp8-attn":
+        assert len(p.attention) == 8  # q.k^T and p.v in each of the 4 blocks
+    if recipe == "int8":
+        assert sum(n.op_type == "Mul" and n.name.endswith("__smooth") for n in q.graph.node) == len(p.quantized)
     err = _error(src, model, q)
     print(f"{recipe}: rel err vs fp32 graph {err:.2e} (bound {BOUNDS[recipe]:.0e})")
     assert 0 < err <= BOUNDS[recipe]
@@ -70,6 +78,30 @@ def test_recipe_error_is_bounded_and_the_check_is_sensitive(fp32_transformer, re
         if t.name == name:
             t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t) * 16, t.name))
     assert _error(src, model, q) > BOUNDS[recipe]
+
+
+def test_sensitivity_names_what_degrades_most(fp32_transformer):
+    """Quantize one layer at a time; the layers we keep in high precision are among the most sensitive."""
+    from fluxtrt.quantize.qdq import sensitivity
+
+    from fluxtrt.quantize.calibration import activation_ranges
+
+    src, model = fp32_transformer
+    p = plan(model, "fp8")
+    nodes = {n.name: n for n in model.graph.node}
+    graph_inputs = {i.name for i in model.graph.input}
+    names = sorted({nodes[m].input[0] for m in p.quantized + list(p.kept)} - graph_inputs)
+    samples = _samples(src)
+    amax = activation_ranges(model, names, samples)
+    amax.update({k: float(np.abs(v).max()) for k, v in samples[0].items()})  # kept layers reading model inputs
+    rows = sensitivity(model, amax, samples[:2], top=30)
+    for err, node, why in rows:
+        print(f"{err:.2e}  {node}  {why}")
+    errs = {node: err for err, node, _ in rows}
+    kept = [node for _, node, why in rows if why]
+    assert len(kept) == 3 and all(e > 0 for e in errs.values())
+    median = sorted(errs.values())[len(errs) // 2]
+    assert max(errs[k] for k in kept) > median  # x_embedder / context_embedder / proj_out: above the median
 
 
 def test_fp8_without_calibration_is_refused(fp32_transformer):
@@ -86,7 +118,7 @@ def test_quantized_engines_build_and_calibration_is_cached(tiny_dev, tmp_path):
     from fluxtrt.gpus import load_gpu
 
     calib = {"size": 3, "steps": 2}
-    for recipe in ("fp8", "int8-wo", "int4-wo"):
+    for recipe in ("fp8", "fp8-attn", "int8-wo", "int4-wo"):
         cfg = load_gpu("4090").with_precision({"transformer": recipe})
         manifest, results = build_gpu(tiny_dev, cfg, tmp_path, ["transformer"], calibration=calib)
         e = manifest["components"]["transformer"]

@@ -114,7 +114,7 @@ def _ensure_optimized(source, component, dtype, fp32_path, out_root, force, on_p
 
         prompts = Path(calib.get("prompts_file") or DEFAULT_PROMPTS)
         inputs["calibration"] = {"prompts_sha256": sha256_file(prompts), "size": calib.get("size", 32),
-                                 "steps": calib.get("steps", 4)}
+                                 "steps": calib.get("steps", 4), "alpha": calib.get("alpha", 0.5)}
     entry = None if force else _recorded(folder, OPTIMIZE_INFO, component, inputs)
     if entry:
         res = StageResult(component, "optimize", "reused", 0.0, "unchanged ONNX")
@@ -169,18 +169,25 @@ def optimize_component(source, component, dtype, fp32_path, folder, out_root, ca
     from ..quantize.qdq import quantize_model
 
     model, report = optimize_model(onnx.load(str(fp32_path)), None, "fp32", component)
+    from ..quantize.qdq import CALIBRATED
+
     record = {"recipe": dtype}
-    amax = None
-    if dtype == "fp8":
+    amax = channel = None
+    if dtype in CALIBRATED:
         on_phase("calibrate")
         cal = calibrate(source, model, hashlib.sha256(model.SerializeToString()).hexdigest(), dtype,
                         Path(out_root) / "calibration", calib.get("prompts_file"), calib.get("size", 32),
                         calib.get("steps", 4), calib.get("opt_resolution", 1024))
-        amax = cal.amax
+        amax, channel = cal.amax, cal.channel_amax
         record.update(calibration=cal.key, calibration_cached=cal.cached, calibration_samples=cal.samples,
                       calibration_file=str(cal.path.relative_to(Path(out_root))))
     on_phase("quantize")
-    model, plan = quantize_model(model, dtype, amax)
+    alpha = calib.get("alpha", 0.5)
+    model, plan = quantize_model(model, dtype, amax, alpha=alpha, channel_amax=channel)
+    if dtype == "int8":
+        record["smoothquant_alpha"] = alpha
+    if plan.attention:
+        record["fp8_attention_matmuls"] = len(plan.attention)
     model = place_precision(model, "bf16", component)
     record.update(quantized_layers=len(plan.quantized), kept_in_high_precision=plan.kept,
                   other_layers="bf16")

@@ -28,6 +28,7 @@ class Calibration:
     cached: bool
     path: Path
     samples: int
+    channel_amax: dict = None  # activation tensor name -> max |x| per channel (last axis), for SmoothQuant
 
 
 def read_prompts(path: Path) -> list[str]:
@@ -76,8 +77,9 @@ def collect_inputs(source, prompts: list[str], sizes: list[tuple[int, int]], ste
     return captured
 
 
-def activation_ranges(model, names: list[str], samples: list[dict]) -> dict:
-    """max |x| of each named tensor over all samples, from ONNX Runtime on the (fp32) graph."""
+def activation_ranges(model, names: list[str], samples: list[dict], per_channel: bool = False):
+    """max |x| of each named tensor over all samples, from ONNX Runtime on the (fp32) graph; with
+    `per_channel`, also the max per channel of the last axis: (amax, channel_amax)."""
     import numpy as np
     import onnxruntime as ort
     from onnx import TensorProto, helper
@@ -88,10 +90,22 @@ def activation_ranges(model, names: list[str], samples: list[dict]) -> dict:
     session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
     wanted = {i.name for i in session.get_inputs()}
     amax: dict[str, float] = {}
+    channel: dict[str, np.ndarray] = {}
     for feeds in samples:
         outs = session.run(names, {k: v for k, v in feeds.items() if k in wanted})
         for n, o in zip(names, outs):
-            amax[n] = max(amax.get(n, 0.0), float(np.abs(o).max()))
+            a = np.abs(o)
+            amax[n] = max(amax.get(n, 0.0), float(a.max()))
+            if per_channel and channel.get(n, 0) is not None:
+                c = a.reshape(-1, a.shape[-1]).max(axis=0)
+                if n not in channel:
+                    channel[n] = c
+                elif channel[n].shape == c.shape:
+                    channel[n] = np.maximum(channel[n], c)
+                else:
+                    channel[n] = None  # the last axis is a sequence (attention's k^T), not channels
+    if per_channel:
+        return amax, {n: v.tolist() for n, v in channel.items() if v is not None}
     return amax
 
 
@@ -112,12 +126,11 @@ def calibrate(source, model, onnx_sha: str, recipe: str, cache_dir: Path, prompt
     if path.exists():
         data = json.loads(path.read_text())
         if data.get("key") == key:
-            return Calibration(key, data["amax"], True, path, data["samples"])
-    p = plan(model, recipe)
-    names = sorted({n.input[0] for n in model.graph.node if n.name in p.quantized})
+            return Calibration(key, data["amax"], True, path, data["samples"], data.get("channel_amax"))
+    names = plan(model, recipe).calibration_inputs(model)
     samples = collect_inputs(source, prompts, sizes, steps)
-    amax = activation_ranges(model, names, samples)
+    amax, channel = activation_ranges(model, names, samples, per_channel=True)
     write_json_atomic(path, {"key": key, "recipe": recipe, "model_hash": source.content_hash,
                              "prompts_file": str(prompts_file), "prompts": len(prompts), "steps": steps,
-                             "sizes": sizes, "samples": len(samples), "amax": amax})
-    return Calibration(key, amax, False, path, len(samples))
+                             "sizes": sizes, "samples": len(samples), "amax": amax, "channel_amax": channel})
+    return Calibration(key, amax, False, path, len(samples), channel)

@@ -1,13 +1,17 @@
-"""Explicit quantization of the transformer's linear layers as Q/DQ nodes in the ONNX handed to TensorRT.
+"""Explicit quantization of the transformer as Q/DQ nodes in the ONNX handed to TensorRT.
 
 Recipes:
-  fp8      E4M3 weights (per-tensor scale) and activations (per-tensor scale from calibration), sm89+
-  int8-wo  INT8 weights, per-output-channel scales; activations stay in the graph's precision
-  int4-wo  INT4 weights in blocks of 128 along K; activations stay in the graph's precision
+  fp8       E4M3 weights (per-tensor scale) and activations (per-tensor scale from calibration), sm89+
+  fp8-attn  fp8, plus E4M3 Q/DQ on both inputs of attention's two MatMuls (q.k^T and p.v)
+  int8      W8A8 with SmoothQuant (alpha): activations divided per channel by s = amax_x^a / amax_w^(1-a),
+            weights multiplied by s; INT8 per-tensor activations, per-channel weights. Full TensorRT only:
+            TensorRT-RTX runs INT8 only as weight-only GEMMs
+  int8-wo   INT8 weights, per-output-channel scales; activations stay in the graph's precision
+  int4-wo   INT4 weights in blocks of 128 along K; activations stay in the graph's precision
 Which MatMuls: those with a constant 2-D weight whose activation is 3-D (the per-token linear layers of the
-blocks). Kept in high precision (the sensitive set): the 2-D Gemms of the time/guidance/text embedders and
-the AdaLN modulation (they act once per sample), `x_embedder` (reads the latents input), `context_embedder`
-(reads the T5 input) and `proj_out` (writes the output), and attention's activation x activation MatMuls."""
+blocks). Kept in high precision (the sensitive set): the 2-D Gemms of the time/guidance/text embedders, of
+`norm_out` and of the AdaLN modulation (they act once per sample), `x_embedder` (reads the latents input),
+`context_embedder` (reads the T5 input) and `proj_out` (writes the output)."""
 
 from __future__ import annotations
 
@@ -17,20 +21,28 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ..errors import FluxtrtError
+
 FP8_MAX = 448.0
-RECIPES = ("fp8", "int8-wo", "int4-wo")
+RECIPES = ("fp8", "fp8-attn", "int8", "int8-wo", "int4-wo")
+CALIBRATED = ("fp8", "fp8-attn", "int8")
 INT4_BLOCK = 128
 
 
 @dataclass
 class QuantPlan:
     recipe: str
-    quantized: list = field(default_factory=list)  # MatMul node names
+    quantized: list = field(default_factory=list)  # linear MatMul node names
+    attention: list = field(default_factory=list)  # attention MatMul node names (fp8-attn)
     kept: dict = field(default_factory=dict)  # MatMul node name -> why it stays in high precision
 
-
-def _producers(g):
-    return {o: n for n in g.node for o in n.output}
+    def calibration_inputs(self, model) -> list[str]:
+        """The activation tensors whose ranges calibration must measure."""
+        nodes = {n.name: n for n in model.graph.node}
+        names = {nodes[q].input[0] for q in self.quantized}
+        for a in self.attention:
+            names.update(nodes[a].input[:2])
+        return sorted(names)
 
 
 def _consumers(g):
@@ -42,22 +54,31 @@ def _consumers(g):
 
 
 def plan(model: onnx.ModelProto, recipe: str) -> QuantPlan:
-    """Choose the linear MatMuls to quantize; say why every other weight MatMul stays."""
+    """Choose the MatMuls to quantize; say why every other weight MatMul stays."""
     g = model.graph
     inits = {t.name: t for t in g.initializer}
     graph_inputs = {i.name for i in g.input}
     graph_outputs = {o.name for o in g.output}
     cons = _consumers(g)
+    producers = {o: n for n in g.node for o in n.output}
     p = QuantPlan(recipe)
     for n in g.node:
-        if n.op_type != "MatMul" or n.input[1] not in inits or len(inits[n.input[1]].dims) != 2:
+        if n.op_type != "MatMul":
+            continue
+        if n.input[1] not in inits:
+            a, b = producers.get(n.input[0]), cons.get(n.output[0], [])
+            is_attention = (a is not None and a.op_type == "Softmax") or any(c.op_type == "Softmax" for c in b)
+            if recipe == "fp8-attn" and is_attention:
+                p.attention.append(n.name)
+            continue
+        if len(inits[n.input[1]].dims) != 2:
             continue
         if n.input[0] in graph_inputs:
             p.kept[n.name] = "reads a model input (x_embedder / context_embedder)"
             continue
-        # proj_out: the MatMul whose result reaches a graph output through elementwise/shape ops only
-        frontier, reaches_out, seen = [n.output[0]], False, set()
-        while frontier and not reaches_out:
+        frontier, seen = [n.output[0]], set()
+        reaches_out = False
+        while frontier:  # proj_out: its result reaches a graph output through elementwise/shape ops only
             t = frontier.pop()
             if t in graph_outputs:
                 reaches_out = True
@@ -73,79 +94,128 @@ def plan(model: onnx.ModelProto, recipe: str) -> QuantPlan:
     return p
 
 
-def _q_fp8(x: np.ndarray, scale: float) -> TensorProto:
-    import ml_dtypes
+class _Writer:
+    """Collects the nodes and initializers one quantization adds."""
 
-    q = np.clip(x / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
-    return q
+    def __init__(self):
+        self.nodes, self.inits = [], []
+
+    def const(self, name, arr):
+        self.inits.append(arr if isinstance(arr, TensorProto) else numpy_helper.from_array(arr, name))
+        return name
+
+    def qdq(self, x: str, tag: str, scale: float, kind: str) -> str:
+        """x -> QuantizeLinear -> DequantizeLinear with a per-tensor scale; returns the DQ output name."""
+        import ml_dtypes
+
+        zp_dtype = ml_dtypes.float8_e4m3fn if kind == "fp8" else np.int8
+        s = self.const(f"{tag}__scale", np.array(np.float32(scale)))
+        zp = self.const(f"{tag}__zp", np.zeros((), zp_dtype))
+        self.nodes.append(helper.make_node("QuantizeLinear", [x, s, zp], [f"{tag}__q"], name=f"{tag}__q"))
+        self.nodes.append(helper.make_node("DequantizeLinear", [f"{tag}__q", s, zp], [f"{tag}__dq"], name=f"{tag}__dq"))
+        return f"{tag}__dq"
+
+    def weight(self, w: np.ndarray, wname: str, node: str, kind: str) -> str:
+        """A quantized constant weight [K, N] and its DequantizeLinear; returns the DQ output name."""
+        import ml_dtypes
+
+        if kind == "fp8":
+            sw = np.float32((float(np.abs(w).max()) or 1.0) / FP8_MAX)
+            q = np.clip(w / sw, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+            attrs = {}
+        elif kind == "int8":  # per output channel
+            sw = (np.abs(w).max(axis=0) / 127.0).astype(np.float32)
+            sw[sw == 0] = 1.0
+            q = np.clip(np.round(w / sw), -127, 127).astype(np.int8)
+            attrs = {"axis": 1}
+        else:  # int4, blocks along K
+            k, n = w.shape
+            block = INT4_BLOCK if k % INT4_BLOCK == 0 else k
+            blocks = w.reshape(k // block, block, n)
+            sw = (np.abs(blocks).max(axis=1) / 7.0).astype(np.float32)
+            sw[sw == 0] = 1.0
+            q = np.clip(np.round(blocks / sw[:, None, :]), -8, 7).astype(np.int8).reshape(k, n)
+            q = helper.make_tensor(f"{wname}__{kind}", TensorProto.INT4, q.shape, q.flatten().tolist())
+            attrs = {"axis": 0, "block_size": block}
+        qname = self.const(f"{wname}__{kind}", q if isinstance(q, TensorProto) else numpy_helper.from_array(q, f"{wname}__{kind}"))
+        sname = self.const(f"{wname}__wscale", np.asarray(sw, np.float32))
+        self.nodes.append(helper.make_node("DequantizeLinear", [qname, sname], [f"{wname}__dq"], name=f"{node}__w_dq",
+                                           **attrs))
+        return f"{wname}__dq"
 
 
-def quantize_model(model: onnx.ModelProto, recipe: str, act_amax: dict | None = None) -> tuple[onnx.ModelProto, QuantPlan]:
-    """Insert Q/DQ per the recipe. `act_amax`: MatMul activation input name -> calibrated max |x| (fp8)."""
+def quantize_model(model: onnx.ModelProto, recipe: str, act_amax: dict | None = None, only=None,
+                   alpha: float = 0.5, channel_amax: dict | None = None) -> tuple[onnx.ModelProto, QuantPlan]:
+    """Insert Q/DQ per the recipe. `act_amax`: activation name -> calibrated max |x|; `channel_amax`:
+    activation name -> per-channel max |x| (int8 SmoothQuant). `only`: quantize just these MatMuls
+    (sensitivity analysis; kept layers included)."""
     if recipe not in RECIPES:
-        from ..errors import FluxtrtError
-
         raise FluxtrtError(f"unknown quantization recipe '{recipe}'; choose {', '.join(RECIPES)}")
     g = model.graph
     p = plan(model, recipe)
+    linear = set(only) if only is not None else set(p.quantized)
+    attention = set(p.attention) if only is None else set(only) & set(p.attention)
     inits = {t.name: t for t in g.initializer}
-    todo = set(p.quantized)
-    new_nodes, new_inits = [], []
+    act_amax, channel_amax = act_amax or {}, channel_amax or {}
+
+    def amax_of(name, node):
+        if name not in act_amax:
+            raise FluxtrtError(f"no calibrated range for {name} (input of {node}); run `fluxtrt calibrate`")
+        return max(float(act_amax[name]), 1e-8)
+
+    out = _Writer()
+    new_nodes = []
     for n in g.node:
-        if n.name in todo:
+        if n.name in attention:
+            for k in (0, 1):
+                out.nodes = []
+                n.input[k] = out.qdq(n.input[k], f"{n.name}__in{k}", amax_of(n.input[k], n.name) / FP8_MAX, "fp8")
+                new_nodes += out.nodes
+        elif n.name in linear and n.input[1] in inits:
+            out.nodes = []
             w = numpy_helper.to_array(inits[n.input[1]]).astype(np.float32)
-            wname = n.input[1]
-            if recipe == "fp8":
-                amax_w = float(np.abs(w).max()) or 1.0
-                sw = np.float32(amax_w / FP8_MAX)
-                import ml_dtypes
-
-                wq = np.clip(w / sw, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
-                new_inits += [numpy_helper.from_array(wq, f"{wname}__fp8"),
-                              numpy_helper.from_array(np.array(sw, np.float32), f"{wname}__wscale")]
-                new_nodes.append(helper.make_node("DequantizeLinear", [f"{wname}__fp8", f"{wname}__wscale"],
-                                                  [f"{wname}__dq"], name=f"{n.name}__w_dq"))
-                a = n.input[0]
-                amax_a = (act_amax or {}).get(a)
-                if amax_a is None:
-                    from ..errors import FluxtrtError
-
-                    raise FluxtrtError(f"no calibrated range for {a} (input of {n.name}); run `fluxtrt calibrate`")
-                sa = np.float32(max(amax_a, 1e-8) / FP8_MAX)
-                zp = numpy_helper.from_array(np.zeros((), ml_dtypes.float8_e4m3fn), f"{n.name}__azp")
-                new_inits += [numpy_helper.from_array(np.array(sa, np.float32), f"{n.name}__ascale"), zp]
-                new_nodes += [
-                    helper.make_node("QuantizeLinear", [a, f"{n.name}__ascale", f"{n.name}__azp"], [f"{n.name}__aq"],
-                                     name=f"{n.name}__a_q"),
-                    helper.make_node("DequantizeLinear", [f"{n.name}__aq", f"{n.name}__ascale"], [f"{n.name}__adq"],
-                                     name=f"{n.name}__a_dq"),
-                ]
-                n.input[0] = f"{n.name}__adq"
-            elif recipe == "int8-wo":
-                sw = (np.abs(w).max(axis=0) / 127.0).astype(np.float32)  # per output channel (N)
-                sw[sw == 0] = 1.0
-                wq = np.clip(np.round(w / sw), -127, 127).astype(np.int8)
-                new_inits += [numpy_helper.from_array(wq, f"{wname}__int8"),
-                              numpy_helper.from_array(sw, f"{wname}__wscale")]
-                new_nodes.append(helper.make_node("DequantizeLinear", [f"{wname}__int8", f"{wname}__wscale"],
-                                                  [f"{wname}__dq"], axis=1, name=f"{n.name}__w_dq"))
-            else:  # int4-wo: blocks of INT4_BLOCK along K (axis 0)
-                k, nn = w.shape
-                block = INT4_BLOCK if k % INT4_BLOCK == 0 else k
-                blocks = w.reshape(k // block, block, nn)
-                sw = (np.abs(blocks).max(axis=1) / 7.0).astype(np.float32)  # [K/block, N]
-                sw[sw == 0] = 1.0
-                wq = np.clip(np.round(blocks / sw[:, None, :]), -8, 7).astype(np.int8).reshape(k, nn)
-                t = helper.make_tensor(f"{wname}__int4", TensorProto.INT4, wq.shape, wq.flatten().tolist())
-                new_inits += [t, numpy_helper.from_array(sw, f"{wname}__wscale")]
-                new_nodes.append(helper.make_node("DequantizeLinear", [f"{wname}__int4", f"{wname}__wscale"],
-                                                  [f"{wname}__dq"], axis=0, block_size=block, name=f"{n.name}__w_dq"))
-            n.input[1] = f"{wname}__dq"
+            x = n.input[0]
+            if recipe in ("fp8", "fp8-attn"):
+                n.input[0] = out.qdq(x, f"{n.name}__act", amax_of(x, n.name) / FP8_MAX, "fp8")
+                n.input[1] = out.weight(w, n.input[1], n.name, "fp8")
+            elif recipe == "int8":
+                if x not in channel_amax:
+                    raise FluxtrtError(f"no per-channel range for {x} (input of {n.name}); recalibrate for int8")
+                ax = np.maximum(np.asarray(channel_amax[x], np.float32), 1e-5)
+                aw = np.maximum(np.abs(w).max(axis=1), 1e-5)
+                s = (ax ** alpha / aw ** (1 - alpha)).astype(np.float32)  # SmoothQuant per input channel
+                inv = out.const(f"{n.name}__smooth", (1.0 / s).astype(np.float32))
+                out.nodes.append(helper.make_node("Mul", [x, inv], [f"{n.name}__smoothed"], name=f"{n.name}__smooth"))
+                n.input[0] = out.qdq(f"{n.name}__smoothed", f"{n.name}__act", float((ax / s).max()) / 127.0, "int8")
+                n.input[1] = out.weight(w * s[:, None], n.input[1], n.name, "int8")
+            else:
+                n.input[1] = out.weight(w, n.input[1], n.name, "int8" if recipe == "int8-wo" else "int4")
+            new_nodes += out.nodes
         new_nodes.append(n)
     del g.node[:]
     g.node.extend(new_nodes)
     used = {i for n in g.node for i in n.input}
     kept_inits = [t for t in g.initializer if t.name in used]
     del g.initializer[:]
-    g.initializer.extend(kept_inits + new_inits)
+    g.initializer.extend(kept_inits + out.inits)
     return model, p
+
+
+def sensitivity(model: onnx.ModelProto, act_amax: dict, feeds_list: list[dict], top: int = 8) -> list[tuple]:
+    """Quantize one weight MatMul at a time (fp8, the kept ones included) and measure the output error
+    against the unquantized graph: [(relative error, MatMul, kept reason or ''), ...], worst first."""
+    import copy
+
+    import onnxruntime as ort
+
+    p = plan(model, "fp8")
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in model.graph.output]
+    refs = [ref.run(names, f)[0] for f in feeds_list]
+    rows = []
+    for node in p.quantized + list(p.kept):
+        q, _ = quantize_model(copy.deepcopy(model), "fp8", act_amax, only=[node])
+        s = ort.InferenceSession(q.SerializeToString(), providers=["CPUExecutionProvider"])
+        err = max(float(np.abs(s.run(names, f)[0] - r).max() / np.abs(r).max()) for f, r in zip(feeds_list, refs))
+        rows.append((err, node, p.kept.get(node, "")))
+    return sorted(rows, reverse=True)[:top]
