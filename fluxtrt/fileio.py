@@ -54,25 +54,16 @@ def publish(files: list[Path], final_dir: Path) -> list[Path]:
 
 
 def write_json_atomic(path: Path, obj) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=True, default=str)
-            f.write("\n")
-        os.chmod(tmp, _umask_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    text = json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n"
+    write_bytes_atomic(path, text.encode(), check_free=False)
 
 
-def write_bytes_atomic(path: Path, data: bytes) -> None:
+def write_bytes_atomic(path: Path, data: bytes, check_free: bool = True) -> None:
+    """Write to a temp name beside `path`, fsync, then rename: readers see the old file or the new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    check_space(path, len(data))
+    if check_free:
+        check_space(path, len(data))
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:

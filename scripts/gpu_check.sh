@@ -5,15 +5,7 @@
 set -uo pipefail
 OUTDIR=${1:-gpu-check}
 mkdir -p "$OUTDIR"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
-else
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-fi
-export FLUXTRT_CACHE=/tmp/fluxtrt-cache PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-FLUXTRT="python3 -m fluxtrt.cli"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUTDIR/gpu.txt"
+source "$(dirname "$0")/device_env.sh"
 python3 -c "import torch, diffusers, transformers; print('torch', torch.__version__, 'diffusers', diffusers.__version__, 'transformers', transformers.__version__)" | tee -a "$OUTDIR/gpu.txt"
 
 echo "== GPU tests"

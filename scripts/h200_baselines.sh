@@ -6,15 +6,7 @@
 set -uo pipefail
 OUTDIR=${1:-h200}; MODE=${2:-eager}
 mkdir -p "$OUTDIR"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
-else
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-fi
-export FLUXTRT_CACHE=/tmp/fluxtrt-cache PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-FLUXTRT="python3 -m fluxtrt.cli"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUTDIR/gpu.txt"
+source "$(dirname "$0")/device_env.sh"
 if [ "$MODE" = eager ]; then
   $FLUXTRT bench --backend torch --model random:flux.1-dev --sizes 512,1024 --batch 1,4 --steps 28 --runs 2 \
     --warmup 1 --baseline diffusers --json "$OUTDIR/bench_eager_sizes.json" 2>&1 | tail -30 | tee "$OUTDIR/bench_eager_sizes.txt"
