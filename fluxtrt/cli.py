@@ -249,6 +249,47 @@ def calibrate(
 
 @app.command()
 @friendly
+def artifacts(
+    gpus: str = typer.Option("4090", "--gpus", help="GPU targets, comma-separated (TensorRT-RTX ones build here, GPU or not)."),
+    model: str = typer.Option("tiny", "--model", "-m", help=MODEL_HELP),
+    engines: Path = typer.Option(Path("engines"), "--engines", help="Build root (engines are built or reused there)."),
+    out_dir: Path = typer.Option(Path("dist"), "--out", "-o", help="Folder for the archives and their .sha256 files."),
+    precision: Optional[list[str]] = typer.Option(None, "--precision", "-p", help="As for build."),
+):
+    """Build engines for each GPU target and pack each target into one archive with a sha256 file."""
+    _quiet_libraries()
+    from .artifacts import pack
+    from .build.pipeline import build_gpu
+    from .gpus import load_gpu
+    from .models.source import resolve_model
+
+    targets = [g.strip() for g in gpus.split(",") if g.strip()]
+    configs = [load_gpu(g) for g in targets]  # all names checked before any work
+    source = resolve_model(model)
+    for cfg in configs:
+        cfg = cfg.with_precision(_precision_overrides(precision, None)) if precision else cfg
+        with console.status(f"building {cfg.key} ({cfg.sm})..."):
+            build_gpu(source, cfg, engines)
+        archive, sha = pack(engines / cfg.key, out_dir)
+        out.print(f"{cfg.key}: {archive} ({_human(archive.stat().st_size)}), {sha.name}")
+
+
+@app.command()
+@friendly
+def unpack(
+    archive: Path = typer.Argument(..., help="An archive made by `fluxtrt artifacts` (its .sha256 file beside it)."),
+    out_dir: Path = typer.Option(Path("engines"), "--out", "-o", help="Where the GPU folder is placed."),
+    sha256: Optional[Path] = typer.Option(None, "--sha256", help="The checksum file, if not ARCHIVE.sha256."),
+):
+    """Verify an engine archive's checksum and extract it safely (plain files only, no paths out)."""
+    from .artifacts import unpack as do_unpack
+
+    folder = do_unpack(archive, out_dir, sha256)
+    out.print(f"verified and unpacked {archive.name} -> {folder} (run: fluxtrt run --engines {folder} --prompt ...)")
+
+
+@app.command()
+@friendly
 def inspect(engine_dir: Path = typer.Argument(..., help="A folder written by `fluxtrt build` (OUT/<gpu>).")):
     """Print an engine folder's manifest and, with TensorRT-RTX, whether this machine can run its engines."""
     from rich.table import Table

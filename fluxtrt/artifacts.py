@@ -1,0 +1,129 @@
+"""Engine artifacts: one archive per GPU target (engines + manifest + tokenizers/configs, no ONNX) with a
+sha256 file, and safe unpacking of archives fetched from elsewhere (untrusted input).
+
+Unpacking refuses, before writing anything: a checksum mismatch, absolute paths, `..` components, links,
+devices and other special members, and archives whose members add up to more than the size limit. After
+extraction every engine is checked against the manifest's sha256; on any failure the destination is left
+as it was (extraction goes to a staging folder that is renamed only at the end)."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+import tarfile
+from pathlib import Path, PurePosixPath
+
+from .build.manifest import read_manifest
+from .errors import FluxtrtError
+from .fileio import sha256_file, staging_dir
+
+MAX_UNPACKED_BYTES = 64 << 30  # a full-size FLUX.1-dev set of engines is well under this
+SKIP = {".fluxtrt.lock", "build.log"}
+
+
+class ArtifactError(FluxtrtError):
+    """An archive is corrupt, tampered with, or unsafe to extract."""
+
+
+def archive_name(manifest: dict) -> str:
+    model = manifest["model"]["id"].replace("/", "_").replace(":", "-").strip("._") or "model"
+    return f"fluxtrt-{model}-{manifest['gpu']}-sm{manifest['compute_capability'].replace('.', '')}.tar.gz"
+
+
+def pack(gpu_dir: Path, out_dir: Path) -> tuple[Path, Path]:
+    """gpu_dir (OUT/<gpu>) -> out_dir/<name>.tar.gz and <name>.tar.gz.sha256 (sha256sum format)."""
+    gpu_dir, out_dir = Path(gpu_dir), Path(out_dir)
+    manifest = read_manifest(gpu_dir)
+    for name, e in manifest["components"].items():
+        if sha256_file(gpu_dir / e["engine"]) != e["sha256"]:
+            raise ArtifactError(f"{gpu_dir / e['engine']} does not match its manifest; rebuild before packing")
+    name = archive_name(manifest)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = sorted(p for p in gpu_dir.rglob("*") if p.is_file() and p.name not in SKIP
+                   and not any(part.startswith(".tmp-") for part in p.relative_to(gpu_dir).parts))
+    with staging_dir(out_dir, "pack") as tmp:
+        archive = tmp / name
+        # gzip header without a timestamp or file name: the same inputs give the same bytes
+        with open(archive, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz, \
+                tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for f in files:
+                info = tar.gettarinfo(str(f), arcname=f"{manifest['gpu']}/{f.relative_to(gpu_dir).as_posix()}")
+                info.uid = info.gid = 0
+                info.uname = info.gname = ""
+                info.mtime = 0
+                info.mode = 0o644
+                with open(f, "rb") as fh:
+                    tar.addfile(info, fh)
+        digest = sha256_file(archive)
+        (tmp / f"{name}.sha256").write_text(f"{digest}  {name}\n")
+        os.replace(archive, out_dir / name)
+        os.replace(tmp / f"{name}.sha256", out_dir / f"{name}.sha256")
+    return out_dir / name, out_dir / f"{name}.sha256"
+
+
+def verify_checksum(archive: Path, sha_file: Path | None = None) -> str:
+    archive = Path(archive)
+    sha_file = Path(sha_file) if sha_file else Path(f"{archive}.sha256")
+    if not sha_file.exists():
+        raise ArtifactError(f"no checksum file {sha_file.name} beside {archive.name}; download it too "
+                            "(or pass --sha256 FILE)")
+    want = sha_file.read_text().split()[0].lower() if sha_file.read_text().split() else ""
+    got = sha256_file(archive)
+    if got != want:
+        raise ArtifactError(f"{archive.name} does not match its checksum (sha256 {got[:16]}..., expected "
+                            f"{want[:16]}...): the download is corrupt or was tampered with; fetch it again")
+    return got
+
+
+def _check_member(m: tarfile.TarInfo) -> PurePosixPath:
+    p = PurePosixPath(m.name)
+    if p.is_absolute() or m.name.startswith(("/", "\\")) or ".." in p.parts or ":" in p.parts[0]:
+        raise ArtifactError(f"unsafe path in archive: {m.name!r} (absolute or with '..'); refusing to extract")
+    if m.issym() or m.islnk():
+        raise ArtifactError(f"archive member {m.name!r} is a link; fluxtrt archives hold plain files only")
+    if not (m.isfile() or m.isdir()):
+        raise ArtifactError(f"archive member {m.name!r} is not a plain file or folder; refusing to extract")
+    return p
+
+
+def unpack(archive: Path, dest: Path, sha_file: Path | None = None, max_bytes: int = MAX_UNPACKED_BYTES) -> Path:
+    """Verify and safely extract one artifact archive into dest/<gpu>/; returns that folder."""
+    archive, dest = Path(archive), Path(dest)
+    verify_checksum(archive, sha_file)
+    try:
+        tar = tarfile.open(archive, "r:gz")
+    except (tarfile.TarError, OSError) as e:
+        raise ArtifactError(f"{archive.name} is not a readable .tar.gz ({e})") from None
+    with tar:
+        members = tar.getmembers()
+        paths = [_check_member(m) for m in members]
+        tops = {p.parts[0] for p in paths}
+        if len(tops) != 1:
+            raise ArtifactError(f"{archive.name} must hold one folder (the GPU's); it holds {sorted(tops)}")
+        total = sum(m.size for m in members)
+        if total > max_bytes:
+            raise ArtifactError(f"{archive.name} unpacks to {total / 1e9:.1f} GB, over the {max_bytes / 1e9:.1f} GB limit")
+        top = tops.pop()
+        final = dest / top
+        with staging_dir(dest, "unpack") as tmp:
+            for m, p in zip(members, paths):
+                target = tmp.joinpath(*p.parts)
+                if m.isdir():
+                    target.mkdir(parents=True, exist_ok=True)
+                    continue
+                target.parent.mkdir(parents=True, exist_ok=True)
+                src = tar.extractfile(m)
+                with open(target, "wb") as out:
+                    shutil.copyfileobj(src, out, 1 << 22)
+            folder = tmp / top
+            manifest = read_manifest(folder)
+            for name, e in manifest["components"].items():
+                f = folder / e["engine"]
+                if not f.exists() or sha256_file(f) != e["sha256"]:
+                    raise ArtifactError(f"{archive.name}: {e['engine']} does not match the manifest's sha256; "
+                                        "refusing the archive")
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(folder, final)
+    return final

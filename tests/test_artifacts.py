@@ -1,0 +1,100 @@
+"""Engine archives: pack, checksum, safe unpack; tampered and malicious archives are refused."""
+
+import io
+import tarfile
+
+import pytest
+
+pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installed (pip install -e '.[rtx]')")
+
+from fluxtrt.artifacts import ArtifactError, pack, unpack  # noqa: E402
+from fluxtrt.build.manifest import read_manifest  # noqa: E402
+from fluxtrt.build.pipeline import build_gpu  # noqa: E402
+from fluxtrt.fileio import sha256_file  # noqa: E402
+from fluxtrt.gpus import load_gpu  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory, tiny_schnell):
+    root = tmp_path_factory.mktemp("art")
+    build_gpu(tiny_schnell, load_gpu("4090"), root / "engines", ["clip", "t5", "transformer", "vae_decoder"])
+    archive, sha = pack(root / "engines" / "4090", root / "dist")
+    return root, archive, sha
+
+
+def test_pack_names_checksums_and_roundtrips(packed, tmp_path):
+    root, archive, sha = packed
+    assert archive.name == "fluxtrt-tiny-schnell-4090-sm89.tar.gz"
+    assert sha.read_text() == f"{sha256_file(archive)}  {archive.name}\n"
+    folder = unpack(archive, tmp_path)
+    m = read_manifest(folder)
+    assert folder == tmp_path / "4090" and m["compute_capability"] == "8.9"
+    for e in m["components"].values():
+        assert sha256_file(folder / e["engine"]) == e["sha256"]
+    assert (folder / "model" / "tokenizer").is_dir()  # `fluxtrt run` needs nothing else
+    again, _ = pack(root / "engines" / "4090", tmp_path / "again")
+    assert sha256_file(again) == sha256_file(archive)  # deterministic archives
+
+
+def test_tampered_archive_is_refused(packed, tmp_path):
+    root, archive, sha = packed
+    bad = tmp_path / archive.name
+    data = bytearray(archive.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    (tmp_path / sha.name).write_text(sha.read_text())
+    with pytest.raises(ArtifactError, match="does not match its checksum"):
+        unpack(bad, tmp_path / "out")
+    assert not (tmp_path / "out" / "4090").exists()
+    with pytest.raises(ArtifactError, match="no checksum file"):
+        unpack(archive, tmp_path / "out2", sha_file=tmp_path / "missing.sha256")
+
+
+def _evil(tmp_path, build):
+    import hashlib
+
+    path = tmp_path / "evil.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        build(tar)
+    (tmp_path / "evil.tar.gz.sha256").write_text(f"{hashlib.sha256(path.read_bytes()).hexdigest()}  evil.tar.gz\n")
+    return path
+
+
+def _add(tar, name, data=b"x", kind=tarfile.REGTYPE, link=""):
+    info = tarfile.TarInfo(name)
+    info.size, info.type, info.linkname = (len(data) if kind == tarfile.REGTYPE else 0), kind, link
+    tar.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda t: _add(t, "4090/../../escape.txt"), "unsafe path"),
+    (lambda t: _add(t, "/etc/evil"), "unsafe path"),
+    (lambda t: _add(t, "4090/link", kind=tarfile.SYMTYPE, link="/etc/passwd"), "is a link"),
+    (lambda t: _add(t, "4090/hard", kind=tarfile.LNKTYPE, link="4090/x"), "is a link"),
+    (lambda t: _add(t, "4090/dev", kind=tarfile.CHRTYPE), "not a plain file"),
+    (lambda t: (_add(t, "4090/a"), _add(t, "other/b")), "must hold one folder"),
+])
+def test_malicious_archives_are_refused(tmp_path, build, message):
+    archive = _evil(tmp_path, build)
+    with pytest.raises(ArtifactError, match=message):
+        unpack(archive, tmp_path / "out")
+    assert not (tmp_path / "escape.txt").exists() and not list((tmp_path / "out").glob("*"))
+
+
+def test_size_limit_and_manifest_check(tmp_path):
+    archive = _evil(tmp_path, lambda t: _add(t, "4090/big", b"y" * 5000))
+    with pytest.raises(ArtifactError, match="over the .* limit"):
+        unpack(archive, tmp_path / "out", max_bytes=1000)
+    with pytest.raises(Exception, match="no manifest.json"):  # plain files but no engines: refused
+        unpack(archive, tmp_path / "out")
+    assert not (tmp_path / "out" / "4090").exists()
+
+
+def test_cli_unpack(packed, tmp_path):
+    from typer.testing import CliRunner
+
+    from fluxtrt.cli import app
+
+    _, archive, _ = packed
+    res = CliRunner().invoke(app, ["unpack", str(archive), "--out", str(tmp_path)])
+    assert res.exit_code == 0 and "verified and unpacked" in res.output, res.output
