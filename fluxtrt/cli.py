@@ -58,6 +58,18 @@ def friendly(fn):
 
             console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
+        except MemoryError:
+            if _STATE["debug"]:
+                raise
+            console.print("[bold red]error:[/] out of memory; try `--low-vram`, a smaller batch or size, or a lower "
+                          "precision (`fluxtrt build --precision transformer=fp8`)")
+            raise typer.Exit(2) from None
+        except RuntimeError as e:  # torch.cuda.OutOfMemoryError and TensorRT allocation failures
+            if _STATE["debug"] or not _is_oom(e):
+                raise
+            console.print("[bold red]error:[/] out of GPU memory; try `--low-vram`, a smaller batch or size, or a "
+                          "lower precision (`fluxtrt build --precision transformer=fp8`)")
+            raise typer.Exit(2) from None
         except OSError as e:
             if e.errno != 28 or _STATE["debug"]:  # ENOSPC: say which file and what to do
                 raise
@@ -69,6 +81,11 @@ def friendly(fn):
             raise typer.Exit(130) from None
 
     return wrapper
+
+
+def _is_oom(e: BaseException) -> bool:
+    text = str(e).lower()
+    return type(e).__name__ == "OutOfMemoryError" or "out of memory" in text or "cudaerrormemoryallocation" in text
 
 
 def _split(values: Optional[list[str]]) -> Optional[list[str]]:
@@ -401,6 +418,7 @@ def run(
     low_vram: bool = typer.Option(False, "--low-vram", help="Load and free engines stage by stage."),
     weight_streaming_budget: Optional[int] = typer.Option(None, "--weight-streaming-budget", help="MB of transformer weights kept on the GPU (engines built with weight streaming)."),
     cuda_graph: bool = typer.Option(False, "--cuda-graph", help="Capture the transformer step as a CUDA graph (TensorRT-RTX's whole-graph strategy)."),
+    allow_host_code: bool = typer.Option(False, "--allow-host-code", help="Let engines with embedded host code load (only for engines you trust)."),
 ):
     """Generate images from built engines (diffusers' FluxPipeline semantics, seed for seed)."""
     _quiet_libraries()
@@ -437,7 +455,7 @@ def run(
     logging.getLogger("fluxtrt").addHandler(_WarningLine())
     pipe = FluxEngines(engines, chosen, low_vram, weight_streaming_budget and weight_streaming_budget << 20, cuda_graph,
                        model=source, fallback=sorted(set(_split(fallback) or []) | set(missing)),
-                       torch_dtype=torch_dtype, compile=compile)
+                       torch_dtype=torch_dtype, compile=compile, allow_host_code=allow_host_code)
     chunks = [prompts[i:i + batch] for i in range(0, len(prompts), batch)] if len(prompts) > 1 else [prompts * batch]
     pipe.check_request(max(len(c) for c in chunks), height, width, steps)  # fail before any work
     paths, all_timings = [], []

@@ -118,8 +118,10 @@ class TensorRTExecutor(Executor):
     kind = "tensorrt"
 
     def __init__(self, component: str, entry: dict, engine_path: Path, backend, stream=None,
-                 shared_memory=None, weight_streaming_budget: int | None = None, cuda_graph: bool = False):
+                 shared_memory=None, weight_streaming_budget: int | None = None, cuda_graph: bool = False,
+                 allow_host_code: bool = False):
         super().__init__(component, entry)
+        self.allow_host_code = allow_host_code
         self.engine_path = Path(engine_path)
         self.backend = backend
         self.stream = stream
@@ -148,12 +150,15 @@ class TensorRTExecutor(Executor):
             raise BackendUnavailableError(f"{self.backend.name} says {self.engine_path.name} cannot run on this "
                                           f"machine ({validity}); build for this GPU with `fluxtrt build`")
         runtime = trt.Runtime(self.backend.logger)
-        if hasattr(runtime, "engine_host_code_allowed"):
-            runtime.engine_host_code_allowed = False
+        if hasattr(runtime, "engine_host_code_allowed"):  # engines with embedded host code run only if asked
+            runtime.engine_host_code_allowed = self.allow_host_code
+        self.backend.logger.errors = []
         engine = runtime.deserialize_cuda_engine(data)
         if engine is None:
-            raise FluxtrtError(f"{self.backend.name} could not load {self.engine_path.name}: "
-                               + ("; ".join(self.backend.logger.errors) or "no detail"))
+            detail = "; ".join(self.backend.logger.errors) or "no detail"
+            hint = ("" if self.allow_host_code or "host code" not in detail.lower()
+                    else "; it embeds host code: pass --allow-host-code only if you trust where it came from")
+            raise FluxtrtError(f"{self.backend.name} could not load {self.engine_path.name}: {detail}{hint}")
         if self.weight_streaming_budget is not None and self.entry.get("weight_streaming"):
             engine.weight_streaming_budget_v2 = int(self.weight_streaming_budget)
         if hasattr(engine, "create_runtime_config"):

@@ -64,7 +64,7 @@ class FluxEngines:
     def __init__(self, engine_dir: Path | None = None, backend: str = "tensorrt", low_vram: bool = False,
                  weight_streaming_budget: int | None = None, cuda_graph: bool = False, providers=None,
                  model=None, fallback=(), torch_dtype: str = "bf16", device: str | None = None,
-                 compile: bool = False):
+                 compile: bool = False, allow_host_code: bool = False):
         import torch
 
         self.low_vram, self.cuda_graph = low_vram, cuda_graph
@@ -117,7 +117,7 @@ class FluxEngines:
                 e = component_entry(self.manifest, name)
                 self.executors[name] = TensorRTExecutor(
                     name, e, self.dir / e["engine"], trt_backend, None, shared,
-                    weight_streaming_budget, cuda_graph and name == "transformer")
+                    weight_streaming_budget, cuda_graph and name == "transformer", allow_host_code)
         elif engine_names and backend == "onnxruntime":
             for name in engine_names:
                 e = component_entry(self.manifest, name)

@@ -1,0 +1,133 @@
+"""Bad input everywhere gets one clear line and exit code 2: property-based checks of request validation and
+the run command's arguments, out-of-memory, and engines with embedded host code."""
+
+import json
+import re
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from fluxtrt.components import ShapePoint, ShapeRange, specs_for
+
+RANGE = ShapeRange(ShapePoint(1, 256, 256), ShapePoint(1, 512, 512), ShapePoint(4, 1024, 1024))
+
+
+@pytest.fixture(scope="module")
+def fake_engines(tmp_path_factory):
+    """An engine folder whose manifest declares profiles (no engine is built: request checks need none)."""
+    from fluxtrt.build.pipeline import copy_model_assets
+    from fluxtrt.models.source import resolve_model
+
+    src = resolve_model("tiny-schnell")
+    folder = tmp_path_factory.mktemp("fake") / "4090"
+    folder.mkdir()
+    copy_model_assets(src, folder)
+    comps = {}
+    for name, spec in specs_for(src.geometry, ["clip", "t5", "transformer", "vae_decoder"]).items():
+        prof = {k: {"min": list(lo), "opt": list(opt), "max": list(hi)} for k, (lo, opt, hi) in
+                spec.profile(RANGE, src.geometry).items()}
+        comps[name] = {"engine": f"{name}.engine", "sha256": "0" * 64, "onnx": f"onnx/{name}.onnx",
+                       "onnx_sha256": "0" * 64, "profile": prof, "inputs": [], "outputs": [], "precision": "fp32"}
+    manifest = {"schema": 1, "backend": "tensorrt-rtx", "backend_version": "1.7.1.116", "gpu": "4090",
+                "gpu_name": "NVIDIA GeForce RTX 4090", "compute_capability": "8.9",
+                "model": {"id": "tiny-schnell", "hash": src.content_hash, "variant": "schnell"},
+                "shape_range": {"min": [1, 256, 256], "opt": [1, 512, 512], "max": [4, 1024, 1024]},
+                "components": comps}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder
+
+
+def _valid(batch, h, w, steps):
+    return 1 <= batch <= 4 and steps >= 1 and all(v % 16 == 0 and 256 <= v <= 1024 for v in (h, w))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.integers(-2, 8), h=st.integers(-64, 2048), w=st.integers(-64, 2048), steps=st.integers(-3, 60))
+def test_request_validation_property(fake_engines, batch, h, w, steps):
+    from fluxtrt.runtime.pipeline import FluxEngines, RequestError
+
+    pipe = FluxEngines(fake_engines, "onnxruntime")
+    if _valid(batch, h, w, steps):
+        pipe.check_request(batch, h, w, steps)
+    else:
+        with pytest.raises(RequestError) as e:
+            pipe.check_request(batch, h, w, steps)
+        assert "\n" not in str(e.value) and len(str(e.value)) < 200
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(h=st.integers(-100, 5000), w=st.integers(-100, 5000), steps=st.integers(-5, 50), batch=st.integers(-3, 9),
+       seed=st.integers(-5, 2**64))
+def test_run_arguments_property(fake_engines, h, w, steps, batch, seed):
+    from typer.testing import CliRunner
+
+    from fluxtrt.cli import app
+
+    assume(not (_valid(batch, h, w, steps) and 0 <= seed < 2**63))  # valid requests would generate an image
+    res = CliRunner().invoke(app, ["run", "--engines", str(fake_engines), "--backend", "onnxruntime", "--prompt", "x",
+                                   "--height", str(h), "--width", str(w), "--steps", str(steps),
+                                   "--batch", str(batch), "--seed", str(seed)])
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in res.output
+    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 or "Invalid value" in res.output  # typer's own one-line usage error
+
+
+def test_out_of_memory_is_one_line_with_the_fixes(fake_engines, monkeypatch):
+    import torch
+    from typer.testing import CliRunner
+
+    from fluxtrt.cli import app
+
+    def oom(*a, **k):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr("fluxtrt.runtime.pipeline.FluxEngines.generate", oom)
+    res = CliRunner().invoke(app, ["run", "--engines", str(fake_engines), "--backend", "onnxruntime", "--prompt", "x",
+                                   "--height", "256", "--width", "256"])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert re.search(r"out of GPU memory; try `--low-vram`.*lower precision", res.output)
+
+
+def test_host_code_engines_are_refused_unless_allowed(tmp_path):
+    from fluxtrt.errors import FluxtrtError
+    from fluxtrt.fileio import sha256_file
+    from fluxtrt.runtime.executors import TensorRTExecutor
+
+    engine = tmp_path / "x.engine"
+    engine.write_bytes(b"engine bytes")
+    seen = {}
+
+    class Logger:
+        errors = []
+
+    class Runtime:
+        def __init__(self, logger):
+            self.logger = logger
+
+        def __setattr__(self, k, v):
+            seen[k] = v
+            object.__setattr__(self, k, v)
+
+        engine_host_code_allowed = False
+
+        def deserialize_cuda_engine(self, data):
+            self.logger.errors.append("engine contains host code and host code is not allowed")
+            return None
+
+    class Backend:
+        name = "tensorrt-rtx"
+        logger = Logger()
+        trt = type("T", (), {"Runtime": Runtime})
+
+        def runtime_validity(self, path):
+            return None
+
+    entry = {"sha256": sha256_file(engine), "inputs": [], "outputs": [], "profile": {}}
+    with pytest.raises(FluxtrtError, match="embeds host code: pass --allow-host-code only if you trust"):
+        TensorRTExecutor("transformer", entry, engine, Backend()).activate()
+    assert seen["engine_host_code_allowed"] is False
+    with pytest.raises(FluxtrtError):
+        TensorRTExecutor("transformer", entry, engine, Backend(), allow_host_code=True).activate()
+    assert seen["engine_host_code_allowed"] is True
