@@ -131,3 +131,19 @@ def test_host_code_engines_are_refused_unless_allowed(tmp_path):
     with pytest.raises(FluxtrtError):
         TensorRTExecutor("transformer", entry, engine, Backend(), allow_host_code=True).activate()
     assert seen["engine_host_code_allowed"] is True
+
+
+def test_very_long_prompt_is_truncated_with_a_warning(caplog):
+    import logging
+
+    from fluxtrt.models.source import resolve_model
+    from fluxtrt.runtime.pipeline import FluxEngines
+
+    pipe = FluxEngines(None, "torch", model=resolve_model("tiny-schnell"), torch_dtype="fp32", device="cpu")
+    long_prompt = " ".join(["a red fox jumping over a sleepy dog in the snow"] * 120)
+    with caplog.at_level(logging.WARNING, logger="fluxtrt"):
+        res = pipe.generate([long_prompt], 256, 256, 1, seed=0)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("prompt truncated to 77 CLIP tokens" in m for m in msgs)
+    assert any("prompt truncated to 256 T5 tokens" in m for m in msgs)  # schnell: T5's own length, not CLIP's
+    assert res.images.shape == (1, 256, 256, 3)
