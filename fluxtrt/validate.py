@@ -144,7 +144,6 @@ def validate_onnx(onnx_path: Path, module, spec: ComponentSpec, geo: Geometry, d
                   points: list[ShapePoint] | None = None, seed: int | None = None) -> ValidationReport:
     """Run ONNX Runtime (CPU) and the fp32 PyTorch module on the same fresh inputs and compare."""
     import numpy as np
-    import onnxruntime as ort
     import torch
 
     bound = bound_for(spec.name, dtype, spec.rtol_fp32)

@@ -9,7 +9,7 @@ import torch
 from fluxtrt.components import specs_for
 from fluxtrt.errors import FluxtrtError
 from fluxtrt.optimize.passes import DEFAULT_PASSES, PASSES
-from fluxtrt.optimize.pipeline import optimize_file, optimize_model, save_model, trt_layer_count
+from fluxtrt.optimize.pipeline import optimize_file, optimize_model, save_model
 from fluxtrt.validate import bound_for, compare_onnx, validate_onnx
 
 PASS_BOUND = 1e-5  # fp32: optimized vs unoptimized graph, both in ONNX Runtime, fresh random inputs

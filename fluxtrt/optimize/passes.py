@@ -179,14 +179,14 @@ def fuse_gelu_tanh(graph: gs.Graph) -> gs.Graph:
         add = s.inputs[0] if s is not None and s.inputs else None
         if add is None or add.op != "Add":
             continue
-        x = cube = None
+        x = None
         for a, b in (add.inputs, add.inputs[::-1]):
             p = b.inputs[0] if b.inputs else None
             if p is not None and p.op == "Mul":
                 k = next((i for i in p.inputs if _const(i, 0.044715, 1e-4)), None)
                 pw = _other(p, k).inputs[0] if k is not None and _other(p, k).inputs else None
                 if pw is not None and pw.op == "Pow" and pw.inputs[0] is a and _const(pw.inputs[1], 3.0):
-                    x, cube = a, pw
+                    x = a
         if x is None:
             continue
         plus = _only_consumer(tanh.outputs[0])
