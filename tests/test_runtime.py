@@ -345,3 +345,22 @@ def test_nan_from_a_component_is_reported_by_name(fp32_engines):
     ex.infer = lambda feeds: {k: v * float("nan") for k, v in orig(feeds).items()}
     with pytest.raises(NonFiniteError, match="t5 produced NaN/Inf .*--precision t5=bf16"):
         pipe.generate(["a cat"], 256, 256, 2)
+
+
+def test_tensorrt_executor_input_buffers_are_made_once_per_shape(fp32_engines):
+    """Buffer planning: inputs needing a cast are copied into buffers allocated once per (name, shape)."""
+    from fluxtrt.build.backends import TensorRTRTX
+    from fluxtrt.runtime.executors import TensorRTExecutor
+
+    _, engines = fp32_engines("tiny-schnell")
+    entry = {"inputs": [{"name": "x", "dtype": "bf16"}, {"name": "ids", "dtype": "int64"}], "outputs": [],
+             "profile": {}, "sha256": ""}
+    ex = TensorRTExecutor("transformer", entry, engines / "transformer.engine", TensorRTRTX())
+    ids = torch.arange(6)
+    feeds = {"x": torch.randn(2, 3), "ids": ids}
+    a = ex.stage_inputs(feeds, "cpu")
+    b = ex.stage_inputs({"x": torch.randn(2, 3), "ids": ids}, "cpu")
+    assert a["x"].dtype == torch.bfloat16 and a["x"].data_ptr() == b["x"].data_ptr()  # reused, refilled
+    assert b["ids"] is ids and feeds["x"].dtype == torch.float32  # right dtype: bound as is; caller untouched
+    c = ex.stage_inputs({"x": torch.randn(4, 3), "ids": ids}, "cpu")
+    assert c["x"].data_ptr() != a["x"].data_ptr() and len(ex._inputs) == 2  # a new shape gets its own

@@ -130,6 +130,7 @@ class TensorRTExecutor(Executor):
         self.cuda_graph = cuda_graph
         self.engine = self.context = None
         self._outputs: dict[tuple, dict] = {}  # output buffers per input-shape signature, reused across calls
+        self._inputs: dict[tuple, object] = {}  # cast input buffers per (name, shape), reused across calls
 
     @property
     def device(self):
@@ -198,16 +199,14 @@ class TensorRTExecutor(Executor):
         self.save_runtime_cache()
         self.context = self.engine = None
         self._outputs.clear()
+        self._inputs.clear()
         self.active = False
 
     def infer_impl(self, feeds: dict) -> dict:
         import torch
 
         ctx = self.context
-        for name, t in feeds.items():
-            want = getattr(torch, _TORCH_DTYPES[_dtype_of(self.entry, name)])
-            if t.dtype != want or not t.is_cuda or not t.is_contiguous():
-                t = feeds[name] = t.to(device="cuda", dtype=want).contiguous()
+        for name, t in self.stage_inputs(feeds, "cuda").items():
             ctx.set_input_shape(name, tuple(t.shape))
             ctx.set_tensor_address(name, t.data_ptr())
         key = tuple((n, tuple(t.shape)) for n, t in feeds.items())
@@ -226,6 +225,27 @@ class TensorRTExecutor(Executor):
         if not ctx.execute_async_v3(stream.cuda_stream):
             raise FluxtrtError(f"{self.component}: TensorRT execution failed: " + "; ".join(self.backend.logger.errors))
         return outs
+
+
+    def stage_inputs(self, feeds: dict, device) -> dict:
+        """The engine's input buffers: allocated once per (name, shape), filled with copy_ (casting to the
+        engine's dtype) on the current stream; a tensor already of the right dtype, device and layout is
+        bound as it is. The caller's dict is not modified."""
+        import torch
+
+        bound = {}
+        for name, t in feeds.items():
+            want = getattr(torch, _TORCH_DTYPES[_dtype_of(self.entry, name)])
+            if t.dtype == want and t.device.type == torch.device(device).type and t.is_contiguous():
+                bound[name] = t
+                continue
+            key = (name, tuple(t.shape))
+            buf = self._inputs.get(key)
+            if buf is None:
+                buf = self._inputs[key] = torch.empty(tuple(t.shape), dtype=want, device=device)
+            buf.copy_(t, non_blocking=True)
+            bound[name] = buf
+        return bound
 
 
 def _dtype_of(entry: dict, name: str) -> str:
