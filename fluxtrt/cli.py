@@ -237,16 +237,8 @@ def calibrate(
     """Run calibration alone: collect the transformer's inputs with diffusers' pipeline, measure activation
     ranges, and cache them (a later `fluxtrt build --precision transformer=fp8` reuses the cache)."""
     _quiet_libraries()
-    import hashlib
-
-    import onnx
-
-    from .build.pipeline import _ensure_export
-    from .errors import FluxtrtError
+    from .build.pipeline import calibrate_graph, optimized_fp32_transformer
     from .models.source import resolve_model
-    from .optimize.pipeline import optimize_model
-    from .quantize.calibration import calibrate as run_calibration
-
     from .quantize.qdq import CALIBRATED
 
     if recipe not in CALIBRATED:
@@ -255,11 +247,10 @@ def calibrate(
     if size < 1 or steps < 1:
         raise FluxtrtError("--calibration-size and --calibration-steps must be at least 1")
     source = resolve_model(model)
-    fp32_path, _ = _ensure_export(source, "transformer", out_dir, False, lambda p: None)
-    graph, _ = optimize_model(onnx.load(str(fp32_path)), None, "fp32", "transformer")
+    graph = optimized_fp32_transformer(source, out_dir)
     with console.status("calibrating (running the reference pipeline over the prompts)..."):
-        cal = run_calibration(source, graph, hashlib.sha256(graph.SerializeToString()).hexdigest(), recipe,
-                              out_dir / "calibration", prompts, size, steps, resolution)
+        cal = calibrate_graph(source, graph, recipe, out_dir, {"prompts_file": prompts, "size": size,
+                                                               "steps": steps, "opt_resolution": resolution})
     state = "reused the cache" if cal.cached else f"measured {cal.samples} transformer calls"
     out.print(f"{recipe} calibration for {source.id}: {len(cal.amax)} activation ranges, {state} -> {cal.path}")
 

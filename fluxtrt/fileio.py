@@ -85,10 +85,6 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-class DiskFullError(OSError):
-    pass
-
-
 def check_space(path: Path, needed: int) -> None:
     """Refuse before writing `needed` bytes where the disk has less free."""
     from .errors import FluxtrtError

@@ -155,3 +155,21 @@ def test_cli_calibrate_caches(tmp_path):
     assert "measured" in res.output and "activation ranges" in res.output
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0 and "reused the cache" in res.output
+
+
+def test_cli_calibrate_fills_the_cache_build_reads(tmp_path, tiny_schnell):
+    """`fluxtrt calibrate` and `fluxtrt build --precision transformer=fp8` share one cache key."""
+    pytest.importorskip("tensorrt_rtx")
+    from typer.testing import CliRunner
+
+    from fluxtrt.build.pipeline import build_gpu
+    from fluxtrt.cli import app
+    from fluxtrt.gpus import load_gpu
+
+    cfg = load_gpu("4090").with_precision({"transformer": "fp8"})
+    res = CliRunner().invoke(app, ["calibrate", "--model", "tiny-schnell", "--out", str(tmp_path),
+                                   "--calibration-size", "2", "--calibration-steps", "1",
+                                   "--resolution", str(cfg.resolution[1])])
+    assert res.exit_code == 0 and "measured" in res.output, res.output
+    manifest, _ = build_gpu(tiny_schnell, cfg, tmp_path, ["transformer"], calibration={"size": 2, "steps": 1})
+    assert manifest["components"]["transformer"]["quantization"]["calibration_cached"] is True

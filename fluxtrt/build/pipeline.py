@@ -152,8 +152,6 @@ def _ensure_optimized(source, component, dtype, fp32_path, out_root, force, on_p
 def optimize_component(source, component, dtype, fp32_path, folder, out_root, calib, on_phase):
     """-> (path, optimize report, quantization record or None). Quantized recipes: passes at fp32, calibrate
     (fp8, cached), insert Q/DQ, then place everything else in bf16."""
-    import hashlib
-
     import onnx
 
     from ..gpus import QUANTIZED
@@ -165,19 +163,14 @@ def optimize_component(source, component, dtype, fp32_path, folder, out_root, ca
 
         report = optimize_file(fp32_path, folder / f"{component}.onnx", component, dtype=dtype, count_layers=False)
         return report.path, report, None
-    from ..quantize.calibration import calibrate
-    from ..quantize.qdq import quantize_model
+    from ..quantize.qdq import CALIBRATED, quantize_model
 
     model, report = optimize_model(onnx.load(str(fp32_path)), None, "fp32", component)
-    from ..quantize.qdq import CALIBRATED
-
     record = {"recipe": dtype}
     amax = channel = None
     if dtype in CALIBRATED:
         on_phase("calibrate")
-        cal = calibrate(source, model, hashlib.sha256(model.SerializeToString()).hexdigest(), dtype,
-                        Path(out_root) / "calibration", calib.get("prompts_file"), calib.get("size", 32),
-                        calib.get("steps", 4), calib.get("opt_resolution", 1024))
+        cal = calibrate_graph(source, model, dtype, out_root, calib)
         amax, channel = cal.amax, cal.channel_amax
         record.update(calibration=cal.key, calibration_cached=cal.cached, calibration_samples=cal.samples,
                       calibration_file=str(cal.path.relative_to(Path(out_root))))
@@ -194,6 +187,29 @@ def optimize_component(source, component, dtype, fp32_path, folder, out_root, ca
     path = folder / f"{component}.onnx"
     save_model(model, path)
     return path, report, record
+
+
+def calibrate_graph(source, model, recipe: str, out_root: Path, calib: dict):
+    """Calibration of the optimized fp32 transformer `model`, cached in OUT/calibration/ under a key that
+    includes the graph's hash: `fluxtrt calibrate` and `fluxtrt build` both come through here, so one fills
+    the cache the other reads."""
+    import hashlib
+
+    from ..quantize.calibration import calibrate
+
+    return calibrate(source, model, hashlib.sha256(model.SerializeToString()).hexdigest(), recipe,
+                     Path(out_root) / "calibration", calib.get("prompts_file"), calib.get("size", 32),
+                     calib.get("steps", 4), calib.get("opt_resolution", 1024))
+
+
+def optimized_fp32_transformer(source, out_root: Path):
+    """The transformer's validated fp32 export (reused if present) through the default passes, in memory."""
+    import onnx
+
+    from ..optimize.pipeline import optimize_model
+
+    fp32_path, _ = _ensure_export(source, "transformer", out_root, False, lambda p: None)
+    return optimize_model(onnx.load(str(fp32_path)), None, "fp32", "transformer")[0]
 
 
 ASSET_DIRS = ("tokenizer", "tokenizer_2", "scheduler")
