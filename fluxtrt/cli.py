@@ -117,8 +117,14 @@ def export(
     dtype: str = typer.Option("fp32", "--dtype", help="Weight/activation dtype of the exported graph: fp32, fp16, bf16."),
     opset: int = typer.Option(19, "--opset", help="ONNX opset."),
     validate: bool = typer.Option(True, "--validate/--no-validate", help="Compare with PyTorch in ONNX Runtime."),
+    zero_copy: bool = typer.Option(False, "--zero-copy", help="Trace without loading weights; the ONNX points into the "
+                                   "model folder's safetensors (nothing copied; the graph keeps the stored dtype)."),
 ):
-    """Export each component to ONNX (dynamic batch and image size) and validate it against PyTorch."""
+    """Export each component to ONNX (dynamic batch and image size) and validate it against PyTorch.
+
+    With --zero-copy the weights are never loaded: the graph is traced on PyTorch's meta device and every
+    initializer is external data pointing into the checkpoint's own safetensors files, through links in
+    <out>/<component>.weights/ (keep the model folder where it is). Seconds and little memory at any size."""
     _quiet_libraries()
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from rich.table import Table
@@ -139,14 +145,17 @@ def export(
         def progress(name, phase):
             bar.update(tasks[name], completed=phases.index(phase), phase=phase)
 
-        results = export_model(source, out_dir, names, dtype, opset, validate, progress=progress)
-    table = Table(title=f"ONNX export of {source.id} ({source.variant}, {dtype}) -> {out_dir}")
-    for col in ("component", "file", "size", "seconds", "max rel err vs PyTorch"):
+        results = export_model(source, out_dir, names, dtype, opset, validate, progress=progress, zero_copy=zero_copy)
+    title = "zero-copy " if zero_copy else ""
+    table = Table(title=f"ONNX {title}export of {source.id} ({source.variant}) -> {out_dir}")
+    for col in ("component", "file", "dtype", "written", "seconds", "max rel err vs PyTorch"):
         table.add_column(col)
     for r in results:
         err = f"{r.max_rel_err:.1e}" if r.max_rel_err is not None else "not validated"
         name = r.path.name + (" (+ .data)" if r.external_data else "")
-        table.add_row(r.component, name, _human(r.bytes), f"{r.seconds:.1f}", err)
+        if r.zero_copy:
+            name += f" -> {r.zero_copy['linked_tensors']} tensors, {_human(r.zero_copy['linked_bytes'])} in the checkpoint"
+        table.add_row(r.component, name, r.dtype, _human(r.bytes), f"{r.seconds:.1f}", err)
     out.print(table)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,8 @@ class ExportResult:
     seconds: float
     external_data: bool
     max_rel_err: float | None
+    dtype: str = "fp32"
+    zero_copy: dict | None = None  # zerocopy.ZeroCopyRecord.as_json()
 
 
 def torch_dtype(name: str):
@@ -109,38 +112,136 @@ def _finalize_graph(onnx_file: Path, spec: ComponentSpec) -> None:
     onnx.save(model, str(onnx_file))
 
 
+def _trace(module, args, spec: ComponentSpec, opset: int):
+    """torch.onnx.export (dynamo) with the ONNX optimizer kept off the weights: shape arithmetic is folded,
+    but a node that reads an initializer is left alone, so weights keep their checkpoint names and stored
+    layout (`Transpose` of a linear weight stays a graph op; the optimize stage folds it and records how).
+    Initializers are renamed to the checkpoint's keys (the wrapper's attribute prefix dropped)."""
+    import onnxscript.optimizer
+    import onnxscript.rewriter.onnx_fusions
+    import torch
+
+    with export_patches(module), torch.no_grad(), _quiet_exporter():
+        program = torch.onnx.export(
+            module, args, dynamic_shapes=dynamic_shapes(spec), dynamo=True, opset_version=opset,
+            input_names=[t.name for t in spec.inputs], output_names=[t.name for t in spec.outputs],
+            verbose=False, optimize=False,
+        )
+        graph = program.model.graph
+
+        def should_fold(node):
+            return False if any(v is not None and v.name in graph.initializers for v in node.inputs) else None
+
+        # the optimizer never sees weight values (on the meta device there are none)
+        hidden = {v.name: v.const_value for v in graph.initializers.values()}
+        for v in graph.initializers.values():
+            v.const_value = None
+        try:
+            onnxscript.optimizer.optimize_ir(program.model, should_fold=should_fold)
+            onnxscript.rewriter.onnx_fusions.fuse(program.model)
+        finally:
+            for v in graph.initializers.values():
+                if v.name in hidden:  # (the optimizer adds folded shape constants of its own)
+                    v.const_value = hidden[v.name]
+    prefix = wrapper_prefix(module)
+    for value in list(graph.initializers.values()):
+        if value.name.startswith(prefix):
+            graph.initializers.pop(value.name)
+            value.name = value.name[len(prefix):]
+            graph.register_initializer(value)
+    return program
+
+
+def _index_or_none(source: ModelSource, spec: ComponentSpec):
+    from .zerocopy import checkpoint_index
+
+    folder = source.path / spec.subfolder
+    return checkpoint_index(folder) if any(folder.glob("*.safetensors")) else None
+
+
+def record_provenance(ir_model, raw, index) -> dict:
+    """Weight map, first link: each parameter initializer is a checkpoint tensor (cast when the export dtype
+    differs from the stored one). Stored in the model's metadata for the later stages (see weightmap.py)."""
+    import json
+
+    from . import weightmap
+    from .zerocopy import SAFETENSORS_DTYPES, parameter_aliases, stored_key
+
+    aliases = parameter_aliases(raw)
+    params = set(aliases)
+    prov = {}
+    for name, value in ir_model.graph.initializers.items():
+        if index is None:
+            if name in params:
+                prov[name] = {"tensor": name}
+            continue
+        key = stored_key(name, aliases, index)
+        if key is None:
+            continue
+        recipe = {"tensor": key}
+        graph_dtype = str(value.dtype.numpy())
+        stored = weightmap.NP_NAMES[SAFETENSORS_DTYPES[index[key].dtype][0]]
+        if stored != graph_dtype:
+            recipe = {"op": "cast", "to": graph_dtype, "of": recipe}
+        prov[name] = recipe
+    ir_model.metadata_props[weightmap.KEY] = json.dumps(prov, sort_keys=True, separators=(",", ":"))
+    return prov
+
+
+def wrapper_prefix(module) -> str:
+    """The spec wrappers hold the diffusers/transformers module as their one child (`model.` / `vae.`)."""
+    children = [n for n, _ in module.named_children()]
+    return f"{children[0]}." if len(children) == 1 else ""
+
+
 def export_component(source: ModelSource, spec: ComponentSpec, out_dir: Path, dtype: str = "fp32",
                      opset: int = DEFAULT_OPSET, validate: bool = True, external_data_bytes: int | None = None,
-                     on_phase: Callable[[str], None] = lambda _: None) -> ExportResult:
-    import torch
+                     on_phase: Callable[[str], None] = lambda _: None, zero_copy: bool = False) -> ExportResult:
+
+    from . import zerocopy
 
     geo = source.geometry
     t0 = time.perf_counter()
     on_phase("load")
-    raw = source.load_component(spec.subfolder, torch_dtype(dtype))
-    module = spec.wrap(raw).eval()
+    record = None
+    if zero_copy:
+        if source.random_weights:
+            raise FluxtrtError(f"{source.id} has no weights on disk to point at; write it as a checkpoint first "
+                               "(scripts/write_random_checkpoint.py) or export without --zero-copy")
+        index = zerocopy.checkpoint_index(source.path / spec.subfolder)
+        dtype = zerocopy.checkpoint_dtype(index, source.path / spec.subfolder)
+        raw, buffers = zerocopy.empty_component(source.path, spec.subfolder, torch_dtype(dtype))
+        module = spec.wrap(raw).eval()
+        device = "meta"
+    else:
+        raw = source.load_component(spec.subfolder, torch_dtype(dtype))
+        module = spec.wrap(raw).eval()
+        device = "cpu"
     example = spec.sample_inputs(example_point(geo), geo, seed=0)
-    args = tuple(v.to(torch_dtype(dtype)) if v.is_floating_point() else v for v in example.values())
+    args = tuple((v.to(torch_dtype(dtype)) if v.is_floating_point() else v).to(device) for v in example.values())
     threshold = EXTERNAL_DATA_BYTES if external_data_bytes is None else external_data_bytes
-    external = _param_bytes(module) > threshold
+    external = not zero_copy and _param_bytes(module) > threshold
     out_dir = Path(out_dir)
     with staging_dir(out_dir, spec.name) as tmp:
         onnx_file = tmp / f"{spec.name}.onnx"
         on_phase("trace")
-        with export_patches(module), torch.no_grad(), _quiet_exporter():
-            program = torch.onnx.export(
-                module, args, dynamic_shapes=dynamic_shapes(spec), dynamo=True, opset_version=opset,
-                input_names=[t.name for t in spec.inputs], output_names=[t.name for t in spec.outputs],
-                verbose=False, optimize=True,
-            )
+        program = _trace(module, args, spec, opset)
+        record_provenance(program.model, raw, index if zero_copy else _index_or_none(source, spec))
         on_phase("save")
-        program.save(str(onnx_file), external_data=external)
+        if zero_copy:
+            import onnx
+            import onnx_ir as ir
+
+            record = zerocopy.link_initializers(program.model, raw, index, buffers, onnx_file, "")
+            onnx.save(ir.serde.serialize_model(program.model), str(onnx_file))
+        else:
+            program.save(str(onnx_file), external_data=external)
         del program
         _finalize_graph(onnx_file, spec)
         max_err = None
         if validate:
             on_phase("validate")
-            if dtype != "fp32":
+            if dtype != "fp32" or zero_copy:
                 module = spec.wrap(source.load_component(spec.subfolder)).eval()
             with export_patches(module):
                 report = validate_onnx(onnx_file, module, spec, geo, dtype)
@@ -149,10 +250,22 @@ def export_component(source: ModelSource, spec: ComponentSpec, out_dir: Path, dt
                     f"exported {spec.name} disagrees with PyTorch: " + "; ".join(report.failures())
                 )
             max_err = report.max_rel_err
-        staged = sorted(tmp.iterdir(), key=lambda p: p.suffix == ".onnx")  # external data first, .onnx last
+        # external data / links first, the .onnx (what readers look for) last
+        staged = sorted(tmp.iterdir(), key=lambda p: p.suffix == ".onnx")
         published = publish(staged, out_dir)
-    size = sum(p.stat().st_size for p in published)
-    return ExportResult(spec.name, out_dir / onnx_file.name, size, time.perf_counter() - t0, external, max_err)
+        stale = out_dir / f"{spec.name}.weights"
+        if not zero_copy and stale.is_dir():
+            shutil.rmtree(stale)  # links of an earlier zero-copy export of this component
+    size = sum(_written_bytes(p) for p in published)
+    return ExportResult(spec.name, out_dir / onnx_file.name, size, time.perf_counter() - t0, external, max_err,
+                        dtype, record.as_json() if record else None)
+
+
+def _written_bytes(path: Path) -> int:
+    """Bytes this export put on disk (links count as their own size, not their target's)."""
+    if path.is_dir() and not path.is_symlink():
+        return sum(os.lstat(p).st_size for p in path.iterdir())
+    return os.lstat(path).st_size
 
 
 def validate_onnx(*args, **kwargs):
@@ -170,17 +283,20 @@ def _quiet_exporter():
 
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
-        level = logging.getLogger("torch.onnx").level
-        logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+        loggers = [logging.getLogger(n) for n in ("torch.onnx", "onnxscript", "onnx_ir")]
+        levels = [lg.level for lg in loggers]
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
         try:
             yield
         finally:
-            logging.getLogger("torch.onnx").setLevel(level)
+            for lg, level in zip(loggers, levels):
+                lg.setLevel(level)
 
 
 def export_model(source: ModelSource, out_dir: Path, components=None, dtype: str = "fp32",
                  opset: int = DEFAULT_OPSET, validate: bool = True, external_data_bytes: int | None = None,
-                 progress=None) -> list[ExportResult]:
+                 progress=None, zero_copy: bool = False) -> list[ExportResult]:
     """Export the named components (default: all) and update `export.json` in `out_dir`."""
     torch_dtype(dtype)
     specs = specs_for(source.geometry, components)
@@ -188,7 +304,8 @@ def export_model(source: ModelSource, out_dir: Path, components=None, dtype: str
     results = []
     for spec in specs.values():
         phase = (lambda p, n=spec.name: progress(n, p)) if progress else (lambda _: None)
-        results.append(export_component(source, spec, out_dir, dtype, opset, validate, external_data_bytes, phase))
+        results.append(export_component(source, spec, out_dir, dtype, opset, validate, external_data_bytes, phase,
+                                        zero_copy=zero_copy))
         if progress:
             progress(spec.name, "done")
     write_export_info(out_dir, source, dtype, opset, results)
@@ -211,6 +328,7 @@ def write_export_info(out_dir: Path, source: ModelSource, dtype: str, opset: int
         comps[r.component] = {
             "file": r.path.name, "sha256": sha256_file(r.path), "bytes": r.bytes,
             "external_data": r.external_data, "seconds": round(r.seconds, 3), "max_rel_err": r.max_rel_err,
+            "dtype": r.dtype, "zero_copy": r.zero_copy,
         }
     write_json_atomic(info_path, info)
     return info

@@ -48,7 +48,14 @@ def publish(files: list[Path], final_dir: Path) -> list[Path]:
     out = []
     for f in files:
         dest = Path(final_dir) / f.name
-        os.replace(f, dest)
+        if f.is_dir() and dest.is_dir() and not dest.is_symlink():
+            # a folder (of links) cannot be renamed over a non-empty one: move the old one aside first
+            old = Path(tempfile.mkdtemp(prefix=f".tmp-old-{f.name}-", dir=final_dir))
+            os.replace(dest, old / f.name)
+            os.replace(f, dest)
+            shutil.rmtree(old, ignore_errors=True)  # never follows the links inside
+        else:
+            os.replace(f, dest)
         out.append(dest)
     return out
 

@@ -130,13 +130,15 @@ def cpu_session(onnx_path: Path):
     import onnxruntime as ort
     from onnx import TensorProto
 
+    from .onnxio import load_onnx, ort_session
+
     header = onnx.load(str(onnx_path), load_external_data=False)
     has_bf16 = any(vi.type.tensor_type.elem_type == TensorProto.BFLOAT16
                    for vi in list(header.graph.input) + list(header.graph.output)) or any(
         t.data_type == TensorProto.BFLOAT16 for t in header.graph.initializer)
     if not has_bf16:
-        return ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
-    model = upcast_bf16(onnx.load(str(onnx_path)))
+        return ort_session(onnx_path)
+    model = upcast_bf16(load_onnx(onnx_path))
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
 

@@ -17,7 +17,7 @@ class BuildError(FluxtrtError):
 
 @dataclass
 class BuiltEngine:
-    data: bytes
+    data: memoryview  # TensorRT's serialized plan, not copied (a full-size engine is tens of GB)
     layers: int
     inputs: list[dict]
     outputs: list[dict]
@@ -88,4 +88,4 @@ def build_engine(backend: Backend, onnx_path: Path, spec: ComponentSpec, geo: Ge
         for i in inputs
     }
     logger.file = None
-    return BuiltEngine(bytes(serialized), network.num_layers, inputs, outputs, read_back)
+    return BuiltEngine(memoryview(serialized), network.num_layers, inputs, outputs, read_back)

@@ -19,10 +19,17 @@ from typing import Callable
 
 from .. import __version__
 from ..components import specs_for
-from ..export import EXPORT_INFO, DEFAULT_OPSET, export_component, write_export_info
 from ..errors import FluxtrtError
-from ..fileio import (exclusive_lock, peak_rss_mb, remove_stale_staging, sha256_file, sha256_json,
-                      write_bytes_atomic, write_json_atomic)
+from ..export import DEFAULT_OPSET, EXPORT_INFO, export_component, write_export_info
+from ..fileio import (
+    exclusive_lock,
+    peak_rss_mb,
+    remove_stale_staging,
+    sha256_file,
+    sha256_json,
+    write_bytes_atomic,
+    write_json_atomic,
+)
 from ..gpus import GpuConfig
 from ..models.source import ModelSource
 from .backends import get_backend
@@ -152,9 +159,8 @@ def _ensure_optimized(source, component, dtype, fp32_path, out_root, force, on_p
 def optimize_component(source, component, dtype, fp32_path, folder, out_root, calib, on_phase):
     """-> (path, optimize report, quantization record or None). Quantized recipes: passes at fp32, calibrate
     (fp8, cached), insert Q/DQ, then place everything else in bf16."""
-    import onnx
-
     from ..gpus import QUANTIZED
+    from ..onnxio import load_onnx
     from ..optimize.pipeline import optimize_model, save_model
     from ..optimize.precision import place_precision
 
@@ -165,7 +171,7 @@ def optimize_component(source, component, dtype, fp32_path, folder, out_root, ca
         return report.path, report, None
     from ..quantize.qdq import CALIBRATED, quantize_model
 
-    model, report = optimize_model(onnx.load(str(fp32_path)), None, "fp32", component)
+    model, report = optimize_model(load_onnx(fp32_path), None, "fp32", component)
     record = {"recipe": dtype}
     amax = channel = None
     if dtype in CALIBRATED:
@@ -204,12 +210,11 @@ def calibrate_graph(source, model, recipe: str, out_root: Path, calib: dict):
 
 def optimized_fp32_transformer(source, out_root: Path):
     """The transformer's validated fp32 export (reused if present) through the default passes, in memory."""
-    import onnx
-
+    from ..onnxio import load_onnx
     from ..optimize.pipeline import optimize_model
 
     fp32_path, _ = _ensure_export(source, "transformer", out_root, False, lambda p: None)
-    return optimize_model(onnx.load(str(fp32_path)), None, "fp32", "transformer")[0]
+    return optimize_model(load_onnx(fp32_path), None, "fp32", "transformer")[0]
 
 
 ASSET_DIRS = ("tokenizer", "tokenizer_2", "scheduler")

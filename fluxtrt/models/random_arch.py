@@ -71,26 +71,32 @@ def random_model_dir(name: str) -> Path:
     return folder
 
 
-def random_component(subfolder: str, path: Path, dtype, device="cpu", seed: int = 0):
-    """Instantiate a component from its config with random weights, in `dtype` on `device`."""
-    import torch
+def instantiate(subfolder: str, folder: Path):
+    """A component built from its config file alone (weights as the class initialises them, in the current
+    default dtype and device)."""
     from diffusers import AutoencoderKL, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    cfg = json.loads((Path(path) / subfolder / "config.json").read_text())
+    sub = Path(folder) / subfolder
+    if subfolder == "transformer":
+        return FluxTransformer2DModel.from_config(FluxTransformer2DModel.load_config(sub))
+    if subfolder == "vae":
+        return AutoencoderKL.from_config(AutoencoderKL.load_config(sub))
+    if subfolder == "text_encoder":
+        return CLIPTextModel(CLIPTextConfig.from_pretrained(sub, local_files_only=True))
+    return T5EncoderModel(T5Config.from_pretrained(sub, local_files_only=True))
+
+
+def random_component(subfolder: str, path: Path, dtype, device="cpu", seed: int = 0):
+    """Instantiate a component from its config with random weights, in `dtype` on `device`."""
+    import torch
+
     torch.manual_seed(seed)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            if subfolder == "transformer":
-                model = FluxTransformer2DModel.from_config(cfg)
-            elif subfolder == "vae":
-                model = AutoencoderKL.from_config(cfg)
-            elif subfolder == "text_encoder":
-                model = CLIPTextModel(CLIPTextConfig(**{k: v for k, v in cfg.items() if k != "architectures"}))
-            else:
-                model = T5EncoderModel(T5Config(**{k: v for k, v in cfg.items() if k != "architectures"}))
+            model = instantiate(subfolder, path)
     finally:
         torch.set_default_dtype(old)
     return model.to(dtype).eval()

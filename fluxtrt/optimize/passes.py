@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 # Ops that need a newer opset than the exporter's 19: Gelu (20), RMSNormalization (23).
@@ -50,10 +51,66 @@ def cleanup(graph: gs.Graph) -> gs.Graph:
     return graph.cleanup().toposort()
 
 
+_LAYOUT_OPS = ("Transpose", "Cast", "Reshape", "Unsqueeze", "Squeeze", "Identity")
+
+
+def fold_weight_transforms(graph: gs.Graph) -> int:
+    """Fold layout and dtype ops applied to a weight (a linear weight's Transpose, a Cast), whatever its size,
+    and record each result's recipe in the weight map. Returns how many were folded."""
+    from .. import weightmap
+
+    count, changed = 0, True
+    while changed:
+        changed = False
+        for node in list(graph.nodes):
+            if node.op not in _LAYOUT_OPS or not node.inputs or not isinstance(node.inputs[0], gs.Constant):
+                continue
+            if any(not isinstance(t, gs.Constant) for t in node.inputs[1:]) or len(node.outputs) != 1:
+                continue
+            src, out = node.inputs[0], node.outputs[0]
+            x = np.asarray(src.values)
+            if node.op == "Transpose":
+                perm = list(node.attrs.get("perm", range(x.ndim)[::-1]))
+                value, op = np.transpose(x, perm), {"op": "transpose", "perm": perm}
+            elif node.op == "Cast":
+                to = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(node.attrs["to"]))
+                value, op = weightmap.cast(x, str(to)), {"op": "cast", "to": str(to)}
+            else:
+                if node.op == "Reshape":
+                    shape = [int(v) for v in np.asarray(node.inputs[1].values).reshape(-1)]
+                    if node.attrs.get("allowzero", 0) == 0:
+                        shape = [x.shape[i] if v == 0 else v for i, v in enumerate(shape)]
+                    value = x.reshape(shape)
+                elif node.op == "Unsqueeze":
+                    value = np.expand_dims(x, tuple(int(a) for a in np.asarray(node.inputs[1].values).reshape(-1)))
+                elif node.op == "Squeeze":
+                    axes = node.inputs[1].values if len(node.inputs) > 1 else None
+                    value = np.squeeze(x, None if axes is None else tuple(int(a) for a in np.asarray(axes).reshape(-1)))
+                else:
+                    value = x
+                op = {"op": "reshape", "shape": list(value.shape)}
+            out.to_constant(np.ascontiguousarray(value))
+            node.outputs = []
+            weightmap.derive(out.name, op, src.name)
+            count, changed = count + 1, True
+        graph.cleanup()
+    return count
+
+
 def fold_constants(graph: gs.Graph) -> gs.Graph:
     """Evaluate every subgraph that depends only on constants (shape arithmetic, weight transposes)."""
+    from .. import weightmap
+
+    fold_weight_transforms(graph)
+
+    def reads_weight(node) -> bool:
+        """Anything else computed from a weight stays in the graph (TensorRT folds it at build time), so
+        every constant that depends on the checkpoint has a recipe in the weight map."""
+        return any(isinstance(t, gs.Constant) and weightmap.recipe_of(t.name) is not None for t in node.inputs)
+
     # the size limit keeps e.g. T5's position bias ([1, heads, T, T]) computed, not stored
-    return graph.fold_constants(error_ok=False, size_threshold=FOLD_LIMIT_BYTES).cleanup().toposort()
+    return graph.fold_constants(error_ok=False, size_threshold=FOLD_LIMIT_BYTES,
+                                should_exclude_node=reads_weight).cleanup().toposort()
 
 
 def infer_shapes(graph: gs.Graph) -> gs.Graph:
@@ -79,6 +136,8 @@ def fuse_projections(graph: gs.Graph) -> gs.Graph:
     """MatMuls that read the same activation with constant [K, N_i] weights (q/k/v projections, and the
     single-stream block's q/k/v/mlp projections) become one MatMul over concatenated weights, one bias Add
     (when every branch has a constant bias), and a Split back into the original tensors."""
+    from .. import weightmap
+
     groups = defaultdict(list)
     for n in graph.nodes:
         if n.op == "MatMul" and not isinstance(n.inputs[0], gs.Constant) and _const(n.inputs[1]) \
@@ -101,12 +160,14 @@ def fuse_projections(graph: gs.Graph) -> gs.Graph:
         with_bias = all(biases)
         x = nodes[0].inputs[0]
         weight = gs.Constant(f"fused_w_{count}_{nodes[0].name}", np.concatenate([n.inputs[1].values for n in nodes], 1))
+        weightmap.derive(weight.name, {"op": "concat", "axis": 1}, *[n.inputs[1].name for n in nodes])
         sizes = [n.inputs[1].values.shape[1] for n in nodes]
         mm_out = gs.Variable(f"fused_mm_{count}_{nodes[0].name}", dtype=nodes[0].outputs[0].dtype)
         new_nodes = [gs.Node("MatMul", f"fused_matmul_{count}", inputs=[x, weight], outputs=[mm_out])]
         split_in = mm_out
         if with_bias:
             bias = gs.Constant(f"fused_b_{count}_{nodes[0].name}", np.concatenate([b.values for _, b in biases]))
+            weightmap.derive(bias.name, {"op": "concat", "axis": 0}, *[b.name for _, b in biases])
             split_in = gs.Variable(f"fused_add_{count}_{nodes[0].name}", dtype=mm_out.dtype)
             new_nodes.append(gs.Node("Add", f"fused_bias_{count}", inputs=[mm_out, bias], outputs=[split_in]))
         targets = [add.outputs[0] for add, _ in biases] if with_bias else [n.outputs[0] for n in nodes]

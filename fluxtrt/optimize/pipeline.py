@@ -33,17 +33,22 @@ def optimize_model(model, passes=None, dtype: str = "fp32", component: str = "",
     """ModelProto -> optimized ModelProto (passes on graphsurgeon, then precision placement on the proto)."""
     import onnx_graphsurgeon as gs
 
+    from .. import weightmap
+
     report = report or OptimizeReport(component)
-    graph = gs.import_onnx(model)
-    for name in check_passes(passes):
-        before, t0 = len(graph.nodes), time.perf_counter()
-        graph = PASSES[name](graph)
-        report.rows.append((name, before, len(graph.nodes), time.perf_counter() - t0))
-    out = gs.export_onnx(graph)
-    before = len(out.graph.node)
-    t0 = time.perf_counter()
-    out = place_precision(out, dtype, component)
-    report.rows.append((f"precision:{dtype}", before, len(out.graph.node), time.perf_counter() - t0))
+    prov = weightmap.read(model)
+    with weightmap.tracking(prov):
+        graph = gs.import_onnx(model)
+        for name in check_passes(passes):
+            before, t0 = len(graph.nodes), time.perf_counter()
+            graph = PASSES[name](graph)
+            report.rows.append((name, before, len(graph.nodes), time.perf_counter() - t0))
+        out = gs.export_onnx(graph)
+        before = len(out.graph.node)
+        t0 = time.perf_counter()
+        out = place_precision(out, dtype, component)
+        report.rows.append((f"precision:{dtype}", before, len(out.graph.node), time.perf_counter() - t0))
+    weightmap.write(out, prov)
     out.producer_name = model.producer_name
     out.producer_version = model.producer_version
     return out, report
@@ -83,10 +88,10 @@ def trt_layer_count(onnx_path: Path) -> int | None:
 
 def optimize_file(in_path: Path, out_path: Path, component: str, passes=None, dtype: str = "fp32",
                   count_layers: bool = True) -> OptimizeReport:
-    import onnx
+    from ..onnxio import load_onnx
 
     report = OptimizeReport(component)
-    model = onnx.load(str(in_path))
+    model = load_onnx(in_path)
     optimized, report = optimize_model(model, passes, dtype, component, report)
     save_model(optimized, out_path)
     report.path = Path(out_path)

@@ -22,6 +22,9 @@ NO_FP16 = {"t5"}
 
 
 def _convert(t: TensorProto, to: int) -> None:
+    from .. import weightmap
+
+    weightmap.derive(t.name, {"op": "cast", "to": "float16" if to == TensorProto.FLOAT16 else "bfloat16"}, t.name)
     arr = numpy_helper.to_array(t).astype(np.float32)
     with np.errstate(over="ignore"):  # float32 min/max (attention masks) become -inf/inf, as intended
         _store(t, arr, to)

@@ -1,0 +1,118 @@
+"""Reading ONNX files whose initializers live outside them, including zero-copy exports whose external data
+is a symbolic link into the user's safetensors checkpoint (see `zerocopy.py`).
+
+onnx and ONNX Runtime refuse external data reached through a link (a guard against path tricks; onnx also
+refuses hard links). TensorRT's parser follows links. Here: `load_onnx` reads such data itself (following the
+links fluxtrt made, and only those inside `<stem>.weights/`), and `ort_session` hands ONNX Runtime the linked
+tensors as memory-mapped arrays, so a zero-copy graph runs without copying the checkpoint anywhere."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import FluxtrtError
+
+
+def external_info(t) -> dict | None:
+    from onnx import TensorProto
+
+    if t.data_location != TensorProto.EXTERNAL:
+        return None
+    return {e.key: e.value for e in t.external_data}
+
+
+def linked_dir(onnx_path: Path) -> Path:
+    """Where a zero-copy export keeps its links to the checkpoint's files."""
+    return Path(onnx_path).with_suffix(".weights")
+
+
+def has_linked_data(onnx_path: Path) -> bool:
+    return linked_dir(onnx_path).is_dir()
+
+
+def _resolve(onnx_path: Path, location: str) -> Path:
+    base = Path(onnx_path).parent
+    path = base / location
+    links = linked_dir(onnx_path)
+    inside = os.path.normpath(path).startswith(os.path.normpath(links) + os.sep)
+    if path.is_symlink() and not inside:
+        raise FluxtrtError(f"{onnx_path}: external data '{location}' is a link outside {links.name}/; refusing it")
+    if not path.exists():
+        raise FluxtrtError(f"{onnx_path}: its weights file {location} is missing"
+                           + (" (the checkpoint it points into was moved or deleted; export again)" if inside else ""))
+    return path
+
+
+def read_external(onnx_path: Path, t):
+    """The raw bytes of one external tensor (memory-mapped view for linked checkpoint files)."""
+    import mmap
+
+    info = external_info(t)
+    path = _resolve(onnx_path, info["location"])
+    offset, length = int(info.get("offset", 0)), info.get("length")
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        length = int(length) if length is not None else size - offset
+        if offset + length > size:
+            raise FluxtrtError(f"{onnx_path}: tensor {t.name} points past the end of {info['location']}")
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    return memoryview(m)[offset:offset + length]
+
+
+def load_onnx(onnx_path: Path, load_data: bool = True):
+    """onnx.load that also follows fluxtrt's links into a checkpoint (data copied into the proto)."""
+    import onnx
+    from onnx import TensorProto
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    if not load_data:
+        return model
+    for t in _all_tensors(model.graph):
+        if external_info(t) is not None:
+            t.raw_data = bytes(read_external(onnx_path, t))
+            del t.external_data[:]
+            t.data_location = TensorProto.DEFAULT
+    return model
+
+
+def _all_tensors(graph):
+    import onnx
+
+    yield from graph.initializer
+    for n in graph.node:
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.TENSOR:
+                yield a.t
+            elif a.type == onnx.AttributeProto.GRAPH:
+                yield from _all_tensors(a.g)
+
+
+def linked_arrays(onnx_path: Path, model=None) -> dict:
+    """name -> numpy array (memory-mapped, read-only) for every initializer that lives in a linked file."""
+    import numpy as np
+    from onnx import helper
+
+    model = model if model is not None else load_onnx(onnx_path, load_data=False)
+    out = {}
+    for t in model.graph.initializer:
+        info = external_info(t)
+        if info is None or not (Path(onnx_path).parent / info["location"]).is_symlink():
+            continue
+        np_dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
+        out[t.name] = np.frombuffer(read_external(onnx_path, t), dtype=np_dtype).reshape(tuple(t.dims))
+    return out
+
+
+def ort_session(onnx_path: Path, providers=("CPUExecutionProvider",), options=None):
+    """An ONNX Runtime session; linked initializers are passed in memory-mapped (ORT refuses the links)."""
+    import onnxruntime as ort
+
+    options = options or ort.SessionOptions()
+    arrays = linked_arrays(onnx_path) if has_linked_data(onnx_path) else {}
+    if arrays:
+        values = [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays.values()]
+        options.add_external_initializers(list(arrays), values)
+    session = ort.InferenceSession(str(onnx_path), options, providers=list(providers))
+    session._fluxtrt_keepalive = arrays  # the session reads these buffers for its whole life
+    return session

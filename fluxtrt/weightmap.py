@@ -1,0 +1,174 @@
+"""The weight map: how every initializer of an optimized graph derives from tensors of the checkpoint, so an
+engine or a weight-free ONNX can be filled from the user's own safetensors at load (refit).
+
+Export names each parameter initializer by its checkpoint key; each stage that derives a new weight from
+another records a recipe (provenance), kept in the ONNX file's metadata under `fluxtrt.weights`:
+  {"tensor": KEY}                                  the checkpoint tensor as stored
+  {"op": "cast", "to": DTYPE, "of": R}             dtype change (numpy / ml_dtypes rounding)
+  {"op": "transpose", "perm": [...], "of": R}      layout change (linear weights)
+  {"op": "reshape", "shape": [...], "of": R}       (also Unsqueeze/Squeeze/Identity folded on a weight)
+  {"op": "concat", "axis": A, "of": [R, ...]}      fused q/k/v (and MLP) projections
+Initializers without a recipe are the graph's own constants (shape arithmetic, epsilons, rotary indices):
+they do not depend on the checkpoint and stay in the engine/ONNX. Quantized weights (Q/DQ recipes) are
+derived with calibration data and are not refittable from a checkpoint; their map says so."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+
+from .errors import FluxtrtError
+
+KEY = "fluxtrt.weights"
+_current: contextvars.ContextVar = contextvars.ContextVar("fluxtrt_provenance", default=None)
+
+
+def read(model) -> dict:
+    for p in model.metadata_props:
+        if p.key == KEY:
+            return json.loads(p.value)
+    return {}
+
+
+def write(model, prov: dict) -> None:
+    names = {t.name for t in model.graph.initializer}
+    kept = {k: v for k, v in prov.items() if k in names}
+    for p in list(model.metadata_props):
+        if p.key == KEY:
+            model.metadata_props.remove(p)
+    if kept:
+        entry = model.metadata_props.add()
+        entry.key, entry.value = KEY, json.dumps(kept, sort_keys=True, separators=(",", ":"))
+
+
+@contextlib.contextmanager
+def tracking(prov: dict):
+    """Make `prov` the provenance the graph passes read and extend."""
+    token = _current.set(prov)
+    try:
+        yield prov
+    finally:
+        _current.reset(token)
+
+
+def recipe_of(name: str):
+    prov = _current.get()
+    return prov.get(name) if prov is not None else None
+
+
+def derive(out_name: str, op: dict, *inputs: str) -> None:
+    """Record that `out_name` is `op` applied to weights `inputs` (only when every input is tracked)."""
+    prov = _current.get()
+    if prov is None:
+        return
+    parts = [prov.get(i) for i in inputs]
+    if any(p is None for p in parts):
+        return
+    prov[out_name] = dict(op, of=parts if op["op"] == "concat" else parts[0])
+
+
+def forget(name: str) -> None:
+    prov = _current.get()
+    if prov is not None:
+        prov.pop(name, None)
+
+
+def source_keys(recipe) -> list[str]:
+    if "tensor" in recipe:
+        return [recipe["tensor"]]
+    of = recipe["of"]
+    return [k for r in (of if isinstance(of, list) else [of]) for k in source_keys(r)]
+
+
+def evaluate(recipe, get):
+    """The array a recipe describes; `get(key)` returns a checkpoint tensor as numpy."""
+    import numpy as np
+
+    if "tensor" in recipe:
+        return get(recipe["tensor"])
+    op = recipe["op"]
+    if op == "concat":
+        return np.concatenate([evaluate(r, get) for r in recipe["of"]], axis=recipe["axis"])
+    x = evaluate(recipe["of"], get)
+    if op == "cast":
+        return cast(x, recipe["to"])
+    if op == "transpose":
+        return np.transpose(x, recipe["perm"])
+    if op == "reshape":
+        return np.reshape(x, recipe["shape"])
+    raise FluxtrtError(f"weight map: unknown recipe op '{op}'")
+
+
+def np_dtype(name: str):
+    import numpy as np
+
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
+def cast(x, to: str):
+    import numpy as np
+
+    with np.errstate(over="ignore"):
+        return x.astype(np_dtype(to))
+
+
+def build_map(model, component: str, subfolder: str, quantized: bool = False) -> dict:
+    """The JSON weight map of an optimized ModelProto (from its recorded provenance)."""
+    from onnx import helper
+
+    prov = read(model)
+    entries = []
+    for t in model.graph.initializer:
+        if t.name in prov:
+            entries.append({"name": t.name, "shape": list(t.dims),
+                            "dtype": str(helper.tensor_dtype_to_np_dtype(t.data_type)), "recipe": prov[t.name]})
+    keys = sorted({k for e in entries for k in source_keys(e["recipe"])})
+    return {"component": component, "subfolder": subfolder, "refittable": not quantized and bool(entries),
+            "reason": "quantized weights are derived with calibration data; rebuild instead" if quantized else "",
+            "weights": entries, "checkpoint_tensors": keys}
+
+
+class CheckpointReader:
+    """Tensors of one component folder's safetensors shards, read by key (memory-mapped)."""
+
+    def __init__(self, folder):
+        from .zerocopy import checkpoint_index
+
+        self.folder = folder
+        self.index = checkpoint_index(folder)
+
+    def __call__(self, key: str):
+        import numpy as np
+
+        from .zerocopy import SAFETENSORS_DTYPES
+
+        t = self.index.get(key)
+        if t is None:
+            raise FluxtrtError(f"your checkpoint {self.folder} has no tensor '{key}', which the engine needs; "
+                               "is it the same model (dev/schnell, same architecture) the engines were built for?")
+        with open(t.file, "rb") as f:
+            f.seek(t.offset)
+            raw = f.read(t.length)
+        return np.frombuffer(raw, dtype=np_dtype(NP_NAMES[SAFETENSORS_DTYPES[t.dtype][0]])).reshape(t.shape)
+
+
+NP_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int64": "int64", "int32": "int32"}
+
+
+def materialize(weight_map: dict, get) -> dict:
+    """name -> array for every weight of the map, checked against the recorded shape and dtype."""
+    out = {}
+    for e in weight_map["weights"]:
+        arr = evaluate(e["recipe"], get)
+        if list(arr.shape) != e["shape"]:
+            raise FluxtrtError(f"weight {e['name']}: your checkpoint gives shape {list(arr.shape)}, the engine "
+                               f"was built with {e['shape']}; the checkpoint's architecture differs")
+        if arr.dtype != np_dtype(e["dtype"]):
+            arr = cast(arr, e["dtype"])
+        out[e["name"]] = arr
+    return out

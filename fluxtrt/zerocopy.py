@@ -1,0 +1,197 @@
+"""Zero-copy export: trace a component whose parameters are never materialised (they live on PyTorch's
+`meta` device) and write ONNX initializers as external data that points straight into the model folder's own
+safetensors files (ONNX external data = file, offset, length; safetensors stores each tensor raw at a known
+offset). Nothing of the checkpoint is read into memory or copied to disk.
+
+Layout: `<out>/<component>.onnx` beside `<out>/<component>.weights/`, a folder of symbolic links to the
+checkpoint's shards (external data locations are relative to the ONNX file). Weight transforms the exporter
+would apply (linear weights transposed) stay graph operations on the original initializer (`Transpose`), which
+TensorRT folds at build time; the dtype on disk is the ONNX type exactly (a bf16 checkpoint gives a bf16
+graph). The only tensors written are the module's buffers that the checkpoint does not hold (e.g. CLIP's
+position ids); export.json lists them with the reason.
+
+The checkpoint is never written: the links are read-only inputs, and every later stage that loads the graph
+(`onnxio.load_onnx`) writes its own output elsewhere."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import FluxtrtError
+
+# safetensors dtype -> (our dtype name, ONNX TensorProto enum name)
+SAFETENSORS_DTYPES = {"F32": ("fp32", "FLOAT"), "F16": ("fp16", "FLOAT16"), "BF16": ("bf16", "BFLOAT16"),
+                      "I64": ("int64", "INT64"), "I32": ("int32", "INT32")}
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of a safetensors file: where its bytes are."""
+
+    file: Path
+    offset: int  # absolute, from the start of the file
+    length: int
+    dtype: str  # safetensors name, e.g. "BF16"
+    shape: tuple
+
+
+@dataclass
+class ZeroCopyRecord:
+    linked: int = 0
+    linked_bytes: int = 0
+    graph_constants: int = 0
+    written: dict = field(default_factory=dict)  # initializer -> why it had to be written
+
+    def as_json(self) -> dict:
+        return {"linked_tensors": self.linked, "linked_bytes": self.linked_bytes,
+                "graph_constants": self.graph_constants, "written": self.written}
+
+
+def read_header(path: Path) -> dict[str, StoredTensor]:
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise FluxtrtError(f"{path} is not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100_000_000:
+            raise FluxtrtError(f"{path} is not a safetensors file (header of {n} bytes)")
+        header = json.loads(f.read(n))
+    start = 8 + n
+    out = {}
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        a, b = meta["data_offsets"]
+        out[key] = StoredTensor(Path(path), start + a, b - a, meta["dtype"], tuple(meta["shape"]))
+    return out
+
+
+def checkpoint_index(folder: Path) -> dict[str, StoredTensor]:
+    """Every tensor of every `*.safetensors` shard in a component folder, by name."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FluxtrtError(f"{folder} holds no .safetensors files; zero-copy export needs safetensors weights "
+                           "(convert the checkpoint, or export without --zero-copy)")
+    index: dict[str, StoredTensor] = {}
+    for f in files:
+        for key, t in read_header(f).items():
+            if key in index:
+                raise FluxtrtError(f"tensor {key} is stored twice ({index[key].file.name}, {f.name})")
+            index[key] = t
+    return index
+
+
+def checkpoint_dtype(index: dict[str, StoredTensor], folder: Path) -> str:
+    """The one float dtype the component is stored in (zero-copy keeps it; mixed checkpoints are refused)."""
+    floats = {t.dtype for t in index.values() if t.dtype in ("F32", "F16", "BF16")}
+    unknown = {t.dtype for t in index.values()} - set(SAFETENSORS_DTYPES)
+    if unknown:
+        raise FluxtrtError(f"{folder} stores dtypes {sorted(unknown)} that zero-copy export does not map to ONNX; "
+                           "export without --zero-copy")
+    if len(floats) != 1:
+        raise FluxtrtError(f"{folder} mixes float dtypes {sorted(floats)}; zero-copy export keeps the stored dtype "
+                           "and needs one; export without --zero-copy")
+    return SAFETENSORS_DTYPES[floats.pop()][0]
+
+
+@contextlib.contextmanager
+def meta_parameters():
+    """Build modules with every parameter on the `meta` device (no memory) and buffers real (they are small,
+    and the checkpoint may not hold them)."""
+    import torch
+
+    original = torch.nn.Module.register_parameter
+
+    def register(module, name, param):
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            p = module._parameters[name]
+            module._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+
+    torch.nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original
+
+
+def empty_component(folder: Path, subfolder: str, dtype):
+    """(module with meta parameters, {buffer name: real tensor}) built from the component's config."""
+    import torch
+
+    from .models.random_arch import instantiate
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with meta_parameters(), torch.no_grad():
+            model = instantiate(subfolder, folder)
+    finally:
+        torch.set_default_dtype(old)
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    return model.to("meta").eval(), buffers
+
+
+def parameter_aliases(module) -> dict[str, list[str]]:
+    """Tied parameters (T5's shared / embed_tokens): every name of each parameter object."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return {n: names for names in by_id.values() for n in names}
+
+
+def stored_key(name: str, aliases: dict, index) -> str | None:
+    """The key under which the checkpoint stores parameter `name` (itself or a tied alias)."""
+    if name in index:
+        return name
+    return next((a for a in aliases.get(name, []) if a in index), None)
+
+
+def _is_meta(tensor) -> bool:
+    raw = getattr(tensor, "raw", None)
+    return getattr(getattr(raw, "device", None), "type", None) == "meta"
+
+
+def link_initializers(ir_model, module, index: dict[str, StoredTensor], buffers: dict, onnx_path: Path,
+                      prefix: str) -> ZeroCopyRecord:
+    """Point every parameter initializer of the traced graph at its bytes in the checkpoint (through links in
+    `<stem>.weights/`); give buffers their real values. Names must match the checkpoint exactly."""
+    import numpy as np
+    import onnx_ir as ir
+
+    links = onnx_path.with_suffix(".weights")
+    links.mkdir(exist_ok=True)
+    aliases = parameter_aliases(module)
+    record = ZeroCopyRecord()
+    for name, value in list(ir_model.graph.initializers.items()):
+        key = name[len(prefix):] if name.startswith(prefix) else name
+        stored_name = stored_key(key, aliases, index)
+        stored = index.get(stored_name) if stored_name else None
+        shape = tuple(int(d) for d in value.shape)
+        if stored is not None:
+            onnx_type = ir.DataType[SAFETENSORS_DTYPES[stored.dtype][1]]
+            if tuple(stored.shape) != shape or value.dtype != onnx_type:
+                raise FluxtrtError(f"{key}: checkpoint has {stored.dtype}{list(stored.shape)}, the graph wants "
+                                   f"{value.dtype.name}{list(shape)}; the model's config does not match its weights")
+            link = links / stored.file.name
+            if not link.is_symlink():
+                os.symlink(os.path.realpath(stored.file), link)
+            value.const_value = ir.ExternalTensor(
+                f"{links.name}/{stored.file.name}", stored.offset, stored.length, onnx_type,
+                shape=ir.Shape(shape), name=name, base_dir=str(onnx_path.parent))
+            record.linked += 1
+            record.linked_bytes += stored.length
+        elif key in buffers:
+            value.const_value = ir.tensor(np.ascontiguousarray(buffers[key].numpy()), name=name)
+            record.written[name] = "a buffer the module computes; the checkpoint does not store it"
+        elif not _is_meta(value.const_value):
+            record.graph_constants += 1  # folded shape arithmetic and the like: the graph's own, not weights
+        else:
+            raise FluxtrtError(f"the checkpoint in {next(iter(index.values())).file.parent} has no tensor '{key}'; "
+                               "it does not match the model's config")
+    return record

@@ -1,0 +1,48 @@
+"""Write the real full-size FLUX.1 architecture with random weights as a diffusers folder with sharded
+safetensors (what a downloaded FLUX.1-dev folder looks like), for measuring export/build at true scale.
+
+  python3 scripts/write_random_checkpoint.py --model random:flux.1-dev --out /data/flux-random \
+      --components transformer --dtype bf16 --device cuda
+
+Components not written keep only their config (enough to export the written ones). Images are noise."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="random:flux.1-dev", choices=["random:flux.1-dev", "random:flux.1-schnell"])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--components", default="transformer", help="comma list of diffusers subfolders to write")
+    ap.add_argument("--dtype", default="bf16", choices=["fp32", "fp16", "bf16"])
+    ap.add_argument("--device", default="cpu", help="where to draw the random weights (cuda is much faster)")
+    ap.add_argument("--shard", default="5GB", help="max shard size, as diffusers' save_pretrained takes it")
+    args = ap.parse_args()
+
+    from fluxtrt.export import torch_dtype
+    from fluxtrt.models.random_arch import MARKER
+    from fluxtrt.models.source import resolve_model
+
+    src = resolve_model(args.model)
+    if args.out.exists():
+        raise SystemExit(f"{args.out} exists; choose a new folder")
+    tmp = args.out.with_name(args.out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src.path, tmp, ignore=shutil.ignore_patterns(MARKER))
+    for sub in args.components.split(","):
+        t0 = time.perf_counter()
+        model = src.load_component(sub, torch_dtype(args.dtype), args.device)
+        model.to("cpu").save_pretrained(tmp / sub, max_shard_size=args.shard, safe_serialization=True)
+        n = sum(p.numel() for p in model.parameters())
+        del model
+        print(f"{sub}: {n / 1e9:.2f} B parameters written in {time.perf_counter() - t0:.1f} s", flush=True)
+    tmp.rename(args.out)
+
+
+if __name__ == "__main__":
+    main()
