@@ -188,9 +188,11 @@ def build(
     calibration_steps: int = typer.Option(4, "--calibration-steps", help="fp8: denoising steps per calibration prompt."),
     calibration_prompts: Optional[Path] = typer.Option(None, "--calibration-prompts", help="fp8: prompt file (default calibration/prompts.txt)."),
     smoothquant_alpha: float = typer.Option(0.5, "--smoothquant-alpha", help="int8 (W8A8): SmoothQuant migration strength, 0..1."),
+    weightless: bool = typer.Option(False, "--weightless", help="Weight-stripped, refittable engines that `fluxtrt run --weights` fills from a checkpoint (needs a GPU on the build machine: TensorRT-RTX 1.7 refuses it on CPU)."),
 ):
     """Export, optimize (and quantize), then build serialized TensorRT engines for one GPU, reusing every
-    unchanged stage."""
+    unchanged stage. Each component also gets a weight map (<name>.weights.json: every engine weight's source
+    tensors in the checkpoint) and a weight-free ONNX, so engines and ONNX can take the user's own weights."""
     _quiet_libraries()
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from rich.table import Table
@@ -212,7 +214,8 @@ def build(
         manifest, results = build_gpu(source, cfg, out_dir, names, static_shape, force,
                                       progress=lambda n, p: bar.update(tasks[n], phase=p),
                                       calibration={"size": calibration_size, "steps": calibration_steps,
-                                                   "prompts_file": calibration_prompts, "alpha": smoothquant_alpha})
+                                                   "prompts_file": calibration_prompts, "alpha": smoothquant_alpha},
+                                      weightless=weightless)
     table = Table(title=f"{cfg.key}: {manifest['backend']} {manifest['backend_version']} for "
                         f"sm{cfg.compute_capability.replace('.', '')}, model {source.id} ({source.variant}) -> {out_dir / cfg.key}")
     for col in ("component", "precision", "export", "optimize", "build", "layers", "engine size", "seconds",
@@ -419,6 +422,7 @@ def run(
     weight_streaming_budget: Optional[int] = typer.Option(None, "--weight-streaming-budget", help="MB of transformer weights kept on the GPU (engines built with weight streaming)."),
     cuda_graph: bool = typer.Option(False, "--cuda-graph", help="Capture the transformer step as a CUDA graph (TensorRT-RTX's whole-graph strategy)."),
     allow_host_code: bool = typer.Option(False, "--allow-host-code", help="Let engines with embedded host code load (only for engines you trust)."),
+    weights: Optional[Path] = typer.Option(None, "--weights", help="Your FLUX.1 folder (diffusers layout, safetensors): weights come from it through the build's weight map (weightless engines are refitted; ONNX Runtime fills the weight-free ONNX)."),
 ):
     """Generate images from built engines (diffusers' FluxPipeline semantics, seed for seed)."""
     _quiet_libraries()
@@ -455,7 +459,7 @@ def run(
     logging.getLogger("fluxtrt").addHandler(_WarningLine())
     pipe = FluxEngines(engines, chosen, low_vram, weight_streaming_budget and weight_streaming_budget << 20, cuda_graph,
                        model=source, fallback=sorted(set(_split(fallback) or []) | set(missing)),
-                       torch_dtype=torch_dtype, compile=compile, allow_host_code=allow_host_code)
+                       torch_dtype=torch_dtype, compile=compile, allow_host_code=allow_host_code, weights=weights)
     chunks = [prompts[i:i + batch] for i in range(0, len(prompts), batch)] if len(prompts) > 1 else [prompts * batch]
     pipe.check_request(max(len(c) for c in chunks), height, width, steps)  # fail before any work
     paths, all_timings = [], []

@@ -60,8 +60,9 @@ def read_external(onnx_path: Path, t):
     return memoryview(m)[offset:offset + length]
 
 
-def load_onnx(onnx_path: Path, load_data: bool = True):
-    """onnx.load that also follows fluxtrt's links into a checkpoint (data copied into the proto)."""
+def load_onnx(onnx_path: Path, load_data: bool = True, skip=()):
+    """onnx.load that also follows fluxtrt's links into a checkpoint (data copied into the proto); tensors
+    named in `skip` are left unloaded (they are filled from elsewhere)."""
     import onnx
     from onnx import TensorProto
 
@@ -69,7 +70,7 @@ def load_onnx(onnx_path: Path, load_data: bool = True):
     if not load_data:
         return model
     for t in _all_tensors(model.graph):
-        if external_info(t) is not None:
+        if external_info(t) is not None and t.name not in skip:
             t.raw_data = bytes(read_external(onnx_path, t))
             del t.external_data[:]
             t.data_location = TensorProto.DEFAULT
@@ -104,12 +105,15 @@ def linked_arrays(onnx_path: Path, model=None) -> dict:
     return out
 
 
-def ort_session(onnx_path: Path, providers=("CPUExecutionProvider",), options=None):
-    """An ONNX Runtime session; linked initializers are passed in memory-mapped (ORT refuses the links)."""
+def ort_session(onnx_path: Path, providers=("CPUExecutionProvider",), options=None, overrides=None):
+    """An ONNX Runtime session; linked initializers are passed in memory-mapped (ORT refuses the links), and
+    `overrides` (name -> array) replace initializers (a weight-free ONNX filled from a checkpoint)."""
+    import numpy as np
     import onnxruntime as ort
 
     options = options or ort.SessionOptions()
     arrays = linked_arrays(onnx_path) if has_linked_data(onnx_path) else {}
+    arrays.update({k: np.ascontiguousarray(v) for k, v in (overrides or {}).items()})
     if arrays:
         values = [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays.values()]
         options.add_external_initializers(list(arrays), values)

@@ -124,11 +124,12 @@ def upcast_bf16(model):
     return model
 
 
-def cpu_session(onnx_path: Path):
-    """An ONNX Runtime CPU session; bf16 graphs are widened to fp32 first (see upcast_bf16)."""
+def cpu_session(onnx_path: Path, overrides: dict | None = None):
+    """An ONNX Runtime CPU session; bf16 graphs are widened to fp32 first (see upcast_bf16). `overrides`
+    (name -> array) replaces initializers, e.g. weights filled from a checkpoint into a weight-free ONNX."""
     import onnx
     import onnxruntime as ort
-    from onnx import TensorProto
+    from onnx import TensorProto, numpy_helper
 
     from .onnxio import load_onnx, ort_session
 
@@ -137,8 +138,13 @@ def cpu_session(onnx_path: Path):
                    for vi in list(header.graph.input) + list(header.graph.output)) or any(
         t.data_type == TensorProto.BFLOAT16 for t in header.graph.initializer)
     if not has_bf16:
-        return ort_session(onnx_path)
-    model = upcast_bf16(load_onnx(onnx_path))
+        return ort_session(onnx_path, overrides=overrides)
+    overrides = overrides or {}
+    model = load_onnx(onnx_path, skip=set(overrides))
+    for t in model.graph.initializer:
+        if t.name in overrides:
+            t.CopyFrom(numpy_helper.from_array(overrides[t.name], t.name))
+    model = upcast_bf16(model)
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
 

@@ -106,7 +106,7 @@ def np_dtype(name: str):
     if name == "bfloat16":
         import ml_dtypes
 
-        return ml_dtypes.bfloat16
+        return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
 
 
@@ -121,7 +121,7 @@ def build_map(model, component: str, subfolder: str, quantized: bool = False) ->
     """The JSON weight map of an optimized ModelProto (from its recorded provenance)."""
     from onnx import helper
 
-    prov = read(model)
+    prov = {} if quantized else read(model)
     entries = []
     for t in model.graph.initializer:
         if t.name in prov:
@@ -172,3 +172,61 @@ def materialize(weight_map: dict, get) -> dict:
             arr = cast(arr, e["dtype"])
         out[e["name"]] = arr
     return out
+
+
+# Where a weight-free ONNX says its mapped weights are: nowhere on disk; fluxtrt fills them from the
+# checkpoint through the weight map (ONNX Runtime: as session initializers; TensorRT: by refit).
+CHECKPOINT_LOCATION = "fluxtrt-weights-from-checkpoint"
+
+
+def write_weightfree(onnx_path, weight_map: dict, dest) -> int:
+    """Write the optimized graph without the weights the map can rebuild (graph constants stay inline).
+    Returns the bytes written."""
+    from onnx import TensorProto
+
+    from .fileio import write_bytes_atomic
+    from .onnxio import external_info, load_onnx, read_external
+
+    mapped = {e["name"]: e for e in weight_map["weights"]}
+    model = load_onnx(onnx_path, load_data=False)
+    for t in model.graph.initializer:
+        if t.name in mapped:
+            for f in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+                t.ClearField(f)
+            del t.external_data[:]
+            t.data_location = TensorProto.EXTERNAL
+            for k, v in (("location", CHECKPOINT_LOCATION), ("offset", "0"), ("length", "0")):
+                entry = t.external_data.add()
+                entry.key, entry.value = k, v
+        elif external_info(t) is not None:
+            t.raw_data = bytes(read_external(onnx_path, t))
+            del t.external_data[:]
+            t.data_location = TensorProto.DEFAULT
+    data = model.SerializeToString()
+    write_bytes_atomic(dest, data)
+    return len(data)
+
+
+def refit_engine(engine, trt, logger, weights: dict) -> None:
+    """Fill a refittable (weight-stripped) TensorRT engine with `weights` (name -> array, from `materialize`).
+    Every refittable weight the engine lists must be given; TensorRT checks shapes and types."""
+    import numpy as np
+
+    refitter = trt.Refitter(engine, logger)
+    wanted = set(refitter.get_all_weights())
+    missing = sorted(wanted - set(weights))
+    if missing:
+        raise FluxtrtError(f"the engine wants weights the weight map does not provide: {', '.join(missing[:5])}"
+                           + (" ..." if len(missing) > 5 else "") + "; rebuild the engine and its map together")
+    keep = []  # TensorRT reads the host arrays during refit_cuda_engine
+    for name in sorted(wanted):
+        arr = np.ascontiguousarray(weights[name])
+        keep.append(arr)
+        if arr.dtype == np_dtype("bfloat16"):  # numpy has no bf16: hand TensorRT the buffer and its type
+            w = trt.Weights(trt.DataType.BF16, arr.ctypes.data, arr.size)
+        else:
+            w = trt.Weights(arr)
+        if not refitter.set_named_weights(name, w):
+            raise FluxtrtError(f"TensorRT refused weight {name} {list(arr.shape)} {arr.dtype} from your checkpoint")
+    if not refitter.refit_cuda_engine():
+        raise FluxtrtError("TensorRT could not refit the engine with your checkpoint's weights")

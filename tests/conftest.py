@@ -62,3 +62,27 @@ def exported(tmp_path_factory):
         return _EXPORTS[name]
 
     return get
+
+
+def _reweighted_copy(src, dest, seed):
+    """A copy of a tiny model folder with fresh random values in every stored tensor (same architecture)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from fluxtrt.models.source import resolve_model
+
+    shutil.copytree(src.path, dest)
+    g = torch.Generator().manual_seed(seed)
+    for f in dest.rglob("*.safetensors"):
+        tensors = load_file(f)
+        save_file({k: (torch.randn(v.shape, generator=g) * 0.05).to(v.dtype) if v.is_floating_point() else v
+                   for k, v in tensors.items()}, f)
+    return resolve_model(str(dest))
+
+
+@pytest.fixture(scope="session")
+def reweighted_copy():
+    """reweighted_copy(source, dest, seed) -> a copy of a model folder with fresh random stored tensors."""
+    return _reweighted_copy

@@ -1,8 +1,6 @@
 """The weight map (#7): every weight of the optimized graph is derived from a checkpoint tensor by a
 recorded recipe (names, shapes, transposes, casts, fused q/k/v concatenations), reproduced exactly."""
 
-import shutil
-
 import numpy as np
 import pytest
 
@@ -11,20 +9,6 @@ from fluxtrt.components import specs_for
 from fluxtrt.models.source import resolve_model
 
 COMPONENTS = ("clip", "t5", "transformer", "vae_decoder")
-
-
-def reweighted_copy(src, dest, seed):
-    """A copy of a tiny model folder with fresh random values in every stored tensor (same architecture)."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src.path, dest)
-    g = torch.Generator().manual_seed(seed)
-    for f in dest.rglob("*.safetensors"):
-        tensors = load_file(f)
-        save_file({k: (torch.randn(v.shape, generator=g) * 0.05).to(v.dtype) if v.is_floating_point() else v
-                   for k, v in tensors.items()}, f)
-    return resolve_model(str(dest))
 
 
 def optimized(source, component, out, dtype):
@@ -39,7 +23,7 @@ def optimized(source, component, out, dtype):
 
 
 @pytest.fixture(scope="module")
-def two_checkpoints(tmp_path_factory):
+def two_checkpoints(tmp_path_factory, reweighted_copy):
     base = resolve_model("tiny")
     other = reweighted_copy(base, tmp_path_factory.mktemp("ckpt") / "tiny-b", seed=int(np.random.randint(1 << 30)))
     return base, other

@@ -47,7 +47,7 @@ def apply_profile(network, profile, shapes: dict, component: str) -> None:
 
 def build_engine(backend: Backend, onnx_path: Path, spec: ComponentSpec, geo: Geometry, shape_range: ShapeRange,
                  compute_capability: str, weight_streaming: bool = False, optimization_level: int = 3,
-                 timing_cache: Path | None = None, log_file=None) -> BuiltEngine:
+                 timing_cache: Path | None = None, log_file=None, weightless: bool = False) -> BuiltEngine:
     trt = backend.trt
     logger = backend.logger
     logger.file, logger.errors = log_file, []
@@ -62,6 +62,9 @@ def build_engine(backend: Backend, onnx_path: Path, spec: ComponentSpec, geo: Ge
     config.builder_optimization_level = optimization_level
     if weight_streaming:
         config.set_flag(trt.BuilderFlag.WEIGHT_STREAMING)
+    if weightless:  # weights stripped from the plan; refitted at load from the user's checkpoint
+        config.set_flag(trt.BuilderFlag.STRIP_PLAN)
+        config.set_flag(trt.BuilderFlag.REFIT_IDENTICAL)
     cache = None
     if timing_cache is not None and hasattr(config, "create_timing_cache"):
         blob = timing_cache.read_bytes() if timing_cache.exists() else b""
@@ -72,7 +75,12 @@ def build_engine(backend: Backend, onnx_path: Path, spec: ComponentSpec, geo: Ge
     config.add_optimization_profile(profile)
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
-        raise BuildError(f"{backend.name} failed to build {spec.name}: " + ("; ".join(logger.errors) or "no detail"))
+        detail = "; ".join(logger.errors) or "no detail"
+        if weightless:
+            raise BuildError(f"{backend.name} could not build {spec.name} as a weightless (refittable) engine: "
+                             f"{detail[:300]}. {backend.name} {backend.version} builds weightless engines only where "
+                             "the build machine has a supported GPU; build there, or drop --weightless")
+        raise BuildError(f"{backend.name} failed to build {spec.name}: {detail}")
     if cache is not None:
         from ..fileio import write_bytes_atomic
 

@@ -30,7 +30,7 @@ from ..fileio import (
     write_bytes_atomic,
     write_json_atomic,
 )
-from ..gpus import GpuConfig
+from ..gpus import QUANTIZED, GpuConfig
 from ..models.source import ModelSource
 from .backends import get_backend
 from .engine import build_engine
@@ -243,17 +243,33 @@ def copy_model_assets(source: ModelSource, gpu_dir: Path) -> None:
 
 
 def build_key(onnx_sha: str, backend: str, backend_version: str, cfg: GpuConfig, profile: dict,
-              weight_streaming: bool) -> str:
+              weight_streaming: bool, weightless: bool = False) -> str:
     return sha256_json({
         "onnx": onnx_sha, "backend": backend, "backend_version": backend_version, "cc": cfg.compute_capability,
         "profile": profile, "weight_streaming": weight_streaming, "level": cfg.builder_optimization_level,
-        "fluxtrt": __version__,
+        "fluxtrt": __version__, "weightless": weightless,
     })
+
+
+def write_weight_files(onnx_path: Path, gpu_dir: Path, name: str, subfolder: str, quantized: bool) -> dict:
+    """The component's weight map (engine weight -> checkpoint tensors) and, when every weight can come from
+    a checkpoint, the weight-free ONNX that ONNX Runtime fills from the user's checkpoint at load."""
+    from .. import weightmap
+    from ..onnxio import load_onnx
+
+    wmap = weightmap.build_map(load_onnx(onnx_path, load_data=False), name, subfolder, quantized)
+    write_json_atomic(gpu_dir / f"{name}.weights.json", wmap)
+    out = {"weight_map": f"{name}.weights.json", "refittable": wmap["refittable"]}
+    if wmap["refittable"]:
+        weightmap.write_weightfree(onnx_path, wmap, gpu_dir / f"{name}.weightfree.onnx")
+        out["weightfree_onnx"] = f"{name}.weightfree.onnx"
+        out["weightfree_sha256"] = sha256_file(gpu_dir / out["weightfree_onnx"])
+    return out
 
 
 def build_gpu(source: ModelSource, cfg: GpuConfig, out_root: Path, components=None, static: bool | None = None,
               force: bool = False, progress: Callable[[str, str], None] = lambda c, p: None,
-              calibration: dict | None = None) -> tuple[dict, list]:
+              calibration: dict | None = None, weightless: bool = False) -> tuple[dict, list]:
     """Build (or reuse) every requested component's engine for one GPU config. Returns (manifest, stage results)."""
     backend = get_backend(cfg.backend)
     backend.check_target(cfg.compute_capability)
@@ -265,10 +281,11 @@ def build_gpu(source: ModelSource, cfg: GpuConfig, out_root: Path, components=No
     with exclusive_lock(Path(out_root)):
         remove_stale_staging(Path(out_root))
         calib = dict(calibration or {}, opt_resolution=rng.opt.height)
-        return _build_locked(source, cfg, out_root, gpu_dir, backend, geo, specs, rng, force, progress, calib)
+        return _build_locked(source, cfg, out_root, gpu_dir, backend, geo, specs, rng, force, progress, calib,
+                             weightless)
 
 
-def _build_locked(source, cfg, out_root, gpu_dir, backend, geo, specs, rng, force, progress, calib):
+def _build_locked(source, cfg, out_root, gpu_dir, backend, geo, specs, rng, force, progress, calib, weightless):
     old = read_manifest(gpu_dir, required=False) or {}
     if old.get("model", {}).get("hash") not in (None, source.content_hash):
         old = {}  # another model was built here before: nothing of it can be reused
@@ -294,7 +311,7 @@ def _build_locked(source, cfg, out_root, gpu_dir, backend, geo, specs, rng, forc
             onnx_sha = sha256_file(onnx_path)
             ws = name in cfg.weight_streaming
             profile = spec.profile(rng, geo)
-            key = build_key(onnx_sha, backend.name, backend.version, cfg, profile, ws)
+            key = build_key(onnx_sha, backend.name, backend.version, cfg, profile, ws, weightless)
             engine_path = gpu_dir / f"{name}.engine"
             prev = manifest["components"].get(name, {})
             if (not force and prev.get("build_key") == key and engine_path.exists()
@@ -305,7 +322,7 @@ def _build_locked(source, cfg, out_root, gpu_dir, backend, geo, specs, rng, forc
             progress(name, "build")
             t0 = time.perf_counter()
             built = build_engine(backend, onnx_path, spec, geo, rng, cfg.compute_capability, ws,
-                                 cfg.builder_optimization_level, gpu_dir / "timing.cache", log)
+                                 cfg.builder_optimization_level, gpu_dir / "timing.cache", log, weightless)
             seconds = time.perf_counter() - t0
             write_bytes_atomic(engine_path, built.data)
             results.append(StageResult(name, "build", "built", seconds, f"{built.layers} layers", len(built.data),
@@ -317,7 +334,8 @@ def _build_locked(source, cfg, out_root, gpu_dir, backend, geo, specs, rng, forc
                 "inputs": built.inputs, "outputs": built.outputs, "profile": built.profile,
                 "build_seconds": round(seconds, 3), "peak_rss_mb": round(peak_rss_mb(), 1),
                 "stages": {r.stage: r.footprint() for r in results[-3:]},
-                "quantization": results[-2].info,
+                "quantization": results[-2].info, "weightless": weightless,
+                **write_weight_files(onnx_path, gpu_dir, name, spec.subfolder, dtype in QUANTIZED),
             }
             write_json_atomic(gpu_dir / MANIFEST, manifest)
             log.write(f"built {name}: {built.layers} layers, {len(built.data)} bytes, {seconds:.1f} s\n")

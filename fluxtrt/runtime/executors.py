@@ -59,14 +59,47 @@ class Executor:
         raise NotImplementedError
 
 
+class WeightSource:
+    """Weights from the user's checkpoint instead of the engine/ONNX: the build's weight map applied to the
+    checkpoint's safetensors (see weightmap.py)."""
+
+    def __init__(self, component: str, folder: Path, weight_map: dict):
+        self.component, self.folder, self.weight_map = component, Path(folder), weight_map
+
+    @classmethod
+    def for_component(cls, source, engine_dir: Path, entry: dict, name: str):
+        import json
+
+        if source is None:
+            if entry.get("weightless"):
+                raise FluxtrtError(f"{name}: the engine carries no weights (built with --weightless); pass "
+                                   "--weights YOUR_FLUX_FOLDER to fill them from your checkpoint")
+            return None
+        if not entry.get("weight_map"):
+            raise ManifestError(f"{name}: these engines have no weight map (built before fluxtrt recorded one); "
+                                "rebuild with `fluxtrt build` to use --weights")
+        wmap = json.loads((Path(engine_dir) / entry["weight_map"]).read_text())
+        if not wmap["refittable"]:
+            raise FluxtrtError(f"{name} cannot take weights from a checkpoint: {wmap['reason']} "
+                               f"(`fluxtrt build --model {source.path}`)")
+        return cls(name, source.path / wmap["subfolder"], wmap)
+
+    def arrays(self) -> dict:
+        from .. import weightmap
+
+        return weightmap.materialize(self.weight_map, weightmap.CheckpointReader(self.folder))
+
+
 class OnnxRuntimeExecutor(Executor):
     kind = "onnxruntime"
 
-    def __init__(self, component: str, entry: dict, onnx_path: Path, providers: list[str] | None = None):
+    def __init__(self, component: str, entry: dict, onnx_path: Path, providers: list[str] | None = None,
+                 weights: WeightSource | None = None):
         super().__init__(component, entry)
         self.onnx_path = Path(onnx_path)
         self.providers = providers or ["CPUExecutionProvider"]
         self.session = None
+        self.weights = weights
 
     def activate(self) -> None:
         from ..fileio import sha256_file
@@ -75,15 +108,17 @@ class OnnxRuntimeExecutor(Executor):
         if not self.onnx_path.exists():
             raise ManifestError(f"{self.component}: the ONNX file {self.onnx_path} the engine was built from is gone; "
                                 "rebuild with `fluxtrt build`")
-        if sha256_file(self.onnx_path) != self.entry["onnx_sha256"]:
+        want = self.entry["weightfree_sha256" if self.weights is not None else "onnx_sha256"]
+        if sha256_file(self.onnx_path) != want:
             raise ManifestError(f"{self.component}: {self.onnx_path} does not match the manifest's sha256; "
                                 "rebuild with `fluxtrt build --force`")
+        overrides = self.weights.arrays() if self.weights is not None else None
         if self.providers == ["CPUExecutionProvider"]:
-            self.session = cpu_session(self.onnx_path)
+            self.session = cpu_session(self.onnx_path, overrides)
         else:
-            import onnxruntime as ort
+            from ..onnxio import ort_session
 
-            self.session = ort.InferenceSession(str(self.onnx_path), providers=self.providers)
+            self.session = ort_session(self.onnx_path, self.providers, overrides=overrides)
         self.types = {i.name: i.type for i in self.session.get_inputs()}
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.active = True
@@ -119,9 +154,10 @@ class TensorRTExecutor(Executor):
 
     def __init__(self, component: str, entry: dict, engine_path: Path, backend, stream=None,
                  shared_memory=None, weight_streaming_budget: int | None = None, cuda_graph: bool = False,
-                 allow_host_code: bool = False):
+                 allow_host_code: bool = False, weights: WeightSource | None = None):
         super().__init__(component, entry)
         self.allow_host_code = allow_host_code
+        self.weights = weights
         self.engine_path = Path(engine_path)
         self.backend = backend
         self.stream = stream
@@ -160,6 +196,10 @@ class TensorRTExecutor(Executor):
             hint = ("" if self.allow_host_code or "host code" not in detail.lower()
                     else "; it embeds host code: pass --allow-host-code only if you trust where it came from")
             raise FluxtrtError(f"{self.backend.name} could not load {self.engine_path.name}: {detail}{hint}")
+        if self.weights is not None:  # weightless engine (or new weights): refit from the user's checkpoint
+            from ..weightmap import refit_engine
+
+            refit_engine(engine, trt, self.backend.logger, self.weights.arrays())
         if self.weight_streaming_budget is not None and self.entry.get("weight_streaming"):
             engine.weight_streaming_budget_v2 = int(self.weight_streaming_budget)
         if hasattr(engine, "create_runtime_config"):

@@ -15,7 +15,8 @@ from ..build.manifest import ManifestError, component_entry, read_manifest
 from ..components import Geometry, ShapePoint, specs_for
 from ..errors import FluxtrtError
 from . import flux_math as fm
-from .executors import OnnxRuntimeExecutor, SharedActivations, TensorRTExecutor, TorchExecutor, check_gpu_for
+from .executors import (OnnxRuntimeExecutor, SharedActivations, TensorRTExecutor, TorchExecutor, WeightSource,
+                        check_gpu_for)
 
 log = logging.getLogger("fluxtrt")
 ASSETS = "model"  # tokenizers and config files copied beside the engines at build time
@@ -64,7 +65,7 @@ class FluxEngines:
     def __init__(self, engine_dir: Path | None = None, backend: str = "tensorrt", low_vram: bool = False,
                  weight_streaming_budget: int | None = None, cuda_graph: bool = False, providers=None,
                  model=None, fallback=(), torch_dtype: str = "bf16", device: str | None = None,
-                 compile: bool = False, allow_host_code: bool = False):
+                 compile: bool = False, allow_host_code: bool = False, weights: Path | None = None):
         import torch
 
         self.low_vram, self.cuda_graph = low_vram, cuda_graph
@@ -105,6 +106,7 @@ class FluxEngines:
                                                      "fp32" if dev_name == "cpu" and name in on_cpu else torch_dtype,
                                                      compile)
         engine_names = [n for n in RUN_COMPONENTS if n not in torch_names]
+        weight_source = self._weight_source(weights) if weights is not None and engine_names else None
         self.stream = None
         if engine_names and backend == "tensorrt":
             from ..build.backends import get_backend
@@ -117,11 +119,14 @@ class FluxEngines:
                 e = component_entry(self.manifest, name)
                 self.executors[name] = TensorRTExecutor(
                     name, e, self.dir / e["engine"], trt_backend, None, shared,
-                    weight_streaming_budget, cuda_graph and name == "transformer", allow_host_code)
+                    weight_streaming_budget, cuda_graph and name == "transformer", allow_host_code,
+                    weights=WeightSource.for_component(weight_source, self.dir, e, name))
         elif engine_names and backend == "onnxruntime":
             for name in engine_names:
                 e = component_entry(self.manifest, name)
-                self.executors[name] = OnnxRuntimeExecutor(name, e, self.dir.parent / e["onnx"], providers)
+                ws = WeightSource.for_component(weight_source, self.dir, e, name)
+                onnx_path = self.dir / e["weightfree_onnx"] if ws is not None else self.dir.parent / e["onnx"]
+                self.executors[name] = OnnxRuntimeExecutor(name, e, onnx_path, providers, weights=ws)
         elif engine_names:
             raise FluxtrtError(f"unknown backend '{backend}'; choose tensorrt, onnxruntime or torch")
         if self.device.type == "cuda":
@@ -132,6 +137,18 @@ class FluxEngines:
         self._tokenizers = None
         self._embeds: dict[str, tuple] = {}  # prompt -> (pooled [D], t5 [T, D']) reused within a run
         self._graphs: dict[tuple, CudaGraphStep] = {}
+
+    def _weight_source(self, weights: Path):
+        """The user's checkpoint folder, checked against what the engines were built for."""
+        from ..models.source import resolve_model
+
+        src = resolve_model(weights)
+        if src.random_weights:
+            raise FluxtrtError(f"--weights {weights}: an architecture-only model has no weights to read")
+        if src.variant != self.manifest["model"]["variant"]:
+            raise FluxtrtError(f"--weights {weights} is FLUX.1-{src.variant}, the engines were built for "
+                               f"FLUX.1-{self.manifest['model']['variant']}; pass a matching checkpoint")
+        return src
 
     @property
     def device(self):
