@@ -98,3 +98,21 @@ def test_cli_unpack(packed, tmp_path):
     _, archive, _ = packed
     res = CliRunner().invoke(app, ["unpack", str(archive), "--out", str(tmp_path)])
     assert res.exit_code == 0 and "verified and unpacked" in res.output, res.output
+
+
+def test_unpacked_archive_runs_with_the_users_weights(packed, tmp_path, tiny_schnell):
+    """What a user of a prebuilt archive does without a GPU: unpack, then run with their own checkpoint
+    (ONNX Runtime fills the archive's weight-free ONNX through its weight maps; no ONNX of the build
+    machine needed). Same image as the build machine's own ONNX."""
+    import numpy as np
+
+    from fluxtrt.runtime.pipeline import FluxEngines
+
+    root, archive, _ = packed
+    folder = unpack(archive, tmp_path)
+    for e in read_manifest(folder)["components"].values():
+        assert (folder / e["weight_map"]).is_file() and (folder / e["weightfree_onnx"]).is_file()
+    args = (["a lighthouse at dusk"], 256, 256, 2, 0.0)
+    mine = FluxEngines(folder, "onnxruntime", weights=tiny_schnell.path).generate(*args, seed=4).images
+    theirs = FluxEngines(root / "engines" / "4090", "onnxruntime").generate(*args, seed=4).images
+    assert mine.std() > 1 and np.array_equal(mine, theirs)

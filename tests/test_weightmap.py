@@ -11,14 +11,20 @@ from fluxtrt.models.source import resolve_model
 COMPONENTS = ("clip", "t5", "transformer", "vae_decoder")
 
 
+_EXPORTS = {}
+
+
 def optimized(source, component, out, dtype):
+    """Export (once per checkpoint and component) then optimize at `dtype`."""
     from fluxtrt.export import export_component
     from fluxtrt.onnxio import load_onnx
     from fluxtrt.optimize.pipeline import optimize_model
 
-    spec = specs_for(source.geometry, [component])[component]
-    res = export_component(source, spec, out, validate=False)
-    model, _ = optimize_model(load_onnx(res.path), None, dtype, component)
+    key = (str(source.path), component)
+    if key not in _EXPORTS:
+        spec = specs_for(source.geometry, [component])[component]
+        _EXPORTS[key] = export_component(source, spec, out, validate=False).path
+    model, _ = optimize_model(load_onnx(_EXPORTS[key]), None, dtype, component)
     return model
 
 
@@ -29,6 +35,7 @@ def two_checkpoints(tmp_path_factory, reweighted_copy):
     return base, other
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("component", COMPONENTS)
 def test_weight_map_reproduces_every_weight(two_checkpoints, component, dtype, tmp_path):

@@ -117,6 +117,10 @@ class FluxEngines:
             shared = SharedActivations()
             for name in engine_names:
                 e = component_entry(self.manifest, name)
+                if weight_source is not None and not e.get("weightless"):
+                    raise FluxtrtError(f"{name}: these engines carry their weights and are not refittable; "
+                                       "--weights works with engines built with `fluxtrt build --weightless`, or "
+                                       "with --backend onnxruntime")
                 self.executors[name] = TensorRTExecutor(
                     name, e, self.dir / e["engine"], trt_backend, None, shared,
                     weight_streaming_budget, cuda_graph and name == "transformer", allow_host_code,
