@@ -423,6 +423,8 @@ def run(
     cuda_graph: bool = typer.Option(False, "--cuda-graph", help="Capture the transformer step as a CUDA graph (TensorRT-RTX's whole-graph strategy)."),
     allow_host_code: bool = typer.Option(False, "--allow-host-code", help="Let engines with embedded host code load (only for engines you trust)."),
     weights: Optional[Path] = typer.Option(None, "--weights", help="Your FLUX.1 folder (diffusers layout, safetensors): weights come from it through the build's weight map (weightless engines are refitted; ONNX Runtime fills the weight-free ONNX)."),
+    lora: Optional[Path] = typer.Option(None, "--lora", help="A transformer LoRA (diffusers/peft safetensors) merged into --weights as they load: no rebuild."),
+    lora_scale: float = typer.Option(1.0, "--lora-scale", help="Strength of --lora."),
 ):
     """Generate images from built engines (diffusers' FluxPipeline semantics, seed for seed)."""
     _quiet_libraries()
@@ -459,7 +461,8 @@ def run(
     logging.getLogger("fluxtrt").addHandler(_WarningLine())
     pipe = FluxEngines(engines, chosen, low_vram, weight_streaming_budget and weight_streaming_budget << 20, cuda_graph,
                        model=source, fallback=sorted(set(_split(fallback) or []) | set(missing)),
-                       torch_dtype=torch_dtype, compile=compile, allow_host_code=allow_host_code, weights=weights)
+                       torch_dtype=torch_dtype, compile=compile, allow_host_code=allow_host_code, weights=weights,
+                       lora=lora, lora_scale=lora_scale)
     chunks = [prompts[i:i + batch] for i in range(0, len(prompts), batch)] if len(prompts) > 1 else [prompts * batch]
     pipe.check_request(max(len(c) for c in chunks), height, width, steps)  # fail before any work
     paths, all_timings = [], []

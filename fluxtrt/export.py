@@ -232,7 +232,7 @@ def export_component(source: ModelSource, spec: ComponentSpec, out_dir: Path, dt
             import onnx
             import onnx_ir as ir
 
-            record = zerocopy.link_initializers(program.model, raw, index, buffers, onnx_file, "")
+            record = zerocopy.link_initializers(program.model, raw, index, buffers, onnx_file)
             onnx.save(ir.serde.serialize_model(program.model), str(onnx_file))
         else:
             program.save(str(onnx_file), external_data=external)

@@ -157,8 +157,8 @@ def _is_meta(tensor) -> bool:
     return getattr(getattr(raw, "device", None), "type", None) == "meta"
 
 
-def link_initializers(ir_model, module, index: dict[str, StoredTensor], buffers: dict, onnx_path: Path,
-                      prefix: str) -> ZeroCopyRecord:
+def link_initializers(ir_model, module, index: dict[str, StoredTensor], buffers: dict,
+                      onnx_path: Path) -> ZeroCopyRecord:
     """Point every parameter initializer of the traced graph at its bytes in the checkpoint (through links in
     `<stem>.weights/`); give buffers their real values. Names must match the checkpoint exactly."""
     import numpy as np
@@ -169,7 +169,7 @@ def link_initializers(ir_model, module, index: dict[str, StoredTensor], buffers:
     aliases = parameter_aliases(module)
     record = ZeroCopyRecord()
     for name, value in list(ir_model.graph.initializers.items()):
-        key = name[len(prefix):] if name.startswith(prefix) else name
+        key = name  # export renamed initializers to the checkpoint's keys
         stored_name = stored_key(key, aliases, index)
         stored = index.get(stored_name) if stored_name else None
         shape = tuple(int(d) for d in value.shape)

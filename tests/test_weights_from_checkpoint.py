@@ -139,3 +139,69 @@ def test_refit_sets_every_engine_weight_from_the_map(built):
     trt_missing = _StandInTrt(list(arrays) + ["not_in_the_map"])
     with pytest.raises(FluxtrtError, match="does not provide: not_in_the_map"):
         weightmap.refit_engine(object(), trt_missing, None, arrays)
+
+
+LORA_MODULES = ("transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_v",
+                "single_transformer_blocks.0.attn.to_k", "single_transformer_blocks.0.proj_mlp")
+
+
+def write_lora(src, path, rank=2, alpha=4.0):
+    """A random transformer LoRA in diffusers/peft format for the tiny model."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    stored = {}
+    for f in (src.path / "transformer").glob("*.safetensors"):
+        stored.update(load_file(f))
+    g = torch.Generator().manual_seed(int(np.random.randint(1 << 30)))
+    lora = {}
+    for m in LORA_MODULES:
+        out_f, in_f = stored[f"{m}.weight"].shape
+        lora[f"transformer.{m}.lora_A.weight"] = torch.randn(rank, in_f, generator=g) * 0.5
+        lora[f"transformer.{m}.lora_B.weight"] = torch.randn(out_f, rank, generator=g) * 0.5
+        lora[f"transformer.{m}.alpha"] = torch.tensor(alpha)
+    save_file(lora, path)
+    return stored, lora
+
+
+def test_lora_is_applied_like_a_merged_checkpoint(built, tmp_path):
+    """--lora adds scale * alpha/r * B @ A to the checkpoint's weights as they load (fused q/k/v included):
+    the image equals the one from a checkpoint with the LoRA merged in beforehand (diffusers' fuse_lora)."""
+    from safetensors.torch import save_file
+
+    src, gpu_dir, _ = built
+    stored, lora = write_lora(src, tmp_path / "lora.safetensors")
+    scale = 0.8
+    merged = tmp_path / "merged"
+    shutil.copytree(src.path, merged)
+    for f in (merged / "transformer").glob("*.safetensors"):
+        f.unlink()
+    for m in LORA_MODULES:
+        a, b = lora[f"transformer.{m}.lora_A.weight"], lora[f"transformer.{m}.lora_B.weight"]
+        stored[f"{m}.weight"] = stored[f"{m}.weight"] + scale * (4.0 / 2) * (b @ a)
+    save_file({k: v.contiguous() for k, v in stored.items()}, merged / "transformer" / "diffusion_pytorch_model.safetensors")
+    with_lora = generate(FluxEngines(gpu_dir, "onnxruntime", weights=src.path, lora=tmp_path / "lora.safetensors",
+                                     lora_scale=scale))
+    premerged = generate(FluxEngines(gpu_dir, "onnxruntime", weights=merged))
+    plain = generate(FluxEngines(gpu_dir, "onnxruntime", weights=src.path))
+    assert np.abs(with_lora.astype(int) - premerged.astype(int)).max() <= 1
+    assert np.abs(with_lora.astype(int) - plain.astype(int)).max() > 10
+
+
+def test_lora_for_another_model_is_refused(built, tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    src, gpu_dir, _ = built
+    save_file({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.randn(2, 7),
+               "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.randn(5, 2)}, tmp_path / "bad.safetensors")
+    pipe = FluxEngines(gpu_dir, "onnxruntime", weights=src.path, lora=tmp_path / "bad.safetensors")
+    with pytest.raises(FluxtrtError, match="the LoRA is for another model"):
+        generate(pipe)
+    save_file({"transformer.no_such_block.lora_A.weight": torch.randn(2, 7),
+               "transformer.no_such_block.lora_B.weight": torch.randn(5, 2)}, tmp_path / "other.safetensors")
+    pipe = FluxEngines(gpu_dir, "onnxruntime", weights=src.path, lora=tmp_path / "other.safetensors")
+    with pytest.raises(FluxtrtError, match="targets weights the transformer does not have: no_such_block.weight"):
+        generate(pipe)
+    with pytest.raises(FluxtrtError, match="--lora needs --weights"):
+        FluxEngines(gpu_dir, "onnxruntime", lora=tmp_path / "other.safetensors")

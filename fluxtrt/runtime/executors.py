@@ -63,11 +63,11 @@ class WeightSource:
     """Weights from the user's checkpoint instead of the engine/ONNX: the build's weight map applied to the
     checkpoint's safetensors (see weightmap.py)."""
 
-    def __init__(self, component: str, folder: Path, weight_map: dict):
-        self.component, self.folder, self.weight_map = component, Path(folder), weight_map
+    def __init__(self, component: str, folder: Path, weight_map: dict, lora=None):
+        self.component, self.folder, self.weight_map, self.lora = component, Path(folder), weight_map, lora
 
     @classmethod
-    def for_component(cls, source, engine_dir: Path, entry: dict, name: str):
+    def for_component(cls, source, engine_dir: Path, entry: dict, name: str, lora=None):
         import json
 
         if source is None:
@@ -82,12 +82,17 @@ class WeightSource:
         if not wmap["refittable"]:
             raise FluxtrtError(f"{name} cannot take weights from a checkpoint: {wmap['reason']} "
                                f"(`fluxtrt build --model {source.path}`)")
-        return cls(name, source.path / wmap["subfolder"], wmap)
+        return cls(name, source.path / wmap["subfolder"], wmap, lora if name == "transformer" else None)
 
     def arrays(self) -> dict:
         from .. import weightmap
 
-        return weightmap.materialize(self.weight_map, weightmap.CheckpointReader(self.folder))
+        get = weightmap.CheckpointReader(self.folder)
+        if self.lora is None:
+            return weightmap.materialize(self.weight_map, get)
+        out = weightmap.materialize(self.weight_map, self.lora.wrap(get))
+        self.lora.check_all_used()
+        return out
 
 
 class OnnxRuntimeExecutor(Executor):

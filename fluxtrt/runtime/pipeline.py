@@ -65,7 +65,8 @@ class FluxEngines:
     def __init__(self, engine_dir: Path | None = None, backend: str = "tensorrt", low_vram: bool = False,
                  weight_streaming_budget: int | None = None, cuda_graph: bool = False, providers=None,
                  model=None, fallback=(), torch_dtype: str = "bf16", device: str | None = None,
-                 compile: bool = False, allow_host_code: bool = False, weights: Path | None = None):
+                 compile: bool = False, allow_host_code: bool = False, weights: Path | None = None,
+                 lora: Path | None = None, lora_scale: float = 1.0):
         import torch
 
         self.low_vram, self.cuda_graph = low_vram, cuda_graph
@@ -107,6 +108,13 @@ class FluxEngines:
                                                      compile)
         engine_names = [n for n in RUN_COMPONENTS if n not in torch_names]
         weight_source = self._weight_source(weights) if weights is not None and engine_names else None
+        if lora is not None:
+            from ..weightmap import Lora
+
+            if weight_source is None or "transformer" not in engine_names:
+                raise FluxtrtError("--lora needs --weights (your checkpoint, which the LoRA is applied to) and the "
+                                   "transformer running from engines or ONNX")
+            lora = Lora(lora, lora_scale)
         self.stream = None
         if engine_names and backend == "tensorrt":
             from ..build.backends import get_backend
@@ -124,11 +132,11 @@ class FluxEngines:
                 self.executors[name] = TensorRTExecutor(
                     name, e, self.dir / e["engine"], trt_backend, None, shared,
                     weight_streaming_budget, cuda_graph and name == "transformer", allow_host_code,
-                    weights=WeightSource.for_component(weight_source, self.dir, e, name))
+                    weights=WeightSource.for_component(weight_source, self.dir, e, name, lora))
         elif engine_names and backend == "onnxruntime":
             for name in engine_names:
                 e = component_entry(self.manifest, name)
-                ws = WeightSource.for_component(weight_source, self.dir, e, name)
+                ws = WeightSource.for_component(weight_source, self.dir, e, name, lora)
                 onnx_path = self.dir / e["weightfree_onnx"] if ws is not None else self.dir.parent / e["onnx"]
                 self.executors[name] = OnnxRuntimeExecutor(name, e, onnx_path, providers, weights=ws)
         elif engine_names:
