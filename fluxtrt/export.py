@@ -197,7 +197,6 @@ def wrapper_prefix(module) -> str:
 def export_component(source: ModelSource, spec: ComponentSpec, out_dir: Path, dtype: str = "fp32",
                      opset: int = DEFAULT_OPSET, validate: bool = True, external_data_bytes: int | None = None,
                      on_phase: Callable[[str], None] = lambda _: None, zero_copy: bool = False) -> ExportResult:
-
     from . import zerocopy
 
     geo = source.geometry
