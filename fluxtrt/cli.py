@@ -124,7 +124,8 @@ def export(
 
     With --zero-copy the weights are never loaded: the graph is traced on PyTorch's meta device and every
     initializer is external data pointing into the checkpoint's own safetensors files, through links in
-    <out>/<component>.weights/ (keep the model folder where it is). Seconds and little memory at any size."""
+    <out>/<component>.weights/ (keep the model folder where it is). Little memory and nothing copied at any size
+    (full FLUX.1-dev transformer: 1.3 GB peak RSS, 2.5 MB written; tracing still takes ~6 minutes)."""
     _quiet_libraries()
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from rich.table import Table
