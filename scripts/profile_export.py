@@ -16,6 +16,7 @@ def main() -> None:
     ap.add_argument("--model", default="random:flux.1-dev")
     ap.add_argument("--component", default="transformer")
     ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--no-shape-inference", action="store_true", help="run the optimizer without ONNX shape inference")
     args = ap.parse_args()
 
     import onnxscript.optimizer
@@ -56,8 +57,9 @@ def main() -> None:
         for v in graph.initializers.values():
             v.const_value = None
         t0 = time.perf_counter()
-        onnxscript.optimizer.optimize_ir(program.model)
-        phase("onnxscript optimize_ir", t0, nodes=len(list(graph)))
+        onnxscript.optimizer.optimize_ir(program.model, onnx_shape_inference=not args.no_shape_inference)
+        phase("onnxscript optimize_ir" + (" (no shape inference)" if args.no_shape_inference else ""), t0,
+              nodes=len(list(graph)))
         t0 = time.perf_counter()
         onnxscript.rewriter.onnx_fusions.fuse(program.model)
         phase("onnx_fusions.fuse", t0, nodes=len(list(graph)))
