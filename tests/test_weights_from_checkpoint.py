@@ -78,6 +78,12 @@ def test_checkpoint_mismatch_is_refused(built, tmp_path):
     pipe = FluxEngines(gpu_dir, "onnxruntime", weights=broken)
     with pytest.raises(FluxtrtError, match="has no tensor 'proj_out.weight'"):
         generate(pipe)
+    # a tensor of another shape (another architecture's checkpoint)
+    tensors["proj_out.weight"] = tensors["proj_out.bias"].new_zeros(3, 5) + 0.1
+    save_file(tensors, f)
+    pipe = FluxEngines(gpu_dir, "onnxruntime", weights=broken)
+    with pytest.raises(FluxtrtError, match="the checkpoint's architecture differs"):
+        generate(pipe)
 
 
 def test_weightless_engine_needs_weights():
