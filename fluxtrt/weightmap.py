@@ -128,8 +128,11 @@ def build_map(model, component: str, subfolder: str, quantized: bool = False) ->
             entries.append({"name": t.name, "shape": list(t.dims),
                             "dtype": str(helper.tensor_dtype_to_np_dtype(t.data_type)), "recipe": prov[t.name]})
     keys = sorted({k for e in entries for k in source_keys(e["recipe"])})
+    reason = ("quantized weights are derived with calibration data; rebuild instead" if quantized else
+              "" if entries else "its ONNX records no weight provenance (exported by an older fluxtrt); rebuild "
+              "with --force")
     return {"component": component, "subfolder": subfolder, "refittable": not quantized and bool(entries),
-            "reason": "quantized weights are derived with calibration data; rebuild instead" if quantized else "",
+            "reason": reason,
             "weights": entries, "checkpoint_tensors": keys}
 
 
