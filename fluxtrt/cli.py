@@ -156,6 +156,8 @@ def export(
         name = r.path.name + (" (+ .data)" if r.external_data else "")
         if r.zero_copy:
             name += f" -> {r.zero_copy['linked_tensors']} tensors, {_human(r.zero_copy['linked_bytes'])} in the checkpoint"
+            if r.zero_copy["graph"] == "from cache":
+                name += " (graph from cache)"
         table.add_row(r.component, name, r.dtype, _human(r.bytes), f"{r.seconds:.1f}", err)
     out.print(table)
 

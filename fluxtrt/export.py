@@ -224,19 +224,25 @@ def export_component(source: ModelSource, spec: ComponentSpec, out_dir: Path, dt
     with staging_dir(out_dir, spec.name) as tmp:
         onnx_file = tmp / f"{spec.name}.onnx"
         on_phase("trace")
-        program = _trace(module, args, spec, opset)
-        record_provenance(program.model, raw, index if zero_copy else _index_or_none(source, spec))
-        on_phase("save")
         if zero_copy:
-            import onnx
-            import onnx_ir as ir
+            key = zerocopy.template_key(source.path / spec.subfolder, spec, geo, opset, dtype)
+            record = zerocopy.relink(key, index, onnx_file)
+        if record is None:
+            program = _trace(module, args, spec, opset)
+            record_provenance(program.model, raw, index if zero_copy else _index_or_none(source, spec))
+            on_phase("save")
+            if zero_copy:
+                import onnx
+                import onnx_ir as ir
 
-            record = zerocopy.link_initializers(program.model, raw, index, buffers, onnx_file)
-            onnx.save(ir.serde.serialize_model(program.model), str(onnx_file))
-        else:
-            program.save(str(onnx_file), external_data=external)
-        del program
-        _finalize_graph(onnx_file, spec)
+                record = zerocopy.link_initializers(program.model, raw, index, buffers, onnx_file)
+                onnx.save(ir.serde.serialize_model(program.model), str(onnx_file))
+            else:
+                program.save(str(onnx_file), external_data=external)
+            del program
+            _finalize_graph(onnx_file, spec)
+            if zero_copy:
+                zerocopy.save_template(onnx_file, record, key)
         max_err = None
         if validate:
             on_phase("validate")

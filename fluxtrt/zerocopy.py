@@ -46,10 +46,11 @@ class ZeroCopyRecord:
     linked_bytes: int = 0
     graph_constants: int = 0
     written: dict = field(default_factory=dict)  # initializer -> why it had to be written
+    graph: str = "traced"  # or "from cache": the architecture's traced graph, re-pointed at this checkpoint
 
     def as_json(self) -> dict:
         return {"linked_tensors": self.linked, "linked_bytes": self.linked_bytes,
-                "graph_constants": self.graph_constants, "written": self.written}
+                "graph_constants": self.graph_constants, "written": self.written, "graph": self.graph}
 
 
 def read_header(path: Path) -> dict[str, StoredTensor]:
@@ -194,4 +195,88 @@ def link_initializers(ir_model, module, index: dict[str, StoredTensor], buffers:
         else:
             raise FluxtrtError(f"the checkpoint in {next(iter(index.values())).file.parent} has no tensor '{key}'; "
                                "it does not match the model's config")
+    return record
+
+
+# --- graph templates: a traced zero-copy graph depends on the architecture, not on the weights ----------------
+# Bump when the traced graph's recipe changes, so templates cached by older versions are not reused.
+GRAPH_RECIPE = 1
+_VOLATILE_CONFIG_KEYS = {"architectures", "transformers_version", "torch_dtype", "dtype"}
+
+
+def template_key(folder: Path, spec, geo, opset: int, dtype: str) -> str:
+    """Everything the traced graph depends on: the component's architecture config (without bookkeeping keys
+    such as `_name_or_path`), the model geometry, the spec, dtype, opset and tool versions."""
+    import dataclasses
+
+    import onnxscript
+    import torch
+
+    from . import __version__
+    from .fileio import sha256_json
+
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    cfg = {k: v for k, v in cfg.items() if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS}
+    return sha256_json({
+        "config": cfg, "geometry": dataclasses.asdict(geo), "component": spec.name,
+        "inputs": [(t.name, list(t.dims)) for t in spec.inputs], "dtype": dtype, "opset": opset,
+        "versions": [__version__, torch.__version__, onnxscript.__version__, GRAPH_RECIPE],
+    })
+
+
+def template_path(key: str) -> Path:
+    from .models.tiny import cache_root
+
+    return cache_root() / "graphs" / f"{key}.onnx"
+
+
+def save_template(onnx_file: Path, record: ZeroCopyRecord, key: str) -> None:
+    """Keep a traced zero-copy graph (a few MB at full size, no weights) for the next export of this architecture."""
+    from .fileio import write_bytes_atomic, write_json_atomic
+
+    path = template_path(key)
+    write_bytes_atomic(path, Path(onnx_file).read_bytes(), check_free=False)
+    write_json_atomic(path.with_suffix(".json"), {"written": record.written, "graph_constants": record.graph_constants})
+
+
+def relink(key: str, index: dict[str, StoredTensor], onnx_path: Path) -> ZeroCopyRecord | None:
+    """The cached template of this architecture with every weight re-pointed at this checkpoint's shards
+    (names, dtypes and shapes checked); None when there is no template yet."""
+    import onnx
+
+    from . import weightmap
+    from .onnxio import external_info
+
+    template = template_path(key)
+    if not template.exists() or not template.with_suffix(".json").exists():
+        return None
+    model = onnx.load(str(template), load_external_data=False)
+    meta = json.loads(template.with_suffix(".json").read_text())
+    prov = weightmap.read(model)
+    links = onnx_path.with_suffix(".weights")
+    links.mkdir(exist_ok=True)
+    record = ZeroCopyRecord(graph_constants=meta["graph_constants"], written=meta["written"], graph="from cache")
+    for t in model.graph.initializer:
+        if external_info(t) is None:
+            continue
+        key_in_ckpt = prov.get(t.name, {}).get("tensor")
+        stored = index.get(key_in_ckpt) if key_in_ckpt else None
+        if stored is None:
+            raise FluxtrtError(f"the checkpoint in {next(iter(index.values())).file.parent} has no tensor "
+                               f"'{key_in_ckpt or t.name}'; it does not match the model's config")
+        want = getattr(onnx.TensorProto, SAFETENSORS_DTYPES[stored.dtype][1])
+        if tuple(stored.shape) != tuple(t.dims) or want != t.data_type:
+            raise FluxtrtError(f"{key_in_ckpt}: checkpoint has {stored.dtype}{list(stored.shape)}, the graph wants "
+                               f"{list(t.dims)}; the model's config does not match its weights")
+        link = links / stored.file.name
+        if not link.is_symlink():
+            os.symlink(os.path.realpath(stored.file), link)
+        del t.external_data[:]
+        for k, v in (("location", f"{links.name}/{stored.file.name}"), ("offset", str(stored.offset)),
+                     ("length", str(stored.length))):
+            entry = t.external_data.add()
+            entry.key, entry.value = k, v
+        record.linked += 1
+        record.linked_bytes += stored.length
+    onnx.save(model, str(onnx_path))
     return record

@@ -4,7 +4,12 @@ safetensors (what a downloaded FLUX.1-dev folder looks like), for measuring expo
   python3 scripts/write_random_checkpoint.py --model random:flux.1-dev --out /data/flux-random \
       --components transformer --dtype bf16 --device cuda
 
-Components not written keep only their config (enough to export the written ones). Images are noise."""
+Components not written keep only their config (enough to export the written ones). Images are noise.
+
+--layout-only writes each shard's safetensors header and leaves its data a sparse, all-zero hole: the files
+have the real names, dtypes, shapes and offsets but take no disk space, which is enough to measure a
+zero-copy export (and its relinking) at full size on a small machine. Nothing can be validated or built
+meaningfully from it."""
 
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=["fp32", "fp16", "bf16"])
     ap.add_argument("--device", default="cpu", help="where to draw the random weights (cuda is much faster)")
     ap.add_argument("--shard", default="5GB", help="max shard size, as diffusers' save_pretrained takes it")
+    ap.add_argument("--layout-only", action="store_true", help="headers + sparse zero data (see above)")
     args = ap.parse_args()
 
     from fluxtrt.export import torch_dtype
@@ -36,12 +42,48 @@ def main() -> None:
     shutil.copytree(src.path, tmp, ignore=shutil.ignore_patterns(MARKER))
     for sub in args.components.split(","):
         t0 = time.perf_counter()
+        if args.layout_only:
+            write_layout(src.path, sub, tmp / sub, args.dtype, int(args.shard.rstrip("GB")) * 10**9)
+            print(f"{sub}: layout written in {time.perf_counter() - t0:.1f} s", flush=True)
+            continue
         model = src.load_component(sub, torch_dtype(args.dtype), args.device)
         model.to("cpu").save_pretrained(tmp / sub, max_shard_size=args.shard, safe_serialization=True)
         n = sum(p.numel() for p in model.parameters())
         del model
         print(f"{sub}: {n / 1e9:.2f} B parameters written in {time.perf_counter() - t0:.1f} s", flush=True)
     tmp.rename(args.out)
+
+
+def write_layout(folder: Path, sub: str, out: Path, dtype: str, shard_bytes: int) -> None:
+    """Safetensors shards holding only headers (the data a sparse hole), from the component built on `meta`."""
+    import json
+    import struct
+
+    from fluxtrt.export import torch_dtype
+    from fluxtrt.zerocopy import empty_component
+
+    model, _ = empty_component(folder, sub, torch_dtype(dtype))
+    code = {"fp32": "F32", "fp16": "F16", "bf16": "BF16"}[dtype]
+    shards, current, size = [], {}, 0
+    for key, t in model.state_dict().items():
+        n = t.numel() * t.element_size()
+        if current and size + n > shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[key] = (list(t.shape), n)
+        size += n
+    shards.append(current)
+    for i, tensors in enumerate(shards, 1):
+        header, offset = {}, 0
+        for key, (shape, n) in tensors.items():
+            header[key] = {"dtype": code, "shape": shape, "data_offsets": [offset, offset + n]}
+            offset += n
+        raw = json.dumps(header).encode()
+        raw += b" " * (-len(raw) % 8)
+        path = out / f"diffusion_pytorch_model-{i:05d}-of-{len(shards):05d}.safetensors"
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            f.truncate(8 + len(raw) + offset)
 
 
 if __name__ == "__main__":

@@ -151,3 +151,27 @@ def test_moved_checkpoint_is_a_clear_error(tmp_path):
     shutil.rmtree(folder / "vae")
     with pytest.raises(FluxtrtError, match="was moved or deleted"):
         load_onnx(r.path)
+
+
+def test_second_export_of_an_architecture_relinks_the_cached_graph(tmp_path, reweighted_copy):
+    """A traced graph depends on the architecture, not the weights: a later zero-copy export of the same
+    architecture (the same model again, or a fine-tune with other weights) re-points the cached graph at its own
+    shards instead of tracing, and is validated against its own PyTorch module like any export."""
+    src = resolve_model("tiny")
+    spec = specs_for(src.geometry, ["transformer"])["transformer"]
+    first = export_component(src, spec, tmp_path / "a", zero_copy=True, validate=False)
+    again = export_component(src, spec, tmp_path / "b", zero_copy=True, validate=False)
+    assert first.zero_copy["graph"] in ("traced", "from cache") and again.zero_copy["graph"] == "from cache"
+    assert again.path.read_bytes() == first.path.read_bytes()  # same links, same offsets: the same file
+    other = reweighted_copy(src, tmp_path / "finetune", seed=9)
+    r = export_component(other, spec, tmp_path / "c", zero_copy=True)
+    assert r.zero_copy["graph"] == "from cache" and r.max_rel_err <= 1e-4  # ORT on the relinked graph == PyTorch
+    assert all(os.path.realpath(p).startswith(str(other.path)) for p in (tmp_path / "c" / "transformer.weights").iterdir())
+    # another architecture (schnell: no guidance embedder, shorter T5) never gets this graph
+    from fluxtrt.zerocopy import template_key
+
+    schnell = resolve_model("tiny-schnell")
+    s_spec = specs_for(schnell.geometry, ["transformer"])["transformer"]
+    keys = {template_key(m.path / "transformer", sp, m.geometry, 19, "fp32") for m, sp in ((src, spec), (schnell, s_spec))}
+    assert len(keys) == 2
+    assert template_key(other.path / "transformer", spec, other.geometry, 19, "fp32") in keys  # weights don't matter
