@@ -313,19 +313,24 @@ def export_model(source: ModelSource, out_dir: Path, components=None, dtype: str
                                         zero_copy=zero_copy))
         if progress:
             progress(spec.name, "done")
-    write_export_info(out_dir, source, dtype, opset, results)
+    write_export_info(out_dir, source, dtype, opset, results, zero_copy)
     return results
 
 
-def write_export_info(out_dir: Path, source: ModelSource, dtype: str, opset: int, results: list[ExportResult]):
+def write_export_info(out_dir: Path, source: ModelSource, dtype: str, opset: int, results: list[ExportResult],
+                      zero_copy: bool = False):
+    """export.json. A zero-copy export identifies the model by its layout (safetensors headers, sizes, mtimes,
+    small files' contents) instead of hashing every weight byte: it never reads the weights otherwise."""
     import json
 
     info_path = Path(out_dir) / EXPORT_INFO
     info = json.loads(info_path.read_text()) if info_path.exists() else {}
-    if info.get("model_hash") != source.content_hash or info.get("dtype") != dtype:
+    model_hash = source.layout_hash if zero_copy else source.content_hash
+    if info.get("model_hash") != model_hash or info.get("dtype") != dtype:
         info = {}
     info.update({
-        "fluxtrt": __version__, "model": source.id, "model_hash": source.content_hash,
+        "fluxtrt": __version__, "model": source.id, "model_hash": model_hash,
+        "model_hash_kind": "layout" if zero_copy else "content",
         "variant": source.variant, "dtype": dtype, "opset": opset,
     })
     comps = info.setdefault("components", {})

@@ -175,3 +175,25 @@ def test_second_export_of_an_architecture_relinks_the_cached_graph(tmp_path, rew
     keys = {template_key(m.path / "transformer", sp, m.geometry, 19, "fp32") for m, sp in ((src, spec), (schnell, s_spec))}
     assert len(keys) == 2
     assert template_key(other.path / "transformer", spec, other.geometry, 19, "fp32") in keys  # weights don't matter
+
+
+def test_zero_copy_export_identifies_the_model_by_layout(tmp_path):
+    """export.json of a zero-copy export names the model by its layout hash (headers, sizes, mtimes, small
+    files) rather than hashing every weight byte; rewriting a shard changes it."""
+    import json
+    import time
+
+    from fluxtrt.export import export_model
+
+    src = resolve_model("tiny")
+    folder = tmp_path / "tiny-copy"
+    shutil.copytree(src.path, folder)
+    model = resolve_model(str(folder))
+    before = model.layout_hash
+    export_model(model, tmp_path / "out", ["vae_decoder"], validate=False, zero_copy=True)
+    info = json.loads((tmp_path / "out" / "export.json").read_text())
+    assert info["model_hash"] == before and info["model_hash_kind"] == "layout"
+    shard = next((folder / "vae").glob("*.safetensors"))
+    time.sleep(0.01)
+    shard.write_bytes(shard.read_bytes())  # same bytes, rewritten: a new mtime
+    assert resolve_model(str(folder)).layout_hash != before

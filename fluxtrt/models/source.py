@@ -56,6 +56,25 @@ class ModelSource:
             h.update(rel.encode() + b"\0" + file_sha256(f).encode() + b"\n")
         return h.hexdigest()
 
+    @cached_property
+    def layout_hash(self) -> str:
+        """sha256 over every file's relative path, size and mtime, the contents of small files (configs,
+        tokenizers) and the headers of safetensors files: the model's identity without reading its weights."""
+        from ..zerocopy import read_header
+
+        h = hashlib.sha256(b"layout\0")
+        for f in sorted(p for p in self.path.rglob("*") if p.is_file()):
+            rel = f.relative_to(self.path).as_posix()
+            if rel.startswith(".") or "/." in rel:
+                continue
+            st = f.stat()
+            h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+            if f.suffix == ".safetensors":
+                h.update(repr(sorted((k, t.dtype, t.shape, t.offset) for k, t in read_header(f).items())).encode())
+            elif st.st_size < 1 << 20:
+                h.update(file_sha256(f).encode())
+        return h.hexdigest()
+
     def load_component(self, subfolder: str, dtype=None, device="cpu"):
         """Load one diffusers/transformers module from the folder (eval mode)."""
         import torch
