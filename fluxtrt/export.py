@@ -180,7 +180,7 @@ def record_provenance(ir_model, raw, index) -> dict:
             continue
         recipe = {"tensor": key}
         graph_dtype = str(value.dtype.numpy())
-        stored = weightmap.NP_NAMES[SAFETENSORS_DTYPES[index[key].dtype][0]]
+        stored = SAFETENSORS_DTYPES[index[key].dtype][2]
         if stored != graph_dtype:
             recipe = {"op": "cast", "to": graph_dtype, "of": recipe}
         prov[name] = recipe
@@ -198,6 +198,7 @@ def export_component(source: ModelSource, spec: ComponentSpec, out_dir: Path, dt
                      opset: int = DEFAULT_OPSET, validate: bool = True, external_data_bytes: int | None = None,
                      on_phase: Callable[[str], None] = lambda _: None, zero_copy: bool = False) -> ExportResult:
     from . import zerocopy
+    from .onnxio import linked_dir
 
     geo = source.geometry
     t0 = time.perf_counter()
@@ -258,7 +259,7 @@ def export_component(source: ModelSource, spec: ComponentSpec, out_dir: Path, dt
         # external data / links first, the .onnx (what readers look for) last
         staged = sorted(tmp.iterdir(), key=lambda p: p.suffix == ".onnx")
         published = publish(staged, out_dir)
-        stale = out_dir / f"{spec.name}.weights"
+        stale = linked_dir(out_dir / f"{spec.name}.onnx")
         if not zero_copy and stale.is_dir():
             shutil.rmtree(stale)  # links of an earlier zero-copy export of this component
     size = sum(_written_bytes(p) for p in published)

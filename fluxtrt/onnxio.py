@@ -22,6 +22,19 @@ def external_info(t) -> dict | None:
     return {e.key: e.value for e in t.external_data}
 
 
+def set_external(t, location: str, offset: int, length: int) -> None:
+    """Make tensor `t` external data at (location, offset, length), dropping any data it held."""
+    from onnx import TensorProto
+
+    for f in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+        t.ClearField(f)
+    del t.external_data[:]
+    t.data_location = TensorProto.EXTERNAL
+    for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = t.external_data.add()
+        entry.key, entry.value = k, v
+
+
 def linked_dir(onnx_path: Path) -> Path:
     """Where a zero-copy export keeps its links to the checkpoint's files."""
     return Path(onnx_path).with_suffix(".weights")

@@ -68,12 +68,6 @@ def derive(out_name: str, op: dict, *inputs: str) -> None:
     prov[out_name] = dict(op, of=parts if op["op"] == "concat" else parts[0])
 
 
-def forget(name: str) -> None:
-    prov = _current.get()
-    if prov is not None:
-        prov.pop(name, None)
-
-
 def source_keys(recipe) -> list[str]:
     if "tensor" in recipe:
         return [recipe["tensor"]]
@@ -145,7 +139,7 @@ def read_stored(t):
     with open(t.file, "rb") as f:
         f.seek(t.offset)
         raw = f.read(t.length)
-    return np.frombuffer(raw, dtype=np_dtype(NP_NAMES[SAFETENSORS_DTYPES[t.dtype][0]])).reshape(t.shape)
+    return np.frombuffer(raw, dtype=np_dtype(SAFETENSORS_DTYPES[t.dtype][2])).reshape(t.shape)
 
 
 class CheckpointReader:
@@ -214,7 +208,6 @@ class Lora:
                                f"{', '.join(unused[:3])}" + (" ..." if len(unused) > 3 else ""))
 
 
-NP_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int64": "int64", "int32": "int32"}
 
 
 def materialize(weight_map: dict, get) -> dict:
@@ -239,26 +232,14 @@ CHECKPOINT_LOCATION = "fluxtrt-weights-from-checkpoint"
 def write_weightfree(onnx_path, weight_map: dict, dest) -> int:
     """Write the optimized graph without the weights the map can rebuild (graph constants stay inline).
     Returns the bytes written."""
-    from onnx import TensorProto
-
     from .fileio import write_bytes_atomic
-    from .onnxio import external_info, load_onnx, read_external
+    from .onnxio import load_onnx, set_external
 
-    mapped = {e["name"]: e for e in weight_map["weights"]}
-    model = load_onnx(onnx_path, load_data=False)
+    mapped = {e["name"] for e in weight_map["weights"]}
+    model = load_onnx(onnx_path, skip=mapped)  # the graph's own constants inline, the weights not read
     for t in model.graph.initializer:
         if t.name in mapped:
-            for f in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
-                t.ClearField(f)
-            del t.external_data[:]
-            t.data_location = TensorProto.EXTERNAL
-            for k, v in (("location", CHECKPOINT_LOCATION), ("offset", "0"), ("length", "0")):
-                entry = t.external_data.add()
-                entry.key, entry.value = k, v
-        elif external_info(t) is not None:
-            t.raw_data = bytes(read_external(onnx_path, t))
-            del t.external_data[:]
-            t.data_location = TensorProto.DEFAULT
+            set_external(t, CHECKPOINT_LOCATION, 0, 0)
     data = model.SerializeToString()
     write_bytes_atomic(dest, data)
     return len(data)

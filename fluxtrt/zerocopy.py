@@ -24,9 +24,10 @@ from pathlib import Path
 
 from .errors import FluxtrtError
 
-# safetensors dtype -> (our dtype name, ONNX TensorProto enum name)
-SAFETENSORS_DTYPES = {"F32": ("fp32", "FLOAT"), "F16": ("fp16", "FLOAT16"), "BF16": ("bf16", "BFLOAT16"),
-                      "I64": ("int64", "INT64"), "I32": ("int32", "INT32")}
+# safetensors dtype -> (our dtype name, ONNX TensorProto enum name, numpy/ml_dtypes name)
+SAFETENSORS_DTYPES = {"F32": ("fp32", "FLOAT", "float32"), "F16": ("fp16", "FLOAT16", "float16"),
+                      "BF16": ("bf16", "BFLOAT16", "bfloat16"), "I64": ("int64", "INT64", "int64"),
+                      "I32": ("int32", "INT32", "int32")}
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,20 @@ def stored_key(name: str, aliases: dict, index) -> str | None:
     return next((a for a in aliases.get(name, []) if a in index), None)
 
 
+def _link(links: Path, stored: StoredTensor) -> str:
+    """The external-data location of `stored` as seen from the ONNX file: a link in `links` to its shard."""
+    link = links / stored.file.name
+    if not link.is_symlink():
+        os.symlink(os.path.realpath(stored.file), link)
+    return f"{links.name}/{stored.file.name}"
+
+
+def _check_stored(key: str, stored: StoredTensor, shape: tuple, onnx_type_name: str) -> None:
+    if tuple(stored.shape) != tuple(shape) or SAFETENSORS_DTYPES[stored.dtype][1] != onnx_type_name:
+        raise FluxtrtError(f"{key}: checkpoint has {stored.dtype}{list(stored.shape)}, the graph wants "
+                           f"{onnx_type_name}{list(shape)}; the model's config does not match its weights")
+
+
 def _is_meta(tensor) -> bool:
     raw = getattr(tensor, "raw", None)
     return getattr(getattr(raw, "device", None), "type", None) == "meta"
@@ -165,35 +180,30 @@ def link_initializers(ir_model, module, index: dict[str, StoredTensor], buffers:
     import numpy as np
     import onnx_ir as ir
 
-    links = onnx_path.with_suffix(".weights")
+    from .onnxio import linked_dir
+
+    links = linked_dir(onnx_path)
     links.mkdir(exist_ok=True)
     aliases = parameter_aliases(module)
     record = ZeroCopyRecord()
-    for name, value in list(ir_model.graph.initializers.items()):
-        key = name  # export renamed initializers to the checkpoint's keys
-        stored_name = stored_key(key, aliases, index)
+    for name, value in list(ir_model.graph.initializers.items()):  # named by checkpoint key at export
+        stored_name = stored_key(name, aliases, index)
         stored = index.get(stored_name) if stored_name else None
         shape = tuple(int(d) for d in value.shape)
         if stored is not None:
-            onnx_type = ir.DataType[SAFETENSORS_DTYPES[stored.dtype][1]]
-            if tuple(stored.shape) != shape or value.dtype != onnx_type:
-                raise FluxtrtError(f"{key}: checkpoint has {stored.dtype}{list(stored.shape)}, the graph wants "
-                                   f"{value.dtype.name}{list(shape)}; the model's config does not match its weights")
-            link = links / stored.file.name
-            if not link.is_symlink():
-                os.symlink(os.path.realpath(stored.file), link)
+            _check_stored(name, stored, shape, value.dtype.name)
             value.const_value = ir.ExternalTensor(
-                f"{links.name}/{stored.file.name}", stored.offset, stored.length, onnx_type,
+                _link(links, stored), stored.offset, stored.length, value.dtype,
                 shape=ir.Shape(shape), name=name, base_dir=str(onnx_path.parent))
             record.linked += 1
             record.linked_bytes += stored.length
-        elif key in buffers:
-            value.const_value = ir.tensor(np.ascontiguousarray(buffers[key].numpy()), name=name)
+        elif name in buffers:
+            value.const_value = ir.tensor(np.ascontiguousarray(buffers[name].numpy()), name=name)
             record.written[name] = "a buffer the module computes; the checkpoint does not store it"
         elif not _is_meta(value.const_value):
             record.graph_constants += 1  # folded shape arithmetic and the like: the graph's own, not weights
         else:
-            raise FluxtrtError(f"the checkpoint in {next(iter(index.values())).file.parent} has no tensor '{key}'; "
+            raise FluxtrtError(f"the checkpoint in {next(iter(index.values())).file.parent} has no tensor '{name}'; "
                                "it does not match the model's config")
     return record
 
@@ -245,7 +255,7 @@ def relink(key: str, index: dict[str, StoredTensor], onnx_path: Path) -> ZeroCop
     import onnx
 
     from . import weightmap
-    from .onnxio import external_info
+    from .onnxio import external_info, linked_dir, set_external
 
     template = template_path(key)
     if not template.exists() or not template.with_suffix(".json").exists():
@@ -253,7 +263,7 @@ def relink(key: str, index: dict[str, StoredTensor], onnx_path: Path) -> ZeroCop
     model = onnx.load(str(template), load_external_data=False)
     meta = json.loads(template.with_suffix(".json").read_text())
     prov = weightmap.read(model)
-    links = onnx_path.with_suffix(".weights")
+    links = linked_dir(onnx_path)
     links.mkdir(exist_ok=True)
     record = ZeroCopyRecord(graph_constants=meta["graph_constants"], written=meta["written"], graph="from cache")
     for t in model.graph.initializer:
@@ -264,18 +274,8 @@ def relink(key: str, index: dict[str, StoredTensor], onnx_path: Path) -> ZeroCop
         if stored is None:
             raise FluxtrtError(f"the checkpoint in {next(iter(index.values())).file.parent} has no tensor "
                                f"'{key_in_ckpt or t.name}'; it does not match the model's config")
-        want = getattr(onnx.TensorProto, SAFETENSORS_DTYPES[stored.dtype][1])
-        if tuple(stored.shape) != tuple(t.dims) or want != t.data_type:
-            raise FluxtrtError(f"{key_in_ckpt}: checkpoint has {stored.dtype}{list(stored.shape)}, the graph wants "
-                               f"{list(t.dims)}; the model's config does not match its weights")
-        link = links / stored.file.name
-        if not link.is_symlink():
-            os.symlink(os.path.realpath(stored.file), link)
-        del t.external_data[:]
-        for k, v in (("location", f"{links.name}/{stored.file.name}"), ("offset", str(stored.offset)),
-                     ("length", str(stored.length))):
-            entry = t.external_data.add()
-            entry.key, entry.value = k, v
+        _check_stored(key_in_ckpt, stored, tuple(t.dims), onnx.TensorProto.DataType.Name(t.data_type))
+        set_external(t, _link(links, stored), stored.offset, stored.length)
         record.linked += 1
         record.linked_bytes += stored.length
     onnx.save(model, str(onnx_path))
