@@ -136,6 +136,9 @@ class ComponentSpec:
     rtol_fp32: float  # ONNX Runtime vs PyTorch bound, max|a-b| / max|b|, fp32
     wrap: Callable  # (diffusers/transformers module) -> torch.nn.Module taking inputs in order
     needs_guidance: bool = False
+    # (module list, config key of its depth) of identical blocks that zero-copy export traces three of and
+    # replicates (replicate.py)
+    repeated_blocks: tuple[tuple[str, str], ...] = ()
 
     def input_shapes(self, point: ShapePoint, geo: Geometry) -> dict[str, tuple[int, ...]]:
         return {t.name: t.shape(point, geo) for t in self.inputs}
@@ -280,6 +283,7 @@ T5 = ComponentSpec(
 )
 TRANSFORMER = ComponentSpec(
     name="transformer", subfolder="transformer", rtol_fp32=1e-4, wrap=_wrap_transformer, needs_guidance=True,
+    repeated_blocks=(("transformer_blocks", "num_layers"), ("single_transformer_blocks", "num_single_layers")),
     inputs=(
         TensorSpec("hidden_states", _F, ("batch", "image_tokens", "geo.in_channels")),
         TensorSpec("encoder_hidden_states", _F, ("batch", "geo.t5_length", "geo.t5_hidden")),

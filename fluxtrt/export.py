@@ -196,7 +196,8 @@ def wrapper_prefix(module) -> str:
 
 def export_component(source: ModelSource, spec: ComponentSpec, out_dir: Path, dtype: str = "fp32",
                      opset: int = DEFAULT_OPSET, validate: bool = True, external_data_bytes: int | None = None,
-                     on_phase: Callable[[str], None] = lambda _: None, zero_copy: bool = False) -> ExportResult:
+                     on_phase: Callable[[str], None] = lambda _: None, zero_copy: bool = False,
+                     replicate_blocks: bool = True) -> ExportResult:
     from . import zerocopy
     from .onnxio import linked_dir
 
@@ -210,8 +211,7 @@ def export_component(source: ModelSource, spec: ComponentSpec, out_dir: Path, dt
                                "(scripts/write_random_checkpoint.py) or export without --zero-copy")
         index = zerocopy.checkpoint_index(source.path / spec.subfolder)
         dtype = zerocopy.checkpoint_dtype(index, source.path / spec.subfolder)
-        raw, buffers = zerocopy.empty_component(source.path, spec.subfolder, torch_dtype(dtype))
-        module = spec.wrap(raw).eval()
+        module = raw = None  # built at trace time: only as deep as block replication needs
         device = "meta"
     else:
         raw = source.load_component(spec.subfolder, torch_dtype(dtype))
@@ -229,7 +229,12 @@ def export_component(source: ModelSource, spec: ComponentSpec, out_dir: Path, dt
             key = zerocopy.template_key(source.path / spec.subfolder, spec, geo, opset, dtype)
             record = zerocopy.relink(key, index, onnx_file)
         if record is None:
-            program = _trace(module, args, spec, opset)
+            replicated = {}
+            if zero_copy:
+                program, raw, buffers, replicated = _trace_zero_copy(source, spec, dtype, args, opset,
+                                                                     replicate_blocks)
+            else:
+                program = _trace(module, args, spec, opset)
             record_provenance(program.model, raw, index if zero_copy else _index_or_none(source, spec))
             on_phase("save")
             if zero_copy:
@@ -237,6 +242,7 @@ def export_component(source: ModelSource, spec: ComponentSpec, out_dir: Path, dt
                 import onnx_ir as ir
 
                 record = zerocopy.link_initializers(program.model, raw, index, buffers, onnx_file)
+                record.replicated = replicated
                 onnx.save(ir.serde.serialize_model(program.model), str(onnx_file))
             else:
                 program.save(str(onnx_file), external_data=external)
@@ -247,7 +253,7 @@ def export_component(source: ModelSource, spec: ComponentSpec, out_dir: Path, dt
         max_err = None
         if validate:
             on_phase("validate")
-            if dtype != "fp32" or zero_copy:
+            if dtype != "fp32" or zero_copy:  # (zero-copy: the checkpoint's own weights, read only now)
                 module = spec.wrap(source.load_component(spec.subfolder)).eval()
             with export_patches(module):
                 report = validate_onnx(onnx_file, module, spec, geo, dtype)
@@ -265,6 +271,32 @@ def export_component(source: ModelSource, spec: ComponentSpec, out_dir: Path, dt
     size = sum(_written_bytes(p) for p in published)
     return ExportResult(spec.name, out_dir / onnx_file.name, size, time.perf_counter() - t0, external, max_err,
                         dtype, record.as_json() if record else None)
+
+
+def _trace_zero_copy(source: ModelSource, spec: ComponentSpec, dtype: str, args, opset: int, replicate_blocks: bool):
+    """Trace the component built on `meta`; with repeated blocks, trace three of each and replicate the middle
+    one to the real depth (replicate.py), falling back to a full trace where the pattern does not hold.
+    Returns (program, module traced, its buffers, {family: depth replicated to})."""
+    import json
+
+    from . import zerocopy
+    from .replicate import ReplicationError, reduced_depths, replicate
+
+    config = json.loads((source.path / spec.subfolder / "config.json").read_text())
+    overrides, depths = reduced_depths(config, spec.repeated_blocks) if replicate_blocks else ({}, {})
+    if depths:
+        raw, buffers = zerocopy.empty_component(source.path, spec.subfolder, torch_dtype(dtype), overrides)
+        module = spec.wrap(raw).eval()
+        program = _trace(module, args, spec, opset)
+        try:
+            replicate(program.model, depths, wrapper_prefix(module))
+            return program, raw, buffers, depths
+        except ReplicationError as e:
+            import warnings
+
+            warnings.warn(f"{spec.name}: block replication does not apply ({e}); tracing every block", stacklevel=2)
+    raw, buffers = zerocopy.empty_component(source.path, spec.subfolder, torch_dtype(dtype))
+    return _trace(spec.wrap(raw).eval(), args, spec, opset), raw, buffers, {}
 
 
 def _written_bytes(path: Path) -> int:
@@ -302,7 +334,7 @@ def _quiet_exporter():
 
 def export_model(source: ModelSource, out_dir: Path, components=None, dtype: str = "fp32",
                  opset: int = DEFAULT_OPSET, validate: bool = True, external_data_bytes: int | None = None,
-                 progress=None, zero_copy: bool = False) -> list[ExportResult]:
+                 progress=None, zero_copy: bool = False, replicate_blocks: bool = True) -> list[ExportResult]:
     """Export the named components (default: all) and update `export.json` in `out_dir`."""
     torch_dtype(dtype)
     specs = specs_for(source.geometry, components)
@@ -311,7 +343,7 @@ def export_model(source: ModelSource, out_dir: Path, components=None, dtype: str
     for spec in specs.values():
         phase = (lambda p, n=spec.name: progress(n, p)) if progress else (lambda _: None)
         results.append(export_component(source, spec, out_dir, dtype, opset, validate, external_data_bytes, phase,
-                                        zero_copy=zero_copy))
+                                        zero_copy=zero_copy, replicate_blocks=replicate_blocks))
         if progress:
             progress(spec.name, "done")
     write_export_info(out_dir, source, dtype, opset, results, zero_copy)

@@ -48,10 +48,12 @@ class ZeroCopyRecord:
     graph_constants: int = 0
     written: dict = field(default_factory=dict)  # initializer -> why it had to be written
     graph: str = "traced"  # or "from cache": the architecture's traced graph, re-pointed at this checkpoint
+    replicated: dict = field(default_factory=dict)  # block family -> depth grown to from 3 traced (replicate.py)
 
     def as_json(self) -> dict:
         return {"linked_tensors": self.linked, "linked_bytes": self.linked_bytes,
-                "graph_constants": self.graph_constants, "written": self.written, "graph": self.graph}
+                "graph_constants": self.graph_constants, "written": self.written, "graph": self.graph,
+                "replicated_blocks": self.replicated}
 
 
 def read_header(path: Path) -> dict[str, StoredTensor]:
@@ -122,8 +124,9 @@ def meta_parameters():
         torch.nn.Module.register_parameter = original
 
 
-def empty_component(folder: Path, subfolder: str, dtype):
-    """(module with meta parameters, {buffer name: real tensor}) built from the component's config."""
+def empty_component(folder: Path, subfolder: str, dtype, overrides: dict | None = None):
+    """(module with meta parameters, {buffer name: real tensor}) built from the component's config
+    (`overrides` replaces config entries: block replication traces a shallower model)."""
     import torch
 
     from .models.random_arch import instantiate
@@ -132,7 +135,7 @@ def empty_component(folder: Path, subfolder: str, dtype):
     torch.set_default_dtype(dtype)
     try:
         with meta_parameters(), torch.no_grad():
-            model = instantiate(subfolder, folder)
+            model = instantiate(subfolder, folder, overrides)
     finally:
         torch.set_default_dtype(old)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
@@ -210,7 +213,7 @@ def link_initializers(ir_model, module, index: dict[str, StoredTensor], buffers:
 
 # --- graph templates: a traced zero-copy graph depends on the architecture, not on the weights ----------------
 # Bump when the traced graph's recipe changes, so templates cached by older versions are not reused.
-GRAPH_RECIPE = 1
+GRAPH_RECIPE = 2
 _VOLATILE_CONFIG_KEYS = {"architectures", "transformers_version", "torch_dtype", "dtype"}
 
 
@@ -246,7 +249,8 @@ def save_template(onnx_file: Path, record: ZeroCopyRecord, key: str) -> None:
 
     path = template_path(key)
     write_bytes_atomic(path, Path(onnx_file).read_bytes(), check_free=False)
-    write_json_atomic(path.with_suffix(".json"), {"written": record.written, "graph_constants": record.graph_constants})
+    write_json_atomic(path.with_suffix(".json"), {"written": record.written, "graph_constants": record.graph_constants,
+                                                  "replicated": record.replicated})
 
 
 def relink(key: str, index: dict[str, StoredTensor], onnx_path: Path) -> ZeroCopyRecord | None:
@@ -265,7 +269,8 @@ def relink(key: str, index: dict[str, StoredTensor], onnx_path: Path) -> ZeroCop
     prov = weightmap.read(model)
     links = linked_dir(onnx_path)
     links.mkdir(exist_ok=True)
-    record = ZeroCopyRecord(graph_constants=meta["graph_constants"], written=meta["written"], graph="from cache")
+    record = ZeroCopyRecord(graph_constants=meta["graph_constants"], written=meta["written"], graph="from cache",
+                            replicated=meta.get("replicated", {}))
     for t in model.graph.initializer:
         if external_info(t) is None:
             continue

@@ -3,7 +3,8 @@
 # zero-copy ONNX, each measured in its own process by scripts/measure.py (seconds, peak RSS, bytes written).
 # Run on a big machine (the lent H200's CPU side); TensorRT-RTX must be importable for the `build` step.
 #   bash scripts/fullsize_footprint.sh OUTDIR checkpoint   # random bf16 weights as sharded safetensors
-#   bash scripts/fullsize_footprint.sh OUTDIR zero-copy    # fluxtrt export --zero-copy
+#   bash scripts/fullsize_footprint.sh OUTDIR zero-copy    # fluxtrt export --zero-copy (cold: traces the graph)
+#   bash scripts/fullsize_footprint.sh OUTDIR relink       # the same again: graph from the cache, relinked
 #   bash scripts/fullsize_footprint.sh OUTDIR normal       # fluxtrt export --dtype bf16 (weights copied)
 #   bash scripts/fullsize_footprint.sh OUTDIR build        # TensorRT-RTX parse + build for sm89 (4090 config)
 # Work files go to $WORK (default /root/fullsize); results are appended to OUTDIR/footprint.jsonl.
@@ -26,6 +27,10 @@ case "$STEP" in
     $M --label export-zero-copy --written "$WORK/zc" -- \
       python3 -m fluxtrt.cli export --model "$CKPT" -c transformer --zero-copy --no-validate --out "$WORK/zc"
     ls -la "$WORK/zc" "$WORK/zc/transformer.weights" | tee "$OUTDIR/zero_copy_files.txt" ;;
+  relink)  # a second zero-copy export: the traced graph comes from the cache and is re-pointed at the shards
+    $M --label export-zero-copy-relinked --written "$WORK/zc2" -- \
+      python3 -m fluxtrt.cli export --model "$CKPT" -c transformer --zero-copy --no-validate --out "$WORK/zc2"
+    rm -rf "$WORK/zc2" ;;
   normal)
     $M --label export-normal-bf16 --written "$WORK/normal" -- \
       python3 -m fluxtrt.cli export --model "$CKPT" -c transformer --dtype bf16 --no-validate --out "$WORK/normal"

@@ -71,20 +71,19 @@ def random_model_dir(name: str) -> Path:
     return folder
 
 
-def instantiate(subfolder: str, folder: Path):
+def instantiate(subfolder: str, folder: Path, overrides: dict | None = None):
     """A component built from its config file alone (weights as the class initialises them, in the current
-    default dtype and device)."""
+    default dtype and device); `overrides` replaces config entries (e.g. fewer blocks)."""
     from diffusers import AutoencoderKL, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     sub = Path(folder) / subfolder
-    if subfolder == "transformer":
-        return FluxTransformer2DModel.from_config(FluxTransformer2DModel.load_config(sub))
-    if subfolder == "vae":
-        return AutoencoderKL.from_config(AutoencoderKL.load_config(sub))
-    if subfolder == "text_encoder":
-        return CLIPTextModel(CLIPTextConfig.from_pretrained(sub, local_files_only=True))
-    return T5EncoderModel(T5Config.from_pretrained(sub, local_files_only=True))
+    overrides = overrides or {}
+    if subfolder in ("transformer", "vae"):
+        cls = FluxTransformer2DModel if subfolder == "transformer" else AutoencoderKL
+        return cls.from_config({**cls.load_config(sub), **overrides})
+    model_cls, config_cls = (CLIPTextModel, CLIPTextConfig) if subfolder == "text_encoder" else (T5EncoderModel, T5Config)
+    return model_cls(config_cls.from_pretrained(sub, local_files_only=True, **overrides))
 
 
 def random_component(subfolder: str, path: Path, dtype, device="cpu", seed: int = 0):

@@ -1,0 +1,93 @@
+"""Block replication (#11): a zero-copy export that traces three blocks of each kind and replicates the
+middle one equals a full trace of every block, node for node and output for output, and PyTorch."""
+
+import json
+import os
+import shutil
+from collections import Counter
+
+import numpy as np
+import onnx
+import pytest
+
+from fluxtrt.components import specs_for
+from fluxtrt.export import export_component
+from fluxtrt.models.source import resolve_model
+
+DEPTHS = {"transformer_blocks": 5, "single_transformer_blocks": 6}
+
+
+@pytest.fixture(scope="module")
+def deep_tiny(tmp_path_factory):
+    """The tiny dev model with 5 double- and 6 single-stream blocks (random weights, sharded safetensors)."""
+    import torch
+
+    from fluxtrt.models.random_arch import random_component
+
+    tiny = resolve_model("tiny")
+    folder = tmp_path_factory.mktemp("deep") / "model"
+    shutil.copytree(tiny.path, folder)
+    cfg_path = folder / "transformer" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.update(num_layers=DEPTHS["transformer_blocks"], num_single_layers=DEPTHS["single_transformer_blocks"])
+    cfg_path.write_text(json.dumps(cfg))
+    for f in (folder / "transformer").glob("*.safetensors*"):
+        f.unlink()
+    model = random_component("transformer", folder, torch.float32, seed=int.from_bytes(os.urandom(2), "little"))
+    model.save_pretrained(folder / "transformer", max_shard_size="300KB")
+    return resolve_model(str(folder))
+
+
+def export(src, out, cache, monkeypatch, **kw):
+    monkeypatch.setenv("FLUXTRT_CACHE", str(cache))  # no graph cache shared between the two exports
+    spec = specs_for(src.geometry, ["transformer"])["transformer"]
+    return export_component(src, spec, out, zero_copy=True, **kw)
+
+
+@pytest.mark.slow
+def test_replicated_graph_equals_full_trace(deep_tiny, tmp_path, monkeypatch):
+    from fluxtrt.onnxio import ort_session
+
+    rep = export(deep_tiny, tmp_path / "rep", tmp_path / "c1", monkeypatch)
+    full = export(deep_tiny, tmp_path / "full", tmp_path / "c2", monkeypatch, replicate_blocks=False)
+    assert rep.zero_copy["replicated_blocks"] == DEPTHS and full.zero_copy["replicated_blocks"] == {}
+    assert len(list((deep_tiny.path / "transformer").glob("*.safetensors"))) > 1  # links span shards
+    # both validated against PyTorch by the export itself (fresh random inputs), same bound as every export
+    assert rep.max_rel_err is not None and rep.max_rel_err <= 1e-4, rep.max_rel_err
+    a = onnx.load(str(rep.path), load_external_data=False)
+    b = onnx.load(str(full.path), load_external_data=False)
+    assert len(a.graph.node) == len(b.graph.node)
+    assert Counter(n.op_type for n in a.graph.node) == Counter(n.op_type for n in b.graph.node)
+
+    def weights(m):
+        return sorted((t.name, tuple(t.dims), t.data_type) for t in m.graph.initializer if t.data_location == 1)
+
+    assert weights(a) == weights(b) and len(weights(a)) == rep.zero_copy["linked_tensors"]
+    for blocks, depth in DEPTHS.items():  # every block's weights are present, the last one included
+        assert any(n.startswith(f"{blocks}.{depth - 1}.") for n, _, _ in weights(a))
+    spec = specs_for(deep_tiny.geometry, ["transformer"])["transformer"]
+    from fluxtrt.export import example_point
+
+    seed = int.from_bytes(os.urandom(2), "little")
+    feed = {k: v.numpy() for k, v in spec.sample_inputs(example_point(deep_tiny.geometry), deep_tiny.geometry,
+                                                        seed).items()}
+    out_a = ort_session(rep.path).run(None, feed)[0]
+    out_b = ort_session(full.path).run(None, feed)[0]
+    assert np.abs(out_a).max() > 0
+    # the same operators on the same weights in another node order: equal to float32 rounding
+    assert np.abs(out_a - out_b).max() <= 1e-6 * np.abs(out_b).max()
+
+
+def test_replicated_export_matches_pytorch_and_refuses_unscoped_graphs(deep_tiny, tmp_path, monkeypatch):
+    """The replicated export validates against PyTorch (the export's own check on fresh random inputs); a
+    graph whose blocks cannot be told apart raises ReplicationError (export then traces every block)."""
+    import onnx_ir as ir
+
+    from fluxtrt.replicate import ReplicationError, replicate
+
+    r = export(deep_tiny, tmp_path / "x", tmp_path / "c", monkeypatch)
+    assert r.zero_copy["replicated_blocks"] == DEPTHS and r.zero_copy["graph"] == "traced"
+    assert r.max_rel_err is not None and r.max_rel_err <= 1e-4, r.max_rel_err
+    model = ir.load(str(r.path))  # the exported file carries no per-node scopes
+    with pytest.raises(ReplicationError, match="expected blocks 0..2"):
+        replicate(model, DEPTHS)
