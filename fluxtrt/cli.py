@@ -125,7 +125,8 @@ def export(
     With --zero-copy the weights are never loaded: the graph is traced on PyTorch's meta device and every
     initializer is external data pointing into the checkpoint's own safetensors files, through links in
     <out>/<component>.weights/ (keep the model folder where it is). Little memory and nothing copied at any size
-    (full FLUX.1-dev transformer: 1.3 GB peak RSS, 2.5 MB written; tracing still takes ~6 minutes)."""
+    (full FLUX.1-dev transformer on 16 cores: 42 s, 1.05 GB peak RSS, 2.3 MB written: three blocks of each kind are
+    traced and replicated; a later export of the same architecture reuses the cached graph: 6 s)."""
     _quiet_libraries()
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from rich.table import Table
