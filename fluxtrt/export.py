@@ -332,21 +332,38 @@ def _quiet_exporter():
                 lg.setLevel(level)
 
 
+def zero_copy_refusal(source: ModelSource, spec: ComponentSpec, dtype: str) -> str | None:
+    """Why `spec` cannot be exported zero-copy at `dtype` (None: it can — its folder holds safetensors in exactly
+    that dtype, so the graph's weights are the stored tensors byte for byte)."""
+    from .zerocopy import checkpoint_dtype, checkpoint_index
+
+    folder = source.path / spec.subfolder
+    if source.random_weights or not any(folder.glob("*.safetensors")):
+        return f"{spec.name}: no safetensors weights on disk"
+    try:
+        stored = checkpoint_dtype(checkpoint_index(folder), folder)
+    except FluxtrtError as e:
+        return f"{spec.name}: {e}"
+    return None if stored == dtype else f"{spec.name} is stored in {stored} (--dtype {stored} exports it zero-copy)"
+
+
 def export_model(source: ModelSource, out_dir: Path, components=None, dtype: str = "fp32",
                  opset: int = DEFAULT_OPSET, validate: bool = True, external_data_bytes: int | None = None,
-                 progress=None, zero_copy: bool = False, replicate_blocks: bool = True) -> list[ExportResult]:
-    """Export the named components (default: all) and update `export.json` in `out_dir`."""
+                 progress=None, zero_copy: bool | frozenset = False, replicate_blocks: bool = True) -> list[ExportResult]:
+    """Export the named components (default: all) and update `export.json` in `out_dir`. `zero_copy`: True/False
+    for every component, or the set of component names to export zero-copy."""
     torch_dtype(dtype)
     specs = specs_for(source.geometry, components)
     out_dir = Path(out_dir)
     results = []
     for spec in specs.values():
         phase = (lambda p, n=spec.name: progress(n, p)) if progress else (lambda _: None)
+        linked = zero_copy if isinstance(zero_copy, bool) else spec.name in zero_copy
         results.append(export_component(source, spec, out_dir, dtype, opset, validate, external_data_bytes, phase,
-                                        zero_copy=zero_copy, replicate_blocks=replicate_blocks))
+                                        zero_copy=linked, replicate_blocks=replicate_blocks))
         if progress:
             progress(spec.name, "done")
-    write_export_info(out_dir, source, dtype, opset, results, zero_copy)
+    write_export_info(out_dir, source, dtype, opset, results, all(r.zero_copy for r in results))
     return results
 
 

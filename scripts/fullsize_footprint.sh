@@ -5,7 +5,7 @@
 #   bash scripts/fullsize_footprint.sh OUTDIR checkpoint   # random bf16 weights as sharded safetensors
 #   bash scripts/fullsize_footprint.sh OUTDIR zero-copy    # fluxtrt export --zero-copy (cold: traces the graph)
 #   bash scripts/fullsize_footprint.sh OUTDIR relink       # the same again: graph from the cache, relinked
-#   bash scripts/fullsize_footprint.sh OUTDIR normal       # fluxtrt export --dtype bf16 (weights copied)
+#   bash scripts/fullsize_footprint.sh OUTDIR normal       # fluxtrt export --dtype bf16 --copy-weights
 #   bash scripts/fullsize_footprint.sh OUTDIR build        # TensorRT-RTX parse + build for sm89 (4090 config)
 # Work files go to $WORK (default /root/fullsize); results are appended to OUTDIR/footprint.jsonl.
 set -uo pipefail
@@ -33,7 +33,7 @@ case "$STEP" in
     rm -rf "$WORK/zc2" ;;
   normal)
     $M --label export-normal-bf16 --written "$WORK/normal" -- \
-      python3 -m fluxtrt.cli export --model "$CKPT" -c transformer --dtype bf16 --no-validate --out "$WORK/normal"
+      python3 -m fluxtrt.cli export --model "$CKPT" -c transformer --dtype bf16 --copy-weights --no-validate --out "$WORK/normal"
     ls -la "$WORK/normal" | tee "$OUTDIR/normal_files.txt"
     rm -rf "$WORK/normal" ;;
   build)

@@ -87,14 +87,29 @@ def test_external_data_path(tiny_dev, tmp_path):
 
 
 def test_cli_export_prints_summary(tmp_path):
+    """`fluxtrt export` is zero-copy by default where the checkpoint stores the graph's dtype (tiny: fp32
+    safetensors), copies weights where it does not (--dtype bf16 of an fp32 checkpoint, saying why), and
+    --copy-weights forces a copy."""
+    import json
+
     from typer.testing import CliRunner
 
     from fluxtrt.cli import app
 
-    res = CliRunner().invoke(app, ["export", "--model", "tiny-schnell", "--out", str(tmp_path), "-c", "clip"])
+    res = CliRunner().invoke(app, ["export", "--model", "tiny-schnell", "--out", str(tmp_path / "a"), "-c", "clip"])
     assert res.exit_code == 0, res.output
-    assert "clip.onnx" in res.output and "max rel err" in res.output
-    assert (tmp_path / "clip.onnx").exists()
+    assert "clip.onnx" in res.output and "max rel err" in res.output and "zero-copy" in res.output
+    assert (tmp_path / "a" / "clip.onnx").exists() and (tmp_path / "a" / "clip.weights").is_dir()
+    info = json.loads((tmp_path / "a" / "export.json").read_text())
+    assert info["components"]["clip"]["zero_copy"]["linked_tensors"] > 0 and info["model_hash_kind"] == "layout"
+    for args, why in ((["--dtype", "bf16"], "clip is stored in fp32 (--dtype fp32 exports it zero-copy)"),
+                      (["--copy-weights"], None)):
+        folder = tmp_path / args[-1]
+        res = CliRunner().invoke(app, ["export", "-m", "tiny-schnell", "-o", str(folder), "-c", "clip", *args])
+        assert res.exit_code == 0, res.output
+        assert not (folder / "clip.weights").exists()
+        assert json.loads((folder / "export.json").read_text())["components"]["clip"]["zero_copy"] is None
+        assert (why in res.output) if why else ("weights copied" not in res.output)
 
 
 def test_cli_hub_id_error_is_one_line():
