@@ -65,16 +65,16 @@ def write_json_atomic(path: Path, obj) -> None:
     write_bytes_atomic(path, text.encode(), check_free=False)
 
 
-def write_bytes_atomic(path: Path, data: bytes, check_free: bool = True) -> None:
-    """Write to a temp name beside `path`, fsync, then rename: readers see the old file or the new one."""
+@contextlib.contextmanager
+def atomic_file(path: Path):
+    """A binary file open on a temp name beside `path`; on a clean exit it is fsynced and renamed to `path`
+    (readers see the old file or the new one), on an error removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if check_free:
-        check_space(path, len(data))
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, _umask_mode())
@@ -83,6 +83,15 @@ def write_bytes_atomic(path: Path, data: bytes, check_free: bool = True) -> None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def write_bytes_atomic(path: Path, data: bytes, check_free: bool = True) -> None:
+    """Write to a temp name beside `path`, fsync, then rename: readers see the old file or the new one."""
+    if check_free:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        check_space(path, len(data))
+    with atomic_file(path) as f:
+        f.write(data)
 
 
 def peak_rss_mb() -> float:

@@ -1,5 +1,5 @@
 """Build one engine straight from one ONNX file (e.g. a zero-copy export) with TensorRT-RTX, for a GPU
-config's compute capability and shape range, and write it (no copy of the plan in memory).
+config's compute capability and shape range, streaming the plan to disk.
 
   python3 scripts/build_onnx_engine.py --model MODEL --component transformer --onnx zc/transformer.onnx \
       --gpu 4090 --out transformer.engine
@@ -25,7 +25,6 @@ def main() -> None:
     from fluxtrt.build.backends import get_backend
     from fluxtrt.build.engine import build_engine
     from fluxtrt.components import specs_for
-    from fluxtrt.fileio import write_bytes_atomic
     from fluxtrt.gpus import load_gpu
     from fluxtrt.models.source import resolve_model
 
@@ -34,11 +33,10 @@ def main() -> None:
     spec = specs_for(src.geometry, [args.component])[args.component]
     backend = get_backend(cfg.backend)
     t0 = time.perf_counter()
-    built = build_engine(backend, args.onnx, spec, src.geometry, cfg.shape_range(), cfg.compute_capability)
+    built = build_engine(backend, args.onnx, spec, src.geometry, cfg.shape_range(), cfg.compute_capability, args.out)
     seconds = time.perf_counter() - t0
-    write_bytes_atomic(args.out, built.data)
     print(f"{backend.name} {backend.version}: {spec.name} for sm{cfg.compute_capability.replace('.', '')}, "
-          f"{built.layers} layers, {len(built.data) / 1e9:.2f} GB, built in {seconds:.1f} s", flush=True)
+          f"{built.layers} layers, {built.bytes / 1e9:.2f} GB, built in {seconds:.1f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -178,3 +178,40 @@ def test_cli_build_and_inspect(tmp_path):
     res = CliRunner().invoke(app, ["inspect", str(tmp_path / "4090")])
     assert res.exit_code == 0, res.output
     assert "tensorrt-rtx" in res.output and "clip" in res.output
+
+
+def test_plan_is_streamed_to_disk_and_a_failed_write_leaves_nothing(built, tmp_path, monkeypatch):
+    """build_engine streams TensorRT's plan into a temp file (hashing it on the way) and renames it; the
+    recorded sha256/bytes are the file's, a rebuild is byte-identical to the pipeline's engine, and a write
+    error (disk full) is one clear BuildError with no engine or temp file left."""
+    import contextlib
+    import errno
+
+    from fluxtrt import fileio
+    from fluxtrt.build.engine import build_engine
+
+    root, src, cfg, manifest, _ = built("tiny-schnell", "4090")
+    entry = manifest["components"]["clip"]
+    spec = specs_for(src.geometry, ["clip"])["clip"]
+    backend = get_backend(cfg.backend)
+    onnx_file = root / entry["onnx"]
+    out = tmp_path / "clip.engine"
+    engine = build_engine(backend, onnx_file, spec, src.geometry, cfg.shape_range(), cfg.compute_capability, out)
+    assert engine.bytes == out.stat().st_size > 0 and engine.sha256 == sha256_file(out) == entry["sha256"]
+
+    real = fileio.atomic_file
+
+    @contextlib.contextmanager
+    def disk_full(path):  # the real temp file, whose writes fail as on a full disk
+        class Full:
+            def write(self, data):
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+        with real(path):
+            yield Full()
+
+    bad = tmp_path / "full" / "clip.engine"
+    monkeypatch.setattr(fileio, "atomic_file", disk_full)
+    with pytest.raises(BuildError, match="cannot write .*No space left on device"):
+        build_engine(backend, onnx_file, spec, src.geometry, cfg.shape_range(), cfg.compute_capability, bad)
+    assert list(bad.parent.iterdir()) == []

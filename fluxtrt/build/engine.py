@@ -1,5 +1,6 @@
 """Build one serialized engine from one ONNX file: parse (strongly typed), one optimization profile from
-the component spec, backend target settings, serialize."""
+the component spec, backend target settings, then stream the plan to disk (a full-size plan is as large as the
+weights; it is never held whole in memory)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ class BuildError(FluxtrtError):
 
 @dataclass
 class BuiltEngine:
-    data: memoryview  # TensorRT's serialized plan, not copied (a full-size engine is tens of GB)
+    path: Path  # the serialized plan, streamed to disk as TensorRT writes it (never whole in memory)
+    bytes: int
+    sha256: str
     layers: int
     inputs: list[dict]
     outputs: list[dict]
@@ -45,9 +48,35 @@ def apply_profile(network, profile, shapes: dict, component: str) -> None:
         profile.set_shape(name, lo, opt, hi)
 
 
+def _plan_writer(trt, f):
+    """A TensorRT stream writer that appends each chunk of the plan to `f` and hashes it on the way."""
+    import hashlib
+
+    class PlanWriter(trt.IStreamWriter):
+        def __init__(self):
+            trt.IStreamWriter.__init__(self)
+            self.bytes, self.sha, self.error = 0, hashlib.sha256(), None
+
+        def write(self, data) -> int:
+            try:
+                f.write(data)
+            except OSError as e:  # e.g. disk full: TensorRT sees a short write and fails the build
+                self.error = e
+                return 0
+            self.sha.update(data)
+            self.bytes += len(data)
+            return len(data)
+
+    return PlanWriter()
+
+
 def build_engine(backend: Backend, onnx_path: Path, spec: ComponentSpec, geo: Geometry, shape_range: ShapeRange,
-                 compute_capability: str, weight_streaming: bool = False, optimization_level: int = 3,
-                 timing_cache: Path | None = None, log_file=None, weightless: bool = False) -> BuiltEngine:
+                 compute_capability: str, engine_path: Path, weight_streaming: bool = False,
+                 optimization_level: int = 3, timing_cache: Path | None = None, log_file=None,
+                 weightless: bool = False) -> BuiltEngine:
+    """Parse `onnx_path`, build, and stream the plan to a temp name renamed to `engine_path` on success."""
+    from ..fileio import atomic_file
+
     trt = backend.trt
     logger = backend.logger
     logger.file, logger.errors = log_file, []
@@ -73,14 +102,22 @@ def build_engine(backend: Backend, onnx_path: Path, spec: ComponentSpec, geo: Ge
     profile = builder.create_optimization_profile()
     apply_profile(network, profile, spec.profile(shape_range, geo), spec.name)
     config.add_optimization_profile(profile)
-    serialized = builder.build_serialized_network(network, config)
-    if serialized is None:
+    try:
+        with atomic_file(engine_path) as f:
+            writer = _plan_writer(trt, f)
+            ok = builder.build_serialized_network_to_stream(network, config, writer)
+            if writer.error is not None:
+                raise BuildError(f"cannot write {engine_path}: {writer.error.strerror}; free some space or write "
+                                 "elsewhere with --out")
+            if not ok or writer.bytes == 0:
+                raise _BuildFailed()
+    except _BuildFailed:
         detail = "; ".join(logger.errors) or "no detail"
         if weightless:
             raise BuildError(f"{backend.name} could not build {spec.name} as a weightless (refittable) engine: "
                              f"{detail[:300]}. {backend.name} {backend.version} builds weightless engines only where "
-                             "the build machine has a supported GPU; build there, or drop --weightless")
-        raise BuildError(f"{backend.name} failed to build {spec.name}: {detail}")
+                             "the build machine has a supported GPU; build there, or drop --weightless") from None
+        raise BuildError(f"{backend.name} failed to build {spec.name}: {detail}") from None
     if cache is not None:
         from ..fileio import write_bytes_atomic
 
@@ -96,4 +133,9 @@ def build_engine(backend: Backend, onnx_path: Path, spec: ComponentSpec, geo: Ge
         for i in inputs
     }
     logger.file = None
-    return BuiltEngine(memoryview(serialized), network.num_layers, inputs, outputs, read_back)
+    return BuiltEngine(Path(engine_path), writer.bytes, writer.sha.hexdigest(), network.num_layers, inputs, outputs,
+                       read_back)
+
+
+class _BuildFailed(Exception):
+    pass

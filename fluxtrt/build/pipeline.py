@@ -27,7 +27,6 @@ from ..fileio import (
     remove_stale_staging,
     sha256_file,
     sha256_json,
-    write_bytes_atomic,
     write_json_atomic,
 )
 from ..gpus import QUANTIZED, GpuConfig
@@ -321,14 +320,13 @@ def _build_locked(source, cfg, out_root, gpu_dir, backend, geo, specs, rng, forc
                 continue  # the manifest keeps the footprint measured when the engine was built
             progress(name, "build")
             t0 = time.perf_counter()
-            built = build_engine(backend, onnx_path, spec, geo, rng, cfg.compute_capability, ws,
+            built = build_engine(backend, onnx_path, spec, geo, rng, cfg.compute_capability, engine_path, ws,
                                  cfg.builder_optimization_level, gpu_dir / "timing.cache", log, weightless)
             seconds = time.perf_counter() - t0
-            write_bytes_atomic(engine_path, built.data)
-            results.append(StageResult(name, "build", "built", seconds, f"{built.layers} layers", len(built.data),
+            results.append(StageResult(name, "build", "built", seconds, f"{built.layers} layers", built.bytes,
                                        peak_rss_mb()))
             manifest["components"][name] = {
-                "engine": engine_path.name, "sha256": sha256_file(engine_path), "bytes": len(built.data),
+                "engine": engine_path.name, "sha256": built.sha256, "bytes": built.bytes,
                 "precision": dtype, "onnx": str(onnx_path.relative_to(Path(out_root))), "onnx_sha256": onnx_sha,
                 "build_key": key, "weight_streaming": ws, "layers": built.layers,
                 "inputs": built.inputs, "outputs": built.outputs, "profile": built.profile,
@@ -338,7 +336,7 @@ def _build_locked(source, cfg, out_root, gpu_dir, backend, geo, specs, rng, forc
                 **write_weight_files(onnx_path, gpu_dir, name, spec.subfolder, dtype in QUANTIZED),
             }
             write_json_atomic(gpu_dir / MANIFEST, manifest)
-            log.write(f"built {name}: {built.layers} layers, {len(built.data)} bytes, {seconds:.1f} s\n")
+            log.write(f"built {name}: {built.layers} layers, {built.bytes} bytes, {seconds:.1f} s\n")
             progress(name, "done")
     write_json_atomic(gpu_dir / MANIFEST, manifest)
     return manifest, results
