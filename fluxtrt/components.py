@@ -278,6 +278,7 @@ CLIP = ComponentSpec(
 )
 T5 = ComponentSpec(
     name="t5", subfolder="text_encoder_2", rtol_fp32=1e-4, wrap=_wrap_t5,
+    repeated_blocks=(("encoder.block", "num_layers"),),
     inputs=(TensorSpec("input_ids", "int64", ("batch", "geo.t5_length")),),
     outputs=(TensorSpec("text_embeds", _F, ("batch", "geo.t5_length", "geo.t5_hidden")),),
 )

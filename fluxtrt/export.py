@@ -363,7 +363,9 @@ def export_model(source: ModelSource, out_dir: Path, components=None, dtype: str
                                         zero_copy=linked, replicate_blocks=replicate_blocks))
         if progress:
             progress(spec.name, "done")
-    write_export_info(out_dir, source, dtype, opset, results, all(r.zero_copy for r in results))
+    stored = {r.dtype for r in results}  # zero-copy keeps each component's stored dtype
+    write_export_info(out_dir, source, stored.pop() if len(stored) == 1 else dtype, opset, results,
+                      all(r.zero_copy for r in results))
     return results
 
 

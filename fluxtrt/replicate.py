@@ -6,6 +6,8 @@ optimizing all 57 costs minutes (the ONNX optimizer is superlinear in graph size
 seconds, and the middle block's subgraph is exactly what every block between the first and the last turns
 into. The first block differs (it computes values the others reuse: SiLU(temb), rotary tables, shape
 tensors) and so may the last (the final single block drops the text half), which is why both are traced.
+T5's encoder blocks follow the same pattern (block 0 computes the relative position bias the others share).
+Each ComponentSpec names its repeated blocks (`repeated_blocks`: module list, config key of its depth).
 
 How a block is found: the dynamo exporter records each node's module scope (`pkg.torch.onnx.name_scopes`,
 e.g. `model.transformer_blocks.1`); nodes the optimizer added without a scope (Split fusions) join the latest
