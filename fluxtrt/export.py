@@ -213,14 +213,21 @@ def export_component(source: ModelSource, spec: ComponentSpec, out_dir: Path, dt
         dtype = zerocopy.checkpoint_dtype(index, source.path / spec.subfolder)
         module = raw = None  # built at trace time: only as deep as block replication needs
         device = "meta"
+    elif replicate_blocks and _replicable(source, spec):
+        # traced on meta with replicated blocks like zero-copy, then given the checkpoint's values in `dtype`
+        index = zerocopy.checkpoint_index(source.path / spec.subfolder)
+        module = raw = None
+        device = "meta"
     else:
+        index = None
         raw = source.load_component(spec.subfolder, torch_dtype(dtype))
         module = spec.wrap(raw).eval()
         device = "cpu"
     example = spec.sample_inputs(example_point(geo), geo, seed=0)
     args = tuple((v.to(torch_dtype(dtype)) if v.is_floating_point() else v).to(device) for v in example.values())
     threshold = EXTERNAL_DATA_BYTES if external_data_bytes is None else external_data_bytes
-    external = not zero_copy and _param_bytes(module) > threshold
+    weight_bytes = _param_bytes(module) if module is not None else _stored_bytes(index, dtype)
+    external = not zero_copy and weight_bytes > threshold
     out_dir = Path(out_dir)
     with staging_dir(out_dir, spec.name) as tmp:
         onnx_file = tmp / f"{spec.name}.onnx"
@@ -230,12 +237,14 @@ def export_component(source: ModelSource, spec: ComponentSpec, out_dir: Path, dt
             record = zerocopy.relink(key, index, onnx_file)
         if record is None:
             replicated = {}
-            if zero_copy:
+            if device == "meta":
                 program, raw, buffers, replicated = _trace_zero_copy(source, spec, dtype, args, opset,
                                                                      replicate_blocks)
+                if not zero_copy:
+                    _fill_weights(program.model, raw, index, buffers, dtype)
             else:
                 program = _trace(module, args, spec, opset)
-            record_provenance(program.model, raw, index if zero_copy else _index_or_none(source, spec))
+            record_provenance(program.model, raw, index if device == "meta" else _index_or_none(source, spec))
             on_phase("save")
             if zero_copy:
                 import onnx
@@ -253,7 +262,7 @@ def export_component(source: ModelSource, spec: ComponentSpec, out_dir: Path, dt
         max_err = None
         if validate:
             on_phase("validate")
-            if dtype != "fp32" or zero_copy:  # (zero-copy: the checkpoint's own weights, read only now)
+            if dtype != "fp32" or module is None:  # (traced on meta: the checkpoint's own weights, read only now)
                 module = spec.wrap(source.load_component(spec.subfolder)).eval()
             with export_patches(module):
                 report = validate_onnx(onnx_file, module, spec, geo, dtype)
@@ -271,6 +280,59 @@ def export_component(source: ModelSource, spec: ComponentSpec, out_dir: Path, dt
     size = sum(_written_bytes(p) for p in published)
     return ExportResult(spec.name, out_dir / onnx_file.name, size, time.perf_counter() - t0, external, max_err,
                         dtype, record.as_json() if record else None)
+
+
+def _replicable(source: ModelSource, spec: ComponentSpec) -> bool:
+    """Whether a copying export can trace on meta with replicated blocks: the component has blocks deep enough
+    and safetensors weights to fill the graph from."""
+    import json
+
+    from .replicate import reduced_depths
+
+    folder = source.path / spec.subfolder
+    if source.random_weights or not spec.repeated_blocks or not any(folder.glob("*.safetensors")):
+        return False
+    return bool(reduced_depths(json.loads((folder / "config.json").read_text()), spec.repeated_blocks)[1])
+
+
+def _stored_bytes(index, dtype: str) -> int:
+    import math
+
+    import torch
+
+    size = torch.empty((), dtype=torch_dtype(dtype)).element_size()
+    return sum(math.prod(t.shape) * size for t in index.values())
+
+
+def _fill_weights(ir_model, raw, index, buffers: dict, dtype: str) -> None:
+    """Give every weight of a graph traced on meta its checkpoint value in `dtype` (a copying export)."""
+    import ml_dtypes
+    import numpy as np
+    import onnx_ir as ir
+    import torch
+    from safetensors import safe_open
+
+    from .zerocopy import is_meta, parameter_aliases, stored_key
+
+    aliases = parameter_aliases(raw)
+    files: dict = {}
+    for name, value in ir_model.graph.initializers.items():
+        key = stored_key(name, aliases, index)
+        if key is None:
+            if name in buffers:
+                value.const_value = ir.tensor(np.ascontiguousarray(buffers[name].numpy()), name=name)
+            elif is_meta(value.const_value):
+                raise FluxtrtError(f"the checkpoint in {next(iter(index.values())).file.parent} has no tensor "
+                                   f"'{name}'; it does not match the model's config")
+            continue  # the graph's own constants
+        stored = index[key]
+        f = files.get(stored.file) or files.setdefault(stored.file, safe_open(str(stored.file), framework="pt"))
+        t = f.get_tensor(key).to(torch_dtype(dtype)).contiguous()
+        arr = t.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
+        if tuple(arr.shape) != tuple(int(d) for d in value.shape):
+            raise FluxtrtError(f"{key}: checkpoint has shape {list(arr.shape)}, the graph wants "
+                               f"{[int(d) for d in value.shape]}; the model's config does not match its weights")
+        value.const_value = ir.tensor(arr, name=name)
 
 
 def _trace_zero_copy(source: ModelSource, spec: ComponentSpec, dtype: str, args, opset: int, replicate_blocks: bool):

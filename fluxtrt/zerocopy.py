@@ -171,7 +171,7 @@ def _check_stored(key: str, stored: StoredTensor, shape: tuple, onnx_type_name: 
                            f"{onnx_type_name}{list(shape)}; the model's config does not match its weights")
 
 
-def _is_meta(tensor) -> bool:
+def is_meta(tensor) -> bool:
     raw = getattr(tensor, "raw", None)
     return getattr(getattr(raw, "device", None), "type", None) == "meta"
 
@@ -203,7 +203,7 @@ def link_initializers(ir_model, module, index: dict[str, StoredTensor], buffers:
         elif name in buffers:
             value.const_value = ir.tensor(np.ascontiguousarray(buffers[name].numpy()), name=name)
             record.written[name] = "a buffer the module computes; the checkpoint does not store it"
-        elif not _is_meta(value.const_value):
+        elif not is_meta(value.const_value):
             record.graph_constants += 1  # folded shape arithmetic and the like: the graph's own, not weights
         else:
             raise FluxtrtError(f"the checkpoint in {next(iter(index.values())).file.parent} has no tensor '{name}'; "

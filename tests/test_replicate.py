@@ -124,3 +124,25 @@ def test_t5_blocks_are_replicated_too(tmp_path, monkeypatch):
                                                         int.from_bytes(os.urandom(2), "little")).items()}
     out_a, out_b = ort_session(rep.path).run(None, feed)[0], ort_session(full.path).run(None, feed)[0]
     assert np.abs(out_b).max() > 0 and np.abs(out_a - out_b).max() <= 1e-6 * np.abs(out_b).max()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
+def test_copying_export_traces_replicated_blocks_and_fills_the_weights(deep_tiny, tmp_path, monkeypatch, dtype):
+    """A copying (non-zero-copy) export of a deep model also traces 3 blocks on meta and replicates them, then
+    fills every weight from the checkpoint in the export dtype: same weights, bit for bit, and the same outputs
+    as loading the module and tracing every block."""
+    from fluxtrt.onnxio import load_onnx
+
+    monkeypatch.setenv("FLUXTRT_CACHE", str(tmp_path / "c"))
+    spec = specs_for(deep_tiny.geometry, ["transformer"])["transformer"]
+    rep = export_component(deep_tiny, spec, tmp_path / "rep", dtype=dtype)
+    full = export_component(deep_tiny, spec, tmp_path / "full", dtype=dtype, replicate_blocks=False,
+                            validate=False)
+    assert rep.zero_copy is None and not (tmp_path / "rep" / "transformer.weights").exists()
+    assert rep.max_rel_err is not None  # validated against PyTorch by the export, at the dtype's bound
+    a, b = load_onnx(rep.path), load_onnx(full.path)
+    assert len(a.graph.node) == len(b.graph.node)
+    weights = {t.name: t for t in b.graph.initializer if t.name.endswith((".weight", ".bias"))}
+    got = {t.name: t for t in a.graph.initializer if t.name in weights}
+    assert len(weights) > 100 and got.keys() == weights.keys()
+    assert all(got[n].raw_data == weights[n].raw_data and got[n].data_type == weights[n].data_type for n in weights)
