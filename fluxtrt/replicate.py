@@ -148,7 +148,7 @@ def _grow(graph, family: str, depth: int, scope_prefix: str) -> int:
         vmap = {id(v): current[id(v)] for v in stream_in}
         for w in template_weights:
             copy = ir.Value(name=prefix(c) + w.name[len(prefix(1)):], shape=w.shape, type=w.type,
-                            const_value=w.const_value)  # a placeholder: export links it to the checkpoint
+                            const_value=w.const_value)  # a placeholder: export links or fills it from the checkpoint
             graph.register_initializer(copy)
             vmap[id(w)] = copy
         scope = str(["", scope_prefix.rstrip("."), f"{scope_prefix}{family}.{c}"])
