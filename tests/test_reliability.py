@@ -84,10 +84,22 @@ def test_cli_reports_disk_full_in_one_line(monkeypatch, tmp_path):
 
     from fluxtrt.cli import app
 
-    def full(path, data):
-        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    import contextlib
 
-    monkeypatch.setattr("fluxtrt.build.pipeline.write_bytes_atomic", full)
+    from fluxtrt import fileio
+
+    real = fileio.atomic_file
+
+    @contextlib.contextmanager
+    def full(path):  # the engine's temp file fills the disk (its plan is streamed into it)
+        class Full:
+            def write(self, data):
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+        with real(path) as f:
+            yield Full() if str(path).endswith(".engine") else f
+
+    monkeypatch.setattr(fileio, "atomic_file", full)
     res = CliRunner().invoke(app, ["build", "--gpu", "4090", "--model", "tiny-schnell", "--out", str(tmp_path),
                                    "-c", "clip"])
     assert res.exit_code == 2, res.output

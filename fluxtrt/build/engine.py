@@ -106,9 +106,8 @@ def build_engine(backend: Backend, onnx_path: Path, spec: ComponentSpec, geo: Ge
         with atomic_file(engine_path) as f:
             writer = _plan_writer(trt, f)
             ok = builder.build_serialized_network_to_stream(network, config, writer)
-            if writer.error is not None:
-                raise BuildError(f"cannot write {engine_path}: {writer.error.strerror}; free some space or write "
-                                 "elsewhere with --out")
+            if writer.error is not None:  # the CLI says "no space left ... while writing <engine>" for ENOSPC
+                raise OSError(writer.error.errno, writer.error.strerror, str(engine_path)) from writer.error
             if not ok or writer.bytes == 0:
                 raise _BuildFailed()
     except _BuildFailed:
