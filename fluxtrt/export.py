@@ -152,11 +152,25 @@ def _trace(module, args, spec: ComponentSpec, opset: int):
     return program
 
 
+def _has_safetensors(source: ModelSource, spec: ComponentSpec) -> bool:
+    return not source.random_weights and any((source.path / spec.subfolder).glob("*.safetensors"))
+
+
 def _index_or_none(source: ModelSource, spec: ComponentSpec):
     from .zerocopy import checkpoint_index
 
-    folder = source.path / spec.subfolder
-    return checkpoint_index(folder) if any(folder.glob("*.safetensors")) else None
+    return checkpoint_index(source.path / spec.subfolder) if _has_safetensors(source, spec) else None
+
+
+def _block_depths(source: ModelSource, spec: ComponentSpec) -> tuple[dict, dict]:
+    """(config overrides that trace 3 blocks of each repeated kind, {kind: real depth}) — empty when the
+    component has no blocks deep enough to replicate (replicate.reduced_depths)."""
+    import json
+
+    from .replicate import reduced_depths
+
+    config = json.loads((source.path / spec.subfolder / "config.json").read_text())
+    return reduced_depths(config, spec.repeated_blocks)
 
 
 def record_provenance(ir_model, raw, index) -> dict:
@@ -240,11 +254,11 @@ def export_component(source: ModelSource, spec: ComponentSpec, out_dir: Path, dt
             if device == "meta":
                 program, raw, buffers, replicated = _trace_zero_copy(source, spec, dtype, args, opset,
                                                                      replicate_blocks)
-                if not zero_copy:
-                    _fill_weights(program.model, raw, index, buffers, dtype)
             else:
                 program = _trace(module, args, spec, opset)
-            record_provenance(program.model, raw, index if device == "meta" else _index_or_none(source, spec))
+            prov = record_provenance(program.model, raw, index if device == "meta" else _index_or_none(source, spec))
+            if device == "meta" and not zero_copy:
+                _fill_weights(program.model, prov, index, buffers)
             on_phase("save")
             if zero_copy:
                 import onnx
@@ -285,14 +299,7 @@ def export_component(source: ModelSource, spec: ComponentSpec, out_dir: Path, dt
 def _replicable(source: ModelSource, spec: ComponentSpec) -> bool:
     """Whether a copying export can trace on meta with replicated blocks: the component has blocks deep enough
     and safetensors weights to fill the graph from."""
-    import json
-
-    from .replicate import reduced_depths
-
-    folder = source.path / spec.subfolder
-    if source.random_weights or not spec.repeated_blocks or not any(folder.glob("*.safetensors")):
-        return False
-    return bool(reduced_depths(json.loads((folder / "config.json").read_text()), spec.repeated_blocks)[1])
+    return _has_safetensors(source, spec) and bool(_block_depths(source, spec)[1])
 
 
 def _stored_bytes(index, dtype: str) -> int:
@@ -304,48 +311,38 @@ def _stored_bytes(index, dtype: str) -> int:
     return sum(math.prod(t.shape) * size for t in index.values())
 
 
-def _fill_weights(ir_model, raw, index, buffers: dict, dtype: str) -> None:
-    """Give every weight of a graph traced on meta its checkpoint value in `dtype` (a copying export)."""
-    import ml_dtypes
+def _fill_weights(ir_model, prov: dict, index, buffers: dict) -> None:
+    """Give every weight of a graph traced on meta its value (a copying export): the checkpoint tensor its
+    recorded provenance names, cast to the graph's dtype (weightmap.evaluate, as weights-from-checkpoint does),
+    or the module's buffer."""
     import numpy as np
     import onnx_ir as ir
-    import torch
-    from safetensors import safe_open
 
-    from .zerocopy import is_meta, parameter_aliases, stored_key
+    from .weightmap import evaluate, read_stored
+    from .zerocopy import is_meta, missing_tensor
 
-    aliases = parameter_aliases(raw)
-    files: dict = {}
     for name, value in ir_model.graph.initializers.items():
-        key = stored_key(name, aliases, index)
-        if key is None:
-            if name in buffers:
-                value.const_value = ir.tensor(np.ascontiguousarray(buffers[name].numpy()), name=name)
-            elif is_meta(value.const_value):
-                raise FluxtrtError(f"the checkpoint in {next(iter(index.values())).file.parent} has no tensor "
-                                   f"'{name}'; it does not match the model's config")
-            continue  # the graph's own constants
-        stored = index[key]
-        f = files.get(stored.file) or files.setdefault(stored.file, safe_open(str(stored.file), framework="pt"))
-        t = f.get_tensor(key).to(torch_dtype(dtype)).contiguous()
-        arr = t.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
-        if tuple(arr.shape) != tuple(int(d) for d in value.shape):
-            raise FluxtrtError(f"{key}: checkpoint has shape {list(arr.shape)}, the graph wants "
-                               f"{[int(d) for d in value.shape]}; the model's config does not match its weights")
-        value.const_value = ir.tensor(arr, name=name)
+        if name in prov:
+            arr = evaluate(prov[name], lambda key: read_stored(index[key]))
+            if tuple(arr.shape) != tuple(int(d) for d in value.shape):
+                raise FluxtrtError(f"{name}: checkpoint has shape {list(arr.shape)}, the graph wants "
+                                   f"{[int(d) for d in value.shape]}; the model's config does not match its weights")
+            value.const_value = ir.tensor(np.ascontiguousarray(arr), name=name)
+        elif name in buffers:
+            value.const_value = ir.tensor(np.ascontiguousarray(buffers[name].numpy()), name=name)
+        elif is_meta(value.const_value):
+            raise missing_tensor(index, name)
+        # else: the graph's own constants (folded shape arithmetic)
 
 
 def _trace_zero_copy(source: ModelSource, spec: ComponentSpec, dtype: str, args, opset: int, replicate_blocks: bool):
     """Trace the component built on `meta`; with repeated blocks, trace three of each and replicate the middle
     one to the real depth (replicate.py), falling back to a full trace where the pattern does not hold.
     Returns (program, module traced, its buffers, {family: depth replicated to})."""
-    import json
-
     from . import zerocopy
-    from .replicate import ReplicationError, reduced_depths, replicate
+    from .replicate import ReplicationError, replicate
 
-    config = json.loads((source.path / spec.subfolder / "config.json").read_text())
-    overrides, depths = reduced_depths(config, spec.repeated_blocks) if replicate_blocks else ({}, {})
+    overrides, depths = _block_depths(source, spec) if replicate_blocks else ({}, {})
     if depths:
         raw, buffers = zerocopy.empty_component(source.path, spec.subfolder, torch_dtype(dtype), overrides)
         module = spec.wrap(raw).eval()
@@ -400,7 +397,7 @@ def zero_copy_refusal(source: ModelSource, spec: ComponentSpec, dtype: str) -> s
     from .zerocopy import checkpoint_dtype, checkpoint_index
 
     folder = source.path / spec.subfolder
-    if source.random_weights or not any(folder.glob("*.safetensors")):
+    if not _has_safetensors(source, spec):
         return f"{spec.name}: no safetensors weights on disk"
     try:
         stored = checkpoint_dtype(checkpoint_index(folder), folder)

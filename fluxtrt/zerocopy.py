@@ -171,6 +171,12 @@ def _check_stored(key: str, stored: StoredTensor, shape: tuple, onnx_type_name: 
                            f"{onnx_type_name}{list(shape)}; the model's config does not match its weights")
 
 
+def missing_tensor(index: dict[str, StoredTensor], name: str) -> FluxtrtError:
+    """The error for a graph weight that the checkpoint does not hold."""
+    return FluxtrtError(f"the checkpoint in {next(iter(index.values())).file.parent} has no tensor '{name}'; "
+                        "it does not match the model's config")
+
+
 def is_meta(tensor) -> bool:
     raw = getattr(tensor, "raw", None)
     return getattr(getattr(raw, "device", None), "type", None) == "meta"
@@ -206,8 +212,7 @@ def link_initializers(ir_model, module, index: dict[str, StoredTensor], buffers:
         elif not is_meta(value.const_value):
             record.graph_constants += 1  # folded shape arithmetic and the like: the graph's own, not weights
         else:
-            raise FluxtrtError(f"the checkpoint in {next(iter(index.values())).file.parent} has no tensor '{name}'; "
-                               "it does not match the model's config")
+            raise missing_tensor(index, name)
     return record
 
 
@@ -277,8 +282,7 @@ def relink(key: str, index: dict[str, StoredTensor], onnx_path: Path) -> ZeroCop
         key_in_ckpt = prov.get(t.name, {}).get("tensor")
         stored = index.get(key_in_ckpt) if key_in_ckpt else None
         if stored is None:
-            raise FluxtrtError(f"the checkpoint in {next(iter(index.values())).file.parent} has no tensor "
-                               f"'{key_in_ckpt or t.name}'; it does not match the model's config")
+            raise missing_tensor(index, key_in_ckpt or t.name)
         _check_stored(key_in_ckpt, stored, tuple(t.dims), onnx.TensorProto.DataType.Name(t.data_type))
         set_external(t, _link(links, stored), stored.offset, stored.length)
         record.linked += 1

@@ -18,8 +18,7 @@ class BuildError(FluxtrtError):
 
 @dataclass
 class BuiltEngine:
-    path: Path  # the serialized plan, streamed to disk as TensorRT writes it (never whole in memory)
-    bytes: int
+    bytes: int  # of the plan streamed to `engine_path` as TensorRT wrote it (never whole in memory)
     sha256: str
     layers: int
     inputs: list[dict]
@@ -102,21 +101,18 @@ def build_engine(backend: Backend, onnx_path: Path, spec: ComponentSpec, geo: Ge
     profile = builder.create_optimization_profile()
     apply_profile(network, profile, spec.profile(shape_range, geo), spec.name)
     config.add_optimization_profile(profile)
-    try:
-        with atomic_file(engine_path) as f:
-            writer = _plan_writer(trt, f)
-            ok = builder.build_serialized_network_to_stream(network, config, writer)
-            if writer.error is not None:  # the CLI says "no space left ... while writing <engine>" for ENOSPC
-                raise OSError(writer.error.errno, writer.error.strerror, str(engine_path)) from writer.error
-            if not ok or writer.bytes == 0:
-                raise _BuildFailed()
-    except _BuildFailed:
-        detail = "; ".join(logger.errors) or "no detail"
-        if weightless:
-            raise BuildError(f"{backend.name} could not build {spec.name} as a weightless (refittable) engine: "
-                             f"{detail[:300]}. {backend.name} {backend.version} builds weightless engines only where "
-                             "the build machine has a supported GPU; build there, or drop --weightless") from None
-        raise BuildError(f"{backend.name} failed to build {spec.name}: {detail}") from None
+    with atomic_file(engine_path) as f:  # any error below removes the temp file; the old engine stays
+        writer = _plan_writer(trt, f)
+        ok = builder.build_serialized_network_to_stream(network, config, writer)
+        if writer.error is not None:  # the CLI says "no space left ... while writing <engine>" for ENOSPC
+            raise OSError(writer.error.errno, writer.error.strerror, str(engine_path)) from writer.error
+        if not ok or writer.bytes == 0:
+            detail = "; ".join(logger.errors) or "no detail"
+            if weightless:
+                raise BuildError(f"{backend.name} could not build {spec.name} as a weightless (refittable) engine: "
+                                 f"{detail[:300]}. {backend.name} {backend.version} builds weightless engines only "
+                                 "where the build machine has a supported GPU; build there, or drop --weightless")
+            raise BuildError(f"{backend.name} failed to build {spec.name}: {detail}")
     if cache is not None:
         from ..fileio import write_bytes_atomic
 
@@ -132,9 +128,4 @@ def build_engine(backend: Backend, onnx_path: Path, spec: ComponentSpec, geo: Ge
         for i in inputs
     }
     logger.file = None
-    return BuiltEngine(Path(engine_path), writer.bytes, writer.sha.hexdigest(), network.num_layers, inputs, outputs,
-                       read_back)
-
-
-class _BuildFailed(Exception):
-    pass
+    return BuiltEngine(writer.bytes, writer.sha.hexdigest(), network.num_layers, inputs, outputs, read_back)
