@@ -208,6 +208,8 @@ def build(
     calibration_prompts: Optional[Path] = typer.Option(None, "--calibration-prompts", help="fp8: prompt file (default calibration/prompts.txt)."),
     smoothquant_alpha: float = typer.Option(0.5, "--smoothquant-alpha", help="int8 (W8A8): SmoothQuant migration strength, 0..1."),
     weightless: bool = typer.Option(False, "--weightless", help="Weight-stripped, refittable engines that `fluxtrt run --weights` fills from a checkpoint (needs a GPU on the build machine: TensorRT-RTX 1.7 refuses it on CPU)."),
+    zero_copy: bool = typer.Option(True, "--zero-copy/--copy-weights", help="Build a component straight from its checkpoint when it is stored in the engine's dtype (bf16 FLUX.1 at bf16 or fp8: no fp32 copy, weights read one at a time); --copy-weights takes the fp32 path (graph passes, every recipe) for all."),
+    validate: bool = typer.Option(True, "--validate/--no-validate", help="Compare every ONNX with PyTorch in ONNX Runtime (needs the fp32 model in memory: turn it off for full-size models on small machines)."),
 ):
     """Export, optimize (and quantize), then build serialized TensorRT engines for one GPU, reusing every
     unchanged stage. Each component also gets a weight map (<name>.weights.json: every engine weight's source
@@ -234,7 +236,7 @@ def build(
                                       progress=lambda n, p: bar.update(tasks[n], phase=p),
                                       calibration={"size": calibration_size, "steps": calibration_steps,
                                                    "prompts_file": calibration_prompts, "alpha": smoothquant_alpha},
-                                      weightless=weightless)
+                                      weightless=weightless, zero_copy=zero_copy, validate=validate)
     table = Table(title=f"{cfg.key}: {manifest['backend']} {manifest['backend_version']} for "
                         f"sm{cfg.compute_capability.replace('.', '')}, model {source.id} ({source.variant}) -> {out_dir / cfg.key}")
     for col in ("component", "precision", "export", "optimize", "build", "layers", "engine size", "seconds",
@@ -264,10 +266,13 @@ def calibrate(
     steps: int = typer.Option(4, "--calibration-steps", help="Denoising steps per prompt."),
     prompts: Optional[Path] = typer.Option(None, "--calibration-prompts", help="Prompt file (default calibration/prompts.txt)."),
     resolution: int = typer.Option(1024, "--resolution", help="The profile's opt size; a smaller non-square size is added."),
+    zero_copy: bool = typer.Option(True, "--zero-copy/--copy-weights", help="As for build: calibrate for the engine built straight from a bf16 checkpoint (ranges per linear layer, measured in PyTorch), or for the fp32 path."),
+    device: Optional[str] = typer.Option(None, "--device", help="zero-copy path: where PyTorch runs the pipeline, cpu or cuda (default: cuda if present). A cache made on a GPU serves builds on CPU-only machines: copy OUT/calibration/."),
 ):
-    """Run calibration alone: collect the transformer's inputs with diffusers' pipeline, measure activation
-    ranges, and cache them (a later `fluxtrt build --precision transformer=fp8` reuses the cache)."""
+    """Run calibration alone: run diffusers' pipeline over the prompts, measure activation ranges, and cache them
+    (a later `fluxtrt build --precision transformer=fp8` reuses the cache)."""
     _quiet_libraries()
+    from .build.native import calibrate_native, native_refusal
     from .build.pipeline import calibrate_graph, optimized_fp32_transformer
     from .models.source import resolve_model
     from .quantize.qdq import CALIBRATED
@@ -277,11 +282,17 @@ def calibrate(
                            f"'{recipe}' is weight-only or unknown")
     if size < 1 or steps < 1:
         raise FluxtrtError("--calibration-size and --calibration-steps must be at least 1")
+    if device not in (None, "cpu", "cuda"):
+        raise FluxtrtError(f"--device {device}: choose cpu or cuda")
     source = resolve_model(model)
-    graph = optimized_fp32_transformer(source, out_dir)
-    with console.status("calibrating (running the reference pipeline over the prompts)..."):
-        cal = calibrate_graph(source, graph, recipe, out_dir, {"prompts_file": prompts, "size": size,
-                                                               "steps": steps, "opt_resolution": resolution})
+    calib = {"prompts_file": prompts, "size": size, "steps": steps, "opt_resolution": resolution, "device": device}
+    if zero_copy and native_refusal(source, "transformer", recipe) is None:
+        with console.status("calibrating (PyTorch, max |input| of every linear layer over the prompts)...") as st:
+            cal = calibrate_native(source, out_dir, calib, lambda d, n: st.update(f"calibrating: {d}/{n} prompts"))
+    else:
+        graph = optimized_fp32_transformer(source, out_dir)
+        with console.status("calibrating (running the reference pipeline over the prompts)..."):
+            cal = calibrate_graph(source, graph, recipe, out_dir, calib)
     state = "reused the cache" if cal.cached else f"measured {cal.samples} transformer calls"
     out.print(f"{recipe} calibration for {source.id}: {len(cal.amax)} activation ranges, {state} -> {cal.path}")
 

@@ -7,6 +7,11 @@
 #   bash scripts/fullsize_footprint.sh OUTDIR relink       # the same again: graph from the cache, relinked
 #   bash scripts/fullsize_footprint.sh OUTDIR normal       # fluxtrt export --dtype bf16 --copy-weights
 #   bash scripts/fullsize_footprint.sh OUTDIR build        # TensorRT-RTX parse + build for sm89 (4090 config)
+# The whole `fluxtrt build` (zero-copy path) for the transformer, fp8 and bf16, from a full pipeline checkpoint:
+#   bash scripts/fullsize_footprint.sh OUTDIR checkpoint-all  # every component, random bf16 weights (33.7 GB)
+#   bash scripts/fullsize_footprint.sh OUTDIR calibrate       # fluxtrt calibrate --device cuda (needs the GPU)
+#   bash scripts/fullsize_footprint.sh OUTDIR build-fp8       # fluxtrt build -p transformer=fp8, CPU only, 16 cores
+#   bash scripts/fullsize_footprint.sh OUTDIR build-bf16      # fluxtrt build -p transformer=bf16, CPU only, 16 cores
 # Work files go to $WORK (default /root/fullsize); results are appended to OUTDIR/footprint.jsonl.
 set -uo pipefail
 OUTDIR=${1:?OUTDIR}; STEP=${2:?step}
@@ -15,6 +20,9 @@ mkdir -p "$OUTDIR" "$WORK"
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export FLUXTRT_CACHE=$WORK/cache
 CKPT=$WORK/flux1-dev-random
+FULL=$WORK/flux1-dev-random-all
+# CPU-only builds: no GPU visible (calibration comes from the cache `calibrate` filled), 16 cores
+CPU16="env CUDA_VISIBLE_DEVICES= taskset -c 0-15"
 M="python3 scripts/measure.py --json $OUTDIR/footprint.jsonl"
 case "$STEP" in
   checkpoint)
@@ -42,5 +50,24 @@ case "$STEP" in
       python3 scripts/build_onnx_engine.py --model "$CKPT" --component transformer --onnx "$WORK/zc/transformer.onnx" \
       --gpu 4090 --out "$WORK/engines/transformer.engine"
     rm -rf "$WORK/engines" ;;
+  checkpoint-all)
+    { nproc; free -g | head -2; df -h "$WORK" | tail -1; python3 -c 'import torch; print("torch", torch.__version__)'; } \
+      | tee "$OUTDIR/machine.txt"
+    $M --label write-random-checkpoint-all --written "$FULL" -- \
+      python3 scripts/write_random_checkpoint.py --model random:flux.1-dev --out "$FULL" \
+      --components transformer,text_encoder,text_encoder_2,vae --dtype bf16 --device cuda ;;
+  calibrate)
+    $M --label calibrate-fp8-cuda --written "$WORK/build/calibration" -- \
+      python3 -m fluxtrt.cli calibrate --model "$FULL" --out "$WORK/build" --device cuda ;;
+  build-fp8|build-bf16)
+    P=${STEP#build-}
+    python3 -c 'import tensorrt_rtx as t; print("tensorrt_rtx", t.__version__)' | tee -a "$OUTDIR/machine.txt"
+    $CPU16 $M --label "fluxtrt-build-$P-sm89-cpu16" --written "$WORK/build" -- \
+      python3 -m fluxtrt.cli build --gpu 4090 --model "$FULL" -c transformer -p "transformer=$P" --no-validate \
+      --out "$WORK/build"
+    cp "$WORK/build/4090/manifest.json" "$OUTDIR/manifest-$P.json"
+    cp "$WORK/build/4090/build.log" "$OUTDIR/build-$P.log"
+    ls -la "$WORK/build/onnx"/* | tee "$OUTDIR/onnx-files-$P.txt"
+    rm -f "$WORK/build/4090/transformer.engine" ;;
   *) echo "unknown step $STEP" >&2; exit 2 ;;
 esac

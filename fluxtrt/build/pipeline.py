@@ -63,12 +63,18 @@ def onnx_dir_for(out_root: Path, source: ModelSource, dtype: str) -> Path:
 
 
 def ensure_onnx(source: ModelSource, component: str, dtype: str, out_root: Path, force: bool = False,
-                on_phase: Callable[[str], None] = lambda _: None, calib=None) -> tuple[Path, list[StageResult]]:
-    """The component's ONNX for the engine: the fp32 export (validated against PyTorch), then the optimize
-    stage at `dtype` (validated against fp32 PyTorch at the dtype's bound). Each step is reused when its
-    inputs are unchanged."""
-    fp32_path, export_res = _ensure_export(source, component, out_root, force, on_phase)
-    opt_path, opt_res = _ensure_optimized(source, component, dtype, fp32_path, out_root, force, on_phase, calib)
+                on_phase: Callable[[str], None] = lambda _: None, calib=None, zero_copy: bool = True,
+                validate: bool = True) -> tuple[Path, list[StageResult]]:
+    """The component's ONNX for the engine. From a checkpoint stored in the engine's dtype (and `zero_copy`):
+    the zero-copy path (build/native.py). Otherwise the fp32 export, then the optimize stage at `dtype`. Each
+    step is validated against PyTorch (unless `validate` is off) and reused when its inputs are unchanged."""
+    from .native import ensure_native, native_refusal
+
+    if zero_copy and native_refusal(source, component, dtype) is None:
+        return ensure_native(source, component, dtype, out_root, force, on_phase, dict(calib or {}), validate)
+    fp32_path, export_res = _ensure_export(source, component, out_root, force, on_phase, validate)
+    opt_path, opt_res = _ensure_optimized(source, component, dtype, fp32_path, out_root, force, on_phase, calib,
+                                          validate)
     return opt_path, [export_res, opt_res]
 
 
@@ -84,7 +90,7 @@ def _recorded(folder: Path, info_name: str, component: str, inputs: dict) -> dic
     return None
 
 
-def _ensure_export(source, component, out_root, force, on_phase):
+def _ensure_export(source, component, out_root, force, on_phase, validate: bool = True):
     folder = onnx_dir_for(out_root, source, "fp32")
     info_path = folder / EXPORT_INFO
     info = json.loads(info_path.read_text()) if info_path.exists() else {}
@@ -92,24 +98,25 @@ def _ensure_export(source, component, out_root, force, on_phase):
     same_inputs = (info.get("model_hash") == source.content_hash and info.get("fluxtrt") == __version__
                    and info.get("opset") == DEFAULT_OPSET)
     path = folder / f"{component}.onnx"
-    if not force and same_inputs and entry and path.exists() and sha256_file(path) == entry["sha256"]:
+    if (not force and same_inputs and entry and path.exists() and sha256_file(path) == entry["sha256"]
+            and (entry.get("max_rel_err") is not None or not validate)):
         return path, StageResult(component, "export", "reused", 0.0, "unchanged model and exporter")
     on_phase("export")
     spec = specs_for(source.geometry, [component])[component]
-    res = export_component(source, spec, folder, "fp32", validate=True, on_phase=on_phase)
+    res = export_component(source, spec, folder, "fp32", validate=validate, on_phase=on_phase)
     write_export_info(folder, source, "fp32", DEFAULT_OPSET, [res])
-    return res.path, StageResult(component, "export", "built", res.seconds, f"max rel err {res.max_rel_err:.1e}",
-                                 res.bytes, peak_rss_mb())
+    err = f"max rel err {res.max_rel_err:.1e}" if res.max_rel_err is not None else "not validated"
+    return res.path, StageResult(component, "export", "built", res.seconds, err, res.bytes, peak_rss_mb())
 
 
 OPTIMIZE_INFO = "optimize.json"
 
 
-def _ensure_optimized(source, component, dtype, fp32_path, out_root, force, on_phase, calib=None):
+def _ensure_optimized(source, component, dtype, fp32_path, out_root, force, on_phase, calib=None,
+                      validate: bool = True):
     """Optimize passes, then (for fp8 / int8-wo / int4-wo) calibration and Q/DQ, then precision placement."""
     from ..gpus import QUANTIZED
     from ..optimize.passes import DEFAULT_PASSES
-    from ..validate import validate_onnx
 
     calib = dict(calib or {})
     folder = Path(out_root) / "onnx" / f"{source.content_hash[:12]}-{dtype}-opt"
@@ -122,7 +129,7 @@ def _ensure_optimized(source, component, dtype, fp32_path, out_root, force, on_p
         inputs["calibration"] = {"prompts_sha256": sha256_file(prompts), "size": calib.get("size", 32),
                                  "steps": calib.get("steps", 4), "alpha": calib.get("alpha", 0.5)}
     entry = None if force else _recorded(folder, OPTIMIZE_INFO, component, inputs)
-    if entry:
+    if entry and (entry.get("max_rel_err") is not None or not validate):
         res = StageResult(component, "optimize", "reused", 0.0, "unchanged ONNX")
         res.info = entry.get("quantization")
         return folder / f"{component}.onnx", res
@@ -130,29 +137,43 @@ def _ensure_optimized(source, component, dtype, fp32_path, out_root, force, on_p
     t0 = time.perf_counter()
     out_path, report, quant = optimize_component(source, component, dtype, fp32_path, folder, out_root, calib,
                                                  on_phase)
-    on_phase("validate")
-    spec = specs_for(source.geometry, [component])[component]
-    from ..export import export_patches
-
-    module = spec.wrap(source.load_component(spec.subfolder)).eval()
-    with export_patches(module):
-        check = validate_onnx(out_path, module, spec, source.geometry, dtype)
-    if not check.ok:
-        out_path.unlink()
-        raise FluxtrtError(f"optimized {component} ({dtype}) disagrees with PyTorch: " + "; ".join(check.failures()))
+    max_err = None
+    if validate:
+        on_phase("validate")
+        try:
+            max_err = validate_against_pytorch(source, component, out_path, dtype, "optimized")
+        except FluxtrtError:
+            out_path.unlink()
+            raise
     info_path = folder / OPTIMIZE_INFO
     info = json.loads(info_path.read_text()) if info_path.exists() else {"components": {}}
     info["components"][component] = {
-        "inputs": inputs, "sha256": sha256_file(out_path), "max_rel_err": check.max_rel_err,
+        "inputs": inputs, "sha256": sha256_file(out_path), "max_rel_err": max_err,
         "nodes": [report.rows[0][1], report.rows[-1][2]], "quantization": quant,
     }
     write_json_atomic(info_path, info)
     seconds = time.perf_counter() - t0
+    err = f"max rel err {max_err:.1e}" if max_err is not None else "not validated"
     res = StageResult(component, "optimize", "built", seconds,
-                      f"{report.rows[0][1]} -> {report.rows[-1][2]} nodes, max rel err {check.max_rel_err:.1e}",
-                      _files_bytes(out_path), peak_rss_mb())
+                      f"{report.rows[0][1]} -> {report.rows[-1][2]} nodes, {err}", _files_bytes(out_path),
+                      peak_rss_mb())
     res.info = quant
     return out_path, res
+
+
+def validate_against_pytorch(source, component: str, onnx_path: Path, dtype: str, what: str) -> float:
+    """ONNX Runtime on `onnx_path` vs the fp32 PyTorch module loaded from the checkpoint, at `dtype`'s bound;
+    returns the max relative error or raises."""
+    from ..export import export_patches
+    from ..validate import validate_onnx
+
+    spec = specs_for(source.geometry, [component])[component]
+    module = spec.wrap(source.load_component(spec.subfolder)).eval()
+    with export_patches(module):
+        check = validate_onnx(onnx_path, module, spec, source.geometry, dtype)
+    if not check.ok:
+        raise FluxtrtError(f"{what} {component} ({dtype}) disagrees with PyTorch: " + "; ".join(check.failures()))
+    return check.max_rel_err
 
 
 def optimize_component(source, component, dtype, fp32_path, folder, out_root, calib, on_phase):
@@ -268,8 +289,11 @@ def write_weight_files(onnx_path: Path, gpu_dir: Path, name: str, subfolder: str
 
 def build_gpu(source: ModelSource, cfg: GpuConfig, out_root: Path, components=None, static: bool | None = None,
               force: bool = False, progress: Callable[[str, str], None] = lambda c, p: None,
-              calibration: dict | None = None, weightless: bool = False) -> tuple[dict, list]:
-    """Build (or reuse) every requested component's engine for one GPU config. Returns (manifest, stage results)."""
+              calibration: dict | None = None, weightless: bool = False, zero_copy: bool = True,
+              validate: bool = True) -> tuple[dict, list]:
+    """Build (or reuse) every requested component's engine for one GPU config. Returns (manifest, stage results).
+    `zero_copy`: build from the checkpoint's own bytes where it is stored in the engine's dtype (native.py);
+    `validate`: check every ONNX against PyTorch (off for models whose fp32 copy does not fit in memory)."""
     backend = get_backend(cfg.backend)
     backend.check_target(cfg.compute_capability)
     geo = source.geometry
@@ -281,10 +305,11 @@ def build_gpu(source: ModelSource, cfg: GpuConfig, out_root: Path, components=No
         remove_stale_staging(Path(out_root))
         calib = dict(calibration or {}, opt_resolution=rng.opt.height)
         return _build_locked(source, cfg, out_root, gpu_dir, backend, geo, specs, rng, force, progress, calib,
-                             weightless)
+                             weightless, zero_copy, validate)
 
 
-def _build_locked(source, cfg, out_root, gpu_dir, backend, geo, specs, rng, force, progress, calib, weightless):
+def _build_locked(source, cfg, out_root, gpu_dir, backend, geo, specs, rng, force, progress, calib, weightless,
+                  zero_copy, validate):
     old = read_manifest(gpu_dir, required=False) or {}
     if old.get("model", {}).get("hash") not in (None, source.content_hash):
         old = {}  # another model was built here before: nothing of it can be reused
@@ -305,7 +330,8 @@ def _build_locked(source, cfg, out_root, gpu_dir, backend, geo, specs, rng, forc
                   f"model {source.id} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         for name, spec in specs.items():
             dtype = cfg.precision[name]
-            onnx_path, res = ensure_onnx(source, name, dtype, out_root, force, lambda p, n=name: progress(n, p), calib)
+            onnx_path, res = ensure_onnx(source, name, dtype, out_root, force, lambda p, n=name: progress(n, p), calib,
+                                         zero_copy, validate)
             results.extend(res)
             onnx_sha = sha256_file(onnx_path)
             ws = name in cfg.weight_streaming

@@ -13,6 +13,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from .. import __version__
 from ..errors import FluxtrtError
@@ -51,12 +52,24 @@ def resolutions_for(geo, opt: int) -> list[tuple[int, int]]:
     return [(opt, opt), (small, small + 2 * m)]
 
 
-def collect_inputs(source, prompts: list[str], sizes: list[tuple[int, int]], steps: int) -> list[dict]:
-    """Run the reference pipeline; return the transformer's keyword inputs at every step (numpy)."""
+def _run_pipeline(pipe, source, prompts: list[str], sizes: list[tuple[int, int]], steps: int,
+                  on_prompt: Callable[[int, int], None] = lambda done, total: None) -> None:
+    """Denoise every prompt (latents only), cycling through `sizes`; hooks on the pipeline record what they need."""
     import torch
 
-    pipe = source.load_pipeline()
     pipe.set_progress_bar_config(disable=True)
+    for i, prompt in enumerate(prompts):
+        h, w = sizes[i % len(sizes)]
+        with torch.no_grad():
+            pipe(prompt, height=h, width=w, num_inference_steps=steps, guidance_scale=3.5,
+                 max_sequence_length=source.geometry.t5_length, generator=torch.Generator().manual_seed(i),
+                 output_type="latent")
+        on_prompt(i + 1, len(prompts))
+
+
+def collect_inputs(source, prompts: list[str], sizes: list[tuple[int, int]], steps: int) -> list[dict]:
+    """Run the reference pipeline; return the transformer's keyword inputs at every step (numpy)."""
+    pipe = source.load_pipeline()
     captured = []
 
     def grab(module, args, kwargs):
@@ -66,15 +79,41 @@ def collect_inputs(source, prompts: list[str], sizes: list[tuple[int, int]], ste
 
     handle = pipe.transformer.register_forward_pre_hook(grab, with_kwargs=True)
     try:
-        for i, prompt in enumerate(prompts):
-            h, w = sizes[i % len(sizes)]
-            with torch.no_grad():
-                pipe(prompt, height=h, width=w, num_inference_steps=steps, guidance_scale=3.5,
-                     max_sequence_length=source.geometry.t5_length, generator=torch.Generator().manual_seed(i),
-                     output_type="latent")
+        _run_pipeline(pipe, source, prompts, sizes, steps)
     finally:
         handle.remove()
     return captured
+
+
+def linear_input_ranges(source, prompts: list[str], sizes: list[tuple[int, int]], steps: int, dtype: str,
+                        device: str, on_prompt: Callable[[int, int], None] = lambda done, total: None) -> tuple[dict, int]:
+    """max |input| of every nn.Linear in the transformer (by module name) over the pipeline's denoising steps,
+    in PyTorch at `dtype` on `device`: ({module: amax}, transformer calls). The maxima stay on the device
+    until the end (no host sync per layer)."""
+    import torch
+
+    from ..export import torch_dtype
+
+    pipe = source.load_pipeline(torch_dtype(dtype), device)
+    amax: dict = {}
+    calls = [0]
+    handles = [pipe.transformer.register_forward_pre_hook(lambda m, a: calls.__setitem__(0, calls[0] + 1))]
+
+    def hook(name):
+        def record(module, args):
+            a = args[0].detach().abs().amax().float()
+            amax[name] = a if name not in amax else torch.maximum(amax[name], a)
+        return record
+
+    for name, m in pipe.transformer.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            handles.append(m.register_forward_pre_hook(hook(name)))
+    try:
+        _run_pipeline(pipe, source, prompts, sizes, steps, on_prompt)
+    finally:
+        for h in handles:
+            h.remove()
+    return {k: float(v) for k, v in amax.items()}, calls[0]
 
 
 def activation_ranges(model, names: list[str], samples: list[dict], per_channel: bool = False):
@@ -134,3 +173,29 @@ def calibrate(source, model, onnx_sha: str, recipe: str, cache_dir: Path, prompt
                              "prompts_file": str(prompts_file), "prompts": len(prompts), "steps": steps,
                              "sizes": sizes, "samples": len(samples), "amax": amax, "channel_amax": channel})
     return Calibration(key, amax, False, path, len(samples), channel)
+
+
+def calibrate_modules(source, recipe: str, cache_dir: Path, prompts_file: Path | None = None, size: int = 32,
+                      steps: int = 4, opt_resolution: int = 1024, dtype: str = "bf16", device: str = "cpu",
+                      on_prompt: Callable[[int, int], None] = lambda done, total: None) -> Calibration:
+    """Activation ranges by module name (linear_input_ranges), cached under a key of the model, prompts,
+    recipe, sizes, steps and dtype: not of the device, so a cache filled on a GPU machine (`fluxtrt calibrate
+    --device cuda`) serves builds on CPU-only machines. Read by quantize.native."""
+    prompts_file = Path(prompts_file or DEFAULT_PROMPTS)
+    prompts = read_prompts(prompts_file)[:size]
+    sizes = resolutions_for(source.geometry, opt_resolution)
+    key = sha256_json({
+        "model": source.content_hash, "prompts": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
+        "recipe": recipe, "size": len(prompts), "steps": steps, "sizes": sizes, "dtype": dtype,
+        "method": "linear-inputs", "fluxtrt": __version__,
+    })
+    path = Path(cache_dir) / f"calibration-{key[:16]}.json"
+    if path.exists():
+        data = json.loads(path.read_text())
+        if data.get("key") == key:
+            return Calibration(key, data["amax"], True, path, data["samples"])
+    amax, calls = linear_input_ranges(source, prompts, sizes, steps, dtype, device, on_prompt)
+    write_json_atomic(path, {"key": key, "recipe": recipe, "method": "linear-inputs", "model_hash": source.content_hash,
+                             "prompts_file": str(prompts_file), "prompts": len(prompts), "steps": steps,
+                             "sizes": sizes, "dtype": dtype, "device": device, "samples": calls, "amax": amax})
+    return Calibration(key, amax, False, path, calls)

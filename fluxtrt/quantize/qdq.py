@@ -53,6 +53,21 @@ def _consumers(g):
     return out
 
 
+def linear_weight(node, inits: dict, producers: dict) -> tuple[str, bool] | None:
+    """The constant weight a MatMul multiplies by: (initializer name, transposed). An exported graph keeps a
+    linear layer's checkpoint layout [out, in] behind a Transpose (zero-copy graphs, unfolded); the fp32 path's
+    passes fold it away, leaving the initializer itself."""
+    w = node.input[1]
+    if w in inits:
+        return w, False
+    t = producers.get(w)
+    if t is not None and t.op_type == "Transpose" and t.input[0] in inits and len(inits[t.input[0]].dims) == 2:
+        perm = [list(a.ints) for a in t.attribute if a.name == "perm"]
+        if perm in ([], [[1, 0]]):
+            return t.input[0], True
+    return None
+
+
 def plan(model: onnx.ModelProto, recipe: str) -> QuantPlan:
     """Choose the MatMuls to quantize; say why every other weight MatMul stays."""
     g = model.graph
@@ -65,13 +80,14 @@ def plan(model: onnx.ModelProto, recipe: str) -> QuantPlan:
     for n in g.node:
         if n.op_type != "MatMul":
             continue
-        if n.input[1] not in inits:
+        weight = linear_weight(n, inits, producers)
+        if weight is None:
             a, b = producers.get(n.input[0]), cons.get(n.output[0], [])
             is_attention = (a is not None and a.op_type == "Softmax") or any(c.op_type == "Softmax" for c in b)
             if recipe == "fp8-attn" and is_attention:
                 p.attention.append(n.name)
             continue
-        if len(inits[n.input[1]].dims) != 2:
+        if len(inits[weight[0]].dims) != 2:
             continue
         if n.input[0] in graph_inputs:
             p.kept[n.name] = "reads a model input (x_embedder / context_embedder)"
@@ -104,12 +120,13 @@ class _Writer:
         self.inits.append(arr if isinstance(arr, TensorProto) else numpy_helper.from_array(arr, name))
         return name
 
-    def qdq(self, x: str, tag: str, scale: float, kind: str) -> str:
-        """x -> QuantizeLinear -> DequantizeLinear with a per-tensor scale; returns the DQ output name."""
+    def qdq(self, x: str, tag: str, scale: float, kind: str, scale_dtype=np.float32) -> str:
+        """x -> QuantizeLinear -> DequantizeLinear with a per-tensor scale; returns the DQ output name. The
+        scale's dtype is x's (opset 19); bf16 graphs pass ml_dtypes.bfloat16."""
         import ml_dtypes
 
         zp_dtype = ml_dtypes.float8_e4m3fn if kind == "fp8" else np.int8
-        s = self.const(f"{tag}__scale", np.array(np.float32(scale)))
+        s = self.const(f"{tag}__scale", np.array(scale, dtype=scale_dtype))
         zp = self.const(f"{tag}__zp", np.zeros((), zp_dtype))
         self.nodes.append(helper.make_node("QuantizeLinear", [x, s, zp], [f"{tag}__q"], name=f"{tag}__q"))
         self.nodes.append(helper.make_node("DequantizeLinear", [f"{tag}__q", s, zp], [f"{tag}__dq"], name=f"{tag}__dq"))

@@ -1,0 +1,143 @@
+"""The zero-copy build path: engines straight from a checkpoint stored in the engine's dtype.
+
+When a component's safetensors hold exactly the dtype its engine computes in (a bf16 FLUX.1 checkpoint built
+at bf16, or at fp8 whose other layers are bf16), `fluxtrt build` never makes an fp32 copy:
+  export    zero-copy graph (weights are links into the checkpoint)     OUT/onnx/<hash>-<dtype>-zc/
+  optimize  bf16/fp16: none (the passes work on in-memory fp32 graphs); TensorRT fuses on its own
+            fp8: calibrate by module (cached), then quantize.native writes the E4M3 weights one at a time,
+            every other weight stays a link                          OUT/onnx/<hash>-fp8-zc/
+Memory stays near one weight tensor until TensorRT's builder. `--copy-weights` takes the fp32 path instead
+(graph passes, every recipe). Each stage is reused when its recorded inputs are unchanged, as in pipeline.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from .. import __version__
+from ..components import specs_for
+from ..errors import FluxtrtError
+from ..fileio import peak_rss_mb, sha256_file, write_json_atomic
+
+GRAPH_DTYPE = {"bf16": "bf16", "fp16": "fp16", "fp8": "bf16"}  # engine precision -> the zero-copy graph's dtype
+OPTIMIZE_INFO = "optimize.json"
+
+
+def native_refusal(source, component: str, precision: str) -> str | None:
+    """None when `component` at `precision` builds from its zero-copy graph; otherwise why not."""
+    from ..export import zero_copy_refusal
+
+    graph = GRAPH_DTYPE.get(precision)
+    if graph is None:
+        return f"{component} at {precision} is built from the fp32 graph"
+    return zero_copy_refusal(source, specs_for(source.geometry, [component])[component], graph)
+
+
+def _links_alive(onnx_path: Path) -> bool:
+    from ..onnxio import linked_dir
+
+    links = linked_dir(onnx_path)
+    return links.is_dir() and all(os.path.exists(link) for link in links.iterdir())
+
+
+def _reusable(folder: Path, component: str, inputs: dict, validate: bool) -> dict | None:
+    info_path = folder / ("export.json" if "model_hash" in inputs else OPTIMIZE_INFO)
+    info = json.loads(info_path.read_text()) if info_path.exists() else {}
+    entry = info.get("components", {}).get(component)
+    path = folder / f"{component}.onnx"
+    if not entry or not path.exists() or sha256_file(path) != entry["sha256"] or not _links_alive(path):
+        return None
+    recorded = entry.get("inputs") if "inputs" in entry else {k: info.get(k) for k in inputs}
+    if recorded != inputs or (validate and entry.get("max_rel_err") is None):
+        return None
+    return entry
+
+
+def ensure_native(source, component: str, precision: str, out_root: Path, force: bool, on_phase, calib: dict,
+                  validate: bool = True):
+    """-> (the engine's ONNX, [export result, optimize result]) on the zero-copy path."""
+    from ..export import DEFAULT_OPSET, export_component, write_export_info
+    from .pipeline import StageResult
+
+    graph = GRAPH_DTYPE[precision]
+    base = Path(out_root) / "onnx" / f"{source.content_hash[:12]}-{graph}-zc"
+    spec = specs_for(source.geometry, [component])[component]
+    inputs = {"model_hash": source.layout_hash, "fluxtrt": __version__, "opset": DEFAULT_OPSET}
+    entry = None if force else _reusable(base, component, inputs, validate)
+    if entry:
+        path = base / f"{component}.onnx"
+        export_res = StageResult(component, "export", "reused", 0.0, "unchanged checkpoint (zero-copy)")
+    else:
+        on_phase("export (zero-copy)")
+        res = export_component(source, spec, base, graph, validate=validate, on_phase=on_phase, zero_copy=True)
+        write_export_info(base, source, graph, DEFAULT_OPSET, [res], zero_copy=True)
+        path = res.path
+        err = f"max rel err {res.max_rel_err:.1e}" if res.max_rel_err is not None else "not validated"
+        export_res = StageResult(component, "export", "built", res.seconds, f"zero-copy, {err}", res.bytes,
+                                 peak_rss_mb())
+    if precision not in ("fp8",):
+        return path, [export_res, StageResult(component, "optimize", "reused", 0.0,
+                                              "none on the zero-copy path (TensorRT fuses)")]
+    return _ensure_fp8(source, component, path, out_root, force, on_phase, calib, validate, export_res)
+
+
+def _ensure_fp8(source, component, zc_path, out_root, force, on_phase, calib, validate, export_res):
+    from ..quantize.calibration import DEFAULT_PROMPTS
+    from ..quantize.native import quantize_linked
+    from .pipeline import StageResult, _files_bytes, validate_against_pytorch
+
+    folder = Path(out_root) / "onnx" / f"{source.content_hash[:12]}-fp8-zc"
+    prompts = Path(calib.get("prompts_file") or DEFAULT_PROMPTS)
+    inputs = {"source_sha256": sha256_file(zc_path), "recipe": "fp8", "fluxtrt": __version__,
+              "calibration": {"prompts_sha256": sha256_file(prompts), "size": calib.get("size", 32),
+                              "steps": calib.get("steps", 4), "opt_resolution": calib.get("opt_resolution", 1024)}}
+    entry = None if force else _reusable(folder, component, inputs, validate)
+    if entry:
+        res = StageResult(component, "optimize", "reused", 0.0, "unchanged zero-copy graph and calibration")
+        res.info = entry.get("quantization")
+        return folder / f"{component}.onnx", [export_res, res]
+    t0 = time.perf_counter()
+    on_phase("calibrate")
+    cal = calibrate_native(source, out_root, calib, lambda d, n: on_phase(f"calibrate {d}/{n} prompts"))
+    on_phase("quantize")
+    q = quantize_linked(zc_path, folder, "fp8", cal.amax, lambda d, n: on_phase(f"quantize {d}/{n} weights"))
+    max_err = None
+    if validate:
+        on_phase("validate")
+        try:
+            max_err = validate_against_pytorch(source, component, q.path, "fp8", "quantized (zero-copy)")
+        except FluxtrtError:
+            q.path.unlink()  # never left for a later build to pick up
+            raise
+    record = {"recipe": "fp8", "path": "zero-copy", "calibration": cal.key, "calibration_cached": cal.cached,
+              "calibration_samples": cal.samples, "calibration_file": str(cal.path.relative_to(Path(out_root))),
+              "quantized_layers": q.quantized, "kept_in_high_precision": q.kept, "other_layers": "bf16",
+              "fp8_weight_bytes": q.fp8_bytes, "linked_weight_bytes": q.linked_bytes}
+    info_path = folder / OPTIMIZE_INFO
+    info = json.loads(info_path.read_text()) if info_path.exists() else {"components": {}}
+    info["components"][component] = {"inputs": inputs, "sha256": sha256_file(q.path), "max_rel_err": max_err,
+                                     "quantization": record}
+    write_json_atomic(info_path, info)
+    err = f"max rel err {max_err:.1e}" if max_err is not None else "not validated"
+    res = StageResult(component, "optimize", "built", time.perf_counter() - t0,
+                      f"{q.quantized} fp8 layers, {err}", _files_bytes(q.path), peak_rss_mb())
+    res.info = record
+    return q.path, [export_res, res]
+
+
+def calibration_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def calibrate_native(source, out_root: Path, calib: dict, on_prompt=lambda done, total: None):
+    """Module calibration for the zero-copy fp8 path, cached in OUT/calibration/ (`fluxtrt calibrate` and
+    `fluxtrt build` both come through here)."""
+    from ..quantize.calibration import calibrate_modules
+
+    return calibrate_modules(source, "fp8", Path(out_root) / "calibration", calib.get("prompts_file"),
+                             calib.get("size", 32), calib.get("steps", 4), calib.get("opt_resolution", 1024),
+                             GRAPH_DTYPE["fp8"], calib.get("device") or calibration_device(), on_prompt)

@@ -1,0 +1,157 @@
+"""fp8 straight from a bf16 checkpoint: Q/DQ inserted into the zero-copy bf16 graph, one weight at a time.
+
+The fp32 path (qdq.quantize_model) holds the whole fp32 graph in memory; at FLUX.1-dev size that is 47.6 GB.
+Here the input is the zero-copy export (its weights are links into the checkpoint's safetensors): each linear
+weight the plan quantizes is read from its shard (memory-mapped), scaled by its max |w| and written as E4M3 to
+`<name>.onnx.data`, transposed to [in, out]; every other weight stays a link into the checkpoint. Peak memory is
+one weight in fp32 (a few hundred MB at full size), whatever the model's size.
+
+Activation scales come from calibration by module (calibration.calibrate_modules: the max |input| of every
+nn.Linear, measured in PyTorch). A quantized MatMul's weight names its module through the weight map's
+provenance (`transformer_blocks.3.attn.to_q.weight` -> `transformer_blocks.3.attn.to_q`).
+
+Scales and Q/DQ run in the graph's dtype (bf16; opset 19 ties QuantizeLinear's scale type to its input), and
+the weights are quantized with the bf16-rounded scale, so dequantization reproduces them exactly as scaled."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..errors import FluxtrtError
+from .qdq import FP8_MAX, _Writer, linear_weight, plan
+
+NATIVE_RECIPES = ("fp8",)
+ALIGN = 64
+
+
+@dataclass
+class NativeQuantResult:
+    path: Path
+    quantized: int
+    kept: dict
+    fp8_bytes: int  # E4M3 weights written
+    linked_bytes: int  # weights left in the checkpoint
+
+
+def module_of(weight_key: str) -> str:
+    return weight_key.rsplit(".", 1)[0]
+
+
+def activation_amax(weight: str, prov: dict, module_amax: dict) -> float:
+    """The calibrated max |input| of the linear layer(s) whose weight the graph initializer `weight` is."""
+    from .. import weightmap
+
+    if weight not in prov:
+        raise FluxtrtError(f"{weight}: the graph records no checkpoint source for it; export again")
+    modules = [module_of(k) for k in weightmap.source_keys(prov[weight])]
+    missing = [m for m in modules if m not in module_amax]
+    if missing:
+        raise FluxtrtError(f"no calibrated range for {missing[0]}; the calibration cache is for another model "
+                           "(run `fluxtrt calibrate` again)")
+    return max(max(float(module_amax[m]) for m in modules), 1e-8)
+
+
+def _bf16(x: float) -> float:
+    """x rounded to bf16 (what the graph's scale holds)."""
+    import torch
+
+    return float(torch.tensor(x, dtype=torch.float32).to(torch.bfloat16).float())
+
+
+def quantize_weight_fp8(raw, dims, transposed: bool):
+    """bf16 bytes of a [out, in] (or [in, out]) weight -> (E4M3 bytes as [in, out], bf16-exact scale)."""
+    import numpy as np
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a read-only memory map: only read here
+        w = torch.from_numpy(np.frombuffer(raw, dtype=np.int16).reshape(dims)).view(torch.bfloat16).float()
+    scale = _bf16(float(w.abs().max()) / FP8_MAX) or 1.0
+    q = (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    if transposed:
+        q = q.t()
+    return q.contiguous().view(torch.uint8).numpy(), scale
+
+
+def quantize_linked(onnx_in: Path, dest_dir: Path, recipe: str, module_amax: dict,
+                    progress: Callable[[int, int], None] = lambda done, total: None) -> NativeQuantResult:
+    """Write `dest_dir/<name>.onnx` (+ `.onnx.data` with the E4M3 weights, + links for the rest) from the
+    zero-copy bf16 graph `onnx_in`. Atomic: nothing appears in dest_dir unless all of it is written."""
+    import ml_dtypes
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper
+
+    from .. import weightmap
+    from ..fileio import publish, staging_dir
+    from ..onnxio import external_info, linked_dir, read_external, set_external
+
+    if recipe not in NATIVE_RECIPES:
+        raise FluxtrtError(f"recipe {recipe} cannot be built from the zero-copy graph; build it with --copy-weights")
+    onnx_in = Path(onnx_in)
+    model = onnx.load(str(onnx_in), load_external_data=False)
+    g = model.graph
+    prov = weightmap.read(model)
+    inits = {t.name: t for t in g.initializer}
+    producers = {o: n for n in g.node for o in n.output}
+    p = plan(model, recipe)
+    chosen = set(p.quantized)
+    bad = [t.name for n in g.node if n.name in chosen
+           for t in [inits[linear_weight(n, inits, producers)[0]]] if t.data_type != TensorProto.BFLOAT16]
+    if bad:
+        raise FluxtrtError(f"{onnx_in}: weight {bad[0]} is not bf16; the zero-copy fp8 path reads bf16 checkpoints")
+    name = onnx_in.stem
+    data_name = f"{name}.onnx.data"
+    out = _Writer()
+    new_nodes, done, fp8_bytes = [], 0, 0
+    with staging_dir(Path(dest_dir), name) as tmp:
+        with open(tmp / data_name, "wb") as data:
+            for n in g.node:
+                if n.name in chosen:
+                    wname, transposed = linear_weight(n, inits, producers)
+                    t = inits[wname]
+                    q, scale = quantize_weight_fp8(read_external(onnx_in, t), tuple(t.dims), transposed)
+                    offset = data.tell()
+                    data.write(q.tobytes())
+                    data.write(b"\0" * (-data.tell() % ALIGN))
+                    qt = TensorProto(name=f"{wname}__fp8", data_type=TensorProto.FLOAT8E4M3FN, dims=q.shape)
+                    set_external(qt, data_name, offset, q.nbytes)
+                    fp8_bytes += q.nbytes
+                    out.nodes = []
+                    x = n.input[0]
+                    n.input[0] = out.qdq(x, f"{n.name}__act", _bf16(activation_amax(wname, prov, module_amax) / FP8_MAX),
+                                         "fp8", ml_dtypes.bfloat16)
+                    sname = out.const(f"{wname}__wscale", np.array(scale, dtype=ml_dtypes.bfloat16))
+                    out.inits.append(qt)
+                    out.nodes.append(helper.make_node("DequantizeLinear", [qt.name, sname], [f"{wname}__dq"],
+                                                      name=f"{n.name}__w_dq"))
+                    n.input[1] = f"{wname}__dq"
+                    new_nodes += out.nodes
+                    done += 1
+                    progress(done, len(chosen))
+                new_nodes.append(n)
+            data.flush()
+            os.fsync(data.fileno())
+        used = {i for n in new_nodes for i in n.input}
+        new_nodes = [n for n in new_nodes if n.op_type != "Transpose" or any(o in used for o in n.output)]
+        used = {i for n in new_nodes for i in n.input}
+        del g.node[:]
+        g.node.extend(new_nodes)
+        kept = [t for t in g.initializer if t.name in used]
+        linked_bytes = sum(int(external_info(t).get("length", 0)) for t in kept if external_info(t) is not None)
+        del g.initializer[:]
+        g.initializer.extend(kept + out.inits)
+        weightmap.write(model, prov)
+        src_links, links = linked_dir(onnx_in), linked_dir(tmp / f"{name}.onnx")
+        if src_links.is_dir():
+            links.mkdir()
+            for link in src_links.iterdir():
+                os.symlink(os.readlink(link), links / link.name)
+        onnx.save(model, str(tmp / f"{name}.onnx"))
+        staged = sorted(tmp.iterdir(), key=lambda f: f.suffix == ".onnx")  # the .onnx last
+        publish(staged, Path(dest_dir))
+    return NativeQuantResult(Path(dest_dir) / f"{name}.onnx", len(chosen), p.kept, fp8_bytes, linked_bytes)
