@@ -44,7 +44,7 @@ def has_linked_data(onnx_path: Path) -> bool:
     return linked_dir(onnx_path).is_dir()
 
 
-def _resolve(onnx_path: Path, location: str) -> Path:
+def resolve_external(onnx_path: Path, location: str) -> Path:
     base = Path(onnx_path).parent
     path = base / location
     links = linked_dir(onnx_path)
@@ -62,7 +62,7 @@ def read_external(onnx_path: Path, t):
     import mmap
 
     info = external_info(t)
-    path = _resolve(onnx_path, info["location"])
+    path = resolve_external(onnx_path, info["location"])
     offset, length = int(info.get("offset", 0)), info.get("length")
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size

@@ -1,5 +1,6 @@
 """Run one command and report what it cost: wall seconds, peak RSS of the process tree (ru_maxrss of the
-largest child, Linux), and bytes written under a folder (links counted as links, not their targets).
+largest child, Linux) and, sampled, the command's peak anonymous and file-backed RSS, and bytes written under a
+folder (links counted as links, not their targets).
 
   python3 scripts/measure.py --label zero-copy-export --written OUTDIR --json results.jsonl -- CMD ...
 
@@ -26,6 +27,28 @@ def written_bytes(folder: Path) -> int:
     return total
 
 
+def sample_rss(proc, interval: float = 0.2) -> dict:
+    """Wait for `proc`, sampling its RSS split every `interval` s: the peak of anonymous memory (the process's
+    own) and of file-backed pages (memory maps; the kernel can reclaim them), in GB. Child processes of `proc`
+    are not sampled (ru_maxrss covers them)."""
+    import re
+
+    peak = {"anon": 0, "file": 0}
+    status = Path(f"/proc/{proc.pid}/status")
+    while proc.poll() is None:
+        try:
+            text = status.read_text()
+        except OSError:
+            break
+        for key, field in (("anon", "RssAnon"), ("file", "RssFile")):
+            m = re.search(field + r":\s+(\d+)", text)
+            if m:
+                peak[key] = max(peak[key], int(m.group(1)))
+        time.sleep(interval)
+    proc.wait()
+    return {f"peak_{k}_gb": round(v / 1024 / 1024, 2) for k, v in peak.items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--label", required=True)
@@ -35,10 +58,12 @@ def main() -> int:
     args = ap.parse_args()
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     t0 = time.perf_counter()
-    rc = subprocess.call(cmd)
+    proc = subprocess.Popen(cmd)
+    split = sample_rss(proc)
+    rc = proc.returncode
     seconds = time.perf_counter() - t0
     peak_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024 / 1024
-    row = {"label": args.label, "rc": rc, "seconds": round(seconds, 1), "peak_rss_gb": round(peak_gb, 2),
+    row = {"label": args.label, "rc": rc, "seconds": round(seconds, 1), "peak_rss_gb": round(peak_gb, 2), **split,
            "written_gb": round(written_bytes(args.written) / 1e9, 3) if args.written and args.written.exists() else None,
            "cmd": " ".join(cmd)}
     print(json.dumps(row), flush=True)

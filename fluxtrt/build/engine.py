@@ -69,6 +69,82 @@ def _plan_writer(trt, f):
     return PlanWriter()
 
 
+class MappedWeights:
+    """Read-only memory maps of an ONNX file's external data, handed to TensorRT's parser as pointers
+    (`load_initializer`: the parser keeps no copy). While TensorRT's builder runs, a thread drops the maps'
+    resident pages every `interval` seconds (MADV_DONTNEED on a read-only file map: a later read faults the page
+    back in from the page cache, unchanged), so the weights TensorRT has already copied are not held a second
+    time by this process; the kernel may reclaim them like any cached file."""
+
+    def __init__(self, interval: float = 0.5):
+        self.maps: dict = {}
+        self.interval = interval
+        self._stop = None
+
+    def pointer(self, path: Path, offset: int, length: int) -> int:
+        import mmap
+
+        import numpy as np
+
+        if path not in self.maps:
+            with open(path, "rb") as f:
+                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self.maps[path] = (m, np.frombuffer(m, dtype=np.uint8))
+        m, view = self.maps[path]
+        if offset + length > len(m):
+            raise BuildError(f"{path.name}: a tensor points past the end of the file")
+        return view.ctypes.data + offset
+
+    def drop_pages(self) -> None:
+        import mmap
+
+        for m, _ in self.maps.values():
+            m.madvise(mmap.MADV_DONTNEED)
+
+    def __enter__(self):
+        import threading
+
+        if self.maps and hasattr(__import__("mmap"), "MADV_DONTNEED"):
+            self._stop = threading.Event()
+
+            def loop():
+                while not self._stop.wait(self.interval):
+                    self.drop_pages()
+
+            self._thread = threading.Thread(target=loop, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._stop is not None:
+            self._stop.set()
+            self._thread.join()
+
+
+def _parse(parser, onnx_path: Path) -> MappedWeights | None:
+    """Parse an ONNX file, its external weights handed over as pointers into memory maps (see MappedWeights);
+    None when parsing failed. The maps must outlive the parser and the build."""
+    import onnx
+
+    from ..onnxio import external_info, resolve_external
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    external = [t for t in model.graph.initializer if external_info(t) is not None]
+    weights = MappedWeights()
+    if not external or not hasattr(parser, "load_initializer"):
+        return weights if parser.parse_from_file(str(onnx_path)) else None
+    if not parser.load_model_proto(onnx_path.read_bytes(), str(onnx_path)):
+        return None
+    for t in external:
+        info = external_info(t)
+        path = resolve_external(onnx_path, info["location"])
+        offset = int(info.get("offset", 0))
+        length = int(info["length"]) if "length" in info else path.stat().st_size - offset
+        if not parser.load_initializer(t.name, weights.pointer(path, offset, length), length):
+            return None
+    return weights if parser.parse_model_proto() else None
+
+
 def build_engine(backend: Backend, onnx_path: Path, spec: ComponentSpec, geo: Geometry, shape_range: ShapeRange,
                  compute_capability: str, engine_path: Path, weight_streaming: bool = False,
                  optimization_level: int = 3, timing_cache: Path | None = None, log_file=None,
@@ -82,7 +158,8 @@ def build_engine(backend: Backend, onnx_path: Path, spec: ComponentSpec, geo: Ge
     builder = trt.Builder(logger)
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(onnx_path)):
+    weights = _parse(parser, Path(onnx_path))  # memory maps the parser reads from: alive until the build ends
+    if weights is None:
         errs = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise BuildError(f"{backend.name} could not parse {onnx_path.name}: {errs}")
     config = builder.create_builder_config()
@@ -103,7 +180,8 @@ def build_engine(backend: Backend, onnx_path: Path, spec: ComponentSpec, geo: Ge
     config.add_optimization_profile(profile)
     with atomic_file(engine_path) as f:  # any error below removes the temp file; the old engine stays
         writer = _plan_writer(trt, f)
-        ok = builder.build_serialized_network_to_stream(network, config, writer)
+        with weights:
+            ok = builder.build_serialized_network_to_stream(network, config, writer)
         if writer.error is not None:  # the CLI says "no space left ... while writing <engine>" for ENOSPC
             raise OSError(writer.error.errno, writer.error.strerror, str(engine_path)) from writer.error
         if not ok or writer.bytes == 0:
@@ -128,4 +206,7 @@ def build_engine(backend: Backend, onnx_path: Path, spec: ComponentSpec, geo: Ge
         for i in inputs
     }
     logger.file = None
-    return BuiltEngine(writer.bytes, writer.sha.hexdigest(), network.num_layers, inputs, outputs, read_back)
+    built = BuiltEngine(writer.bytes, writer.sha.hexdigest(), network.num_layers, inputs, outputs, read_back)
+    del parser, network  # before the memory maps their weights point into
+    del weights
+    return built

@@ -18,6 +18,7 @@ from .tiny import TINY_RECIPE, cache_root, tiny_model_dir
 
 RANDOM_NAMES = {"random:flux.1-dev": "dev", "random:flux.1-schnell": "schnell"}
 MARKER = "fluxtrt_random.json"
+RANDOM_RECIPE = 2  # bump when the folder written below changes (2: a full model_index.json)
 
 TRANSFORMER = {"_class_name": "FluxTransformer2DModel", "patch_size": 1, "in_channels": 64, "num_layers": 19,
                "num_single_layers": 38, "attention_head_dim": 128, "num_attention_heads": 24,
@@ -43,7 +44,7 @@ SCHEDULER = {"dev": {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_trai
 
 def random_model_dir(name: str) -> Path:
     variant = RANDOM_NAMES[name]
-    folder = cache_root() / "models" / f"{name.replace(':', '-')}-r{TINY_RECIPE}"
+    folder = cache_root() / "models" / f"{name.replace(':', '-')}-r{TINY_RECIPE}.{RANDOM_RECIPE}"
     if (folder / MARKER).exists():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -59,7 +60,7 @@ def random_model_dir(name: str) -> Path:
             (tmp / sub / "config.json").write_text(json.dumps(cfg, indent=1))
         (tmp / "scheduler").mkdir()
         (tmp / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER[variant], indent=1))
-        (tmp / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+        shutil.copy2(tiny / "model_index.json", tmp / "model_index.json")  # diffusers' FluxPipeline loads from it
         (tmp / MARKER).write_text(json.dumps({"variant": variant, "weights": "random"}))
         try:
             os.rename(tmp, folder)
