@@ -86,3 +86,23 @@ def _reweighted_copy(src, dest, seed):
 def reweighted_copy():
     """reweighted_copy(source, dest, seed) -> a copy of a model folder with fresh random stored tensors."""
     return _reweighted_copy
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16(tmp_path_factory):
+    """A copy of `tiny` whose transformer and T5 are stored in bf16, as FLUX.1-dev's are: `fluxtrt build` takes
+    the zero-copy path for them (CLIP and the VAE stay fp32, so they take the fp32 path)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from fluxtrt.models.source import resolve_model
+
+    src = resolve_model("tiny")
+    folder = tmp_path_factory.mktemp("tiny-bf16") / "model"
+    shutil.copytree(src.path, folder)
+    for sub in ("transformer", "text_encoder_2"):
+        for f in (folder / sub).glob("*.safetensors"):
+            save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(f).items()}, f)
+    return resolve_model(str(folder))

@@ -76,9 +76,10 @@ class MappedWeights:
     back in from the page cache, unchanged), so the weights TensorRT has already copied are not held a second
     time by this process; the kernel may reclaim them like any cached file."""
 
-    def __init__(self, interval: float = 0.5):
+    interval = 0.5  # seconds between page drops
+
+    def __init__(self):
         self.maps: dict = {}
-        self.interval = interval
         self._stop = None
 
     def pointer(self, path: Path, offset: int, length: int) -> int:
