@@ -171,6 +171,10 @@ def test_calibrate_cli_fills_the_cache_the_build_reads(tiny_bf16, tmp_path):
     assert q["calibration_cached"] and q["path"] == "zero-copy"
     res = CliRunner().invoke(app, ["calibrate", "-m", str(tiny_bf16.path), "--device", "tpu"])
     assert res.exit_code == 2 and "--device tpu" in res.output
+    if not torch.cuda.is_available():
+        res = CliRunner().invoke(app, ["calibrate", "-m", str(tiny_bf16.path), "-o", str(tmp_path / "x"), "--device",
+                                       "cuda"])
+        assert res.exit_code == 2 and "no CUDA GPU" in res.output and not (tmp_path / "x" / "calibration").exists()
 
 
 def test_copy_weights_takes_the_fp32_path(tiny_bf16, tmp_path):

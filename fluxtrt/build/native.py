@@ -136,8 +136,14 @@ def calibration_device() -> str:
 def calibrate_native(source, out_root: Path, calib: dict, on_prompt=lambda done, total: None):
     """Module calibration for the zero-copy fp8 path, cached in OUT/calibration/ (`fluxtrt calibrate` and
     `fluxtrt build` both come through here)."""
+    import torch
+
     from ..quantize.calibration import calibrate_modules
 
+    device = calib.get("device") or calibration_device()
+    if device == "cuda" and not torch.cuda.is_available():
+        raise FluxtrtError("--device cuda: this machine has no CUDA GPU (or this torch has no CUDA); use --device "
+                           "cpu, or calibrate on a GPU machine and copy its OUT/calibration/ here")
     return calibrate_modules(source, "fp8", Path(out_root) / "calibration", calib.get("prompts_file"),
                              calib.get("size", 32), calib.get("steps", 4), calib.get("opt_resolution", 1024),
-                             GRAPH_DTYPE["fp8"], calib.get("device") or calibration_device(), on_prompt)
+                             GRAPH_DTYPE["fp8"], device, on_prompt)

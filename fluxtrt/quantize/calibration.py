@@ -148,31 +148,44 @@ def activation_ranges(model, names: list[str], samples: list[dict], per_channel:
     return amax
 
 
-def calibrate(source, model, onnx_sha: str, recipe: str, cache_dir: Path, prompts_file: Path | None = None,
-              size: int = 32, steps: int = 4, opt_resolution: int = 1024) -> Calibration:
-    """Activation ranges for `recipe` on `model` (an fp32 ONNX ModelProto of the transformer), cached."""
-    from .qdq import plan
-
+def _cached(source, recipe: str, cache_dir: Path, prompts_file, size: int, steps: int, opt_resolution: int,
+            key_extra: dict, measure: Callable) -> Calibration:
+    """The calibration cache both paths share: a key of everything the ranges depend on (model content hash,
+    prompts, recipe, sample count, steps, sizes, fluxtrt version, plus `key_extra`); on a miss,
+    `measure(prompts, sizes)` -> (amax, channel_amax or None, samples, extra fields for the file)."""
     prompts_file = Path(prompts_file or DEFAULT_PROMPTS)
     prompts = read_prompts(prompts_file)[:size]
     sizes = resolutions_for(source.geometry, opt_resolution)
     key = sha256_json({
         "model": source.content_hash, "prompts": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
-        "recipe": recipe, "size": len(prompts), "steps": steps, "sizes": sizes, "graph": onnx_sha,
-        "fluxtrt": __version__,
+        "recipe": recipe, "size": len(prompts), "steps": steps, "sizes": sizes, "fluxtrt": __version__, **key_extra,
     })
     path = Path(cache_dir) / f"calibration-{key[:16]}.json"
     if path.exists():
         data = json.loads(path.read_text())
         if data.get("key") == key:
             return Calibration(key, data["amax"], True, path, data["samples"], data.get("channel_amax"))
-    names = plan(model, recipe).calibration_inputs(model)
-    samples = collect_inputs(source, prompts, sizes, steps)
-    amax, channel = activation_ranges(model, names, samples, per_channel=True)
+    amax, channel, samples, extra = measure(prompts, sizes)
     write_json_atomic(path, {"key": key, "recipe": recipe, "model_hash": source.content_hash,
                              "prompts_file": str(prompts_file), "prompts": len(prompts), "steps": steps,
-                             "sizes": sizes, "samples": len(samples), "amax": amax, "channel_amax": channel})
-    return Calibration(key, amax, False, path, len(samples), channel)
+                             "sizes": sizes, "samples": samples, "amax": amax, "channel_amax": channel,
+                             **key_extra, **extra})
+    return Calibration(key, amax, False, path, samples, channel)
+
+
+def calibrate(source, model, onnx_sha: str, recipe: str, cache_dir: Path, prompts_file: Path | None = None,
+              size: int = 32, steps: int = 4, opt_resolution: int = 1024) -> Calibration:
+    """Activation ranges for `recipe` on `model` (an fp32 ONNX ModelProto of the transformer), measured by
+    ONNX Runtime at each quantized MatMul's input, cached."""
+    from .qdq import plan
+
+    def measure(prompts, sizes):
+        samples = collect_inputs(source, prompts, sizes, steps)
+        amax, channel = activation_ranges(model, plan(model, recipe).calibration_inputs(model), samples,
+                                          per_channel=True)
+        return amax, channel, len(samples), {}
+
+    return _cached(source, recipe, cache_dir, prompts_file, size, steps, opt_resolution, {"graph": onnx_sha}, measure)
 
 
 def calibrate_modules(source, recipe: str, cache_dir: Path, prompts_file: Path | None = None, size: int = 32,
@@ -181,21 +194,10 @@ def calibrate_modules(source, recipe: str, cache_dir: Path, prompts_file: Path |
     """Activation ranges by module name (linear_input_ranges), cached under a key of the model, prompts,
     recipe, sizes, steps and dtype: not of the device, so a cache filled on a GPU machine (`fluxtrt calibrate
     --device cuda`) serves builds on CPU-only machines. Read by quantize.native."""
-    prompts_file = Path(prompts_file or DEFAULT_PROMPTS)
-    prompts = read_prompts(prompts_file)[:size]
-    sizes = resolutions_for(source.geometry, opt_resolution)
-    key = sha256_json({
-        "model": source.content_hash, "prompts": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
-        "recipe": recipe, "size": len(prompts), "steps": steps, "sizes": sizes, "dtype": dtype,
-        "method": "linear-inputs", "fluxtrt": __version__,
-    })
-    path = Path(cache_dir) / f"calibration-{key[:16]}.json"
-    if path.exists():
-        data = json.loads(path.read_text())
-        if data.get("key") == key:
-            return Calibration(key, data["amax"], True, path, data["samples"])
-    amax, calls = linear_input_ranges(source, prompts, sizes, steps, dtype, device, on_prompt)
-    write_json_atomic(path, {"key": key, "recipe": recipe, "method": "linear-inputs", "model_hash": source.content_hash,
-                             "prompts_file": str(prompts_file), "prompts": len(prompts), "steps": steps,
-                             "sizes": sizes, "dtype": dtype, "device": device, "samples": calls, "amax": amax})
-    return Calibration(key, amax, False, path, calls)
+
+    def measure(prompts, sizes):
+        amax, calls = linear_input_ranges(source, prompts, sizes, steps, dtype, device, on_prompt)
+        return amax, None, calls, {"device": device}
+
+    return _cached(source, recipe, cache_dir, prompts_file, size, steps, opt_resolution,
+                   {"dtype": dtype, "method": "linear-inputs"}, measure)
