@@ -239,19 +239,20 @@ def build(
                                       weightless=weightless, zero_copy=zero_copy, validate=validate)
     table = Table(title=f"{cfg.key}: {manifest['backend']} {manifest['backend_version']} for "
                         f"sm{cfg.compute_capability.replace('.', '')}, model {source.id} ({source.variant}) -> {out_dir / cfg.key}")
-    for col in ("component", "precision", "export", "optimize", "build", "layers", "engine size", "seconds",
-                "bytes written", "peak RSS"):
+    for col in ("component", "precision", "export", "optimize", "quantize", "build", "layers", "engine size",
+                "seconds", "bytes written", "peak RSS"):
         table.add_column(col)
     by = {(r.component, r.stage): r for r in results}
     for name in tasks:
         e = manifest["components"][name]
-        stages = [by[(name, s)] for s in ("export", "optimize", "build")]
-        table.add_row(name, e["precision"], *(f"{r.status} {r.seconds:.1f}s" if r.status == "built" else r.status
-                                              for r in stages), str(e["layers"]), _human(e["bytes"]),
+        stages = [by[(name, s)] for s in ("export", "optimize", "quantize", "build") if (name, s) in by]
+        cells = {r.stage: f"{r.status} {r.seconds:.1f}s" if r.status == "built" else r.status for r in stages}
+        table.add_row(name, e["precision"], *(cells.get(s, "-") for s in ("export", "optimize", "quantize", "build")),
+                      str(e["layers"]), _human(e["bytes"]),
                       f"{sum(r.seconds for r in stages):.1f}", _human(sum(r.bytes_written for r in stages)),
                       f"{max(r.peak_rss_mb for r in stages):.0f} MB")
     out.print(table)
-    if all(r.status == "reused" for r in results):
+    if all(r.status in ("reused", "skipped") for r in results):
         out.print("Nothing to do: every engine is up to date (use --force to rebuild).")
     out.print(f"manifest: {out_dir / cfg.key / 'manifest.json'}; log: {out_dir / cfg.key / 'build.log'}")
 

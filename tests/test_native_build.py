@@ -89,6 +89,9 @@ def test_fp8_build_takes_the_zero_copy_path(fp8_build):
     e = manifest["components"]["transformer"]
     q = e["quantization"]
     assert q["path"] == "zero-copy" and q["recipe"] == "fp8" and not q["calibration_cached"]
+    assert {k: v["status"] for k, v in e["stages"].items()} == \
+        {"export": "built", "optimize": "skipped", "quantize": "built", "build": "built"}
+    assert e["stages"]["quantize"]["bytes_written"] >= q["fp8_weight_bytes"] > 0
     assert e["onnx"].endswith("-fp8-zc/transformer.onnx")
     opt = json.loads((root / "onnx" / e["onnx"].split("/")[1] / "optimize.json").read_text())
     assert 0 < opt["components"]["transformer"]["max_rel_err"] <= 1.5e-1  # ONNX Runtime vs fp32 PyTorch
@@ -150,7 +153,8 @@ def test_rebuild_reuses_every_stage_and_the_calibration(fp8_build):
 
     src, cfg, root, manifest, _, _, calib = fp8_build
     _, results = build_gpu(src, cfg, root, ["transformer"], calibration=calib)
-    assert [r.status for r in results] == ["reused"] * 3
+    assert [(r.stage, r.status) for r in results] == \
+        [("export", "reused"), ("optimize", "skipped"), ("quantize", "reused"), ("build", "reused")]
 
 
 def test_calibrate_cli_fills_the_cache_the_build_reads(tiny_bf16, tmp_path):

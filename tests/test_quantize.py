@@ -125,6 +125,8 @@ def test_quantized_engines_build_and_calibration_is_cached(tiny_dev, tmp_path):
         q = e["quantization"]
         assert e["precision"] == recipe and q["recipe"] == recipe and e["bytes"] > 10_000
         assert "writes the model output (proj_out)" in q["kept_in_high_precision"].values()
+        assert set(e["stages"]) == {"export", "optimize", "quantize", "build"}  # the quantize stage timed apart
+        assert e["stages"]["quantize"]["status"] == "built" and e["stages"]["quantize"]["seconds"] > 0
         if recipe == "fp8":
             assert q["calibration_cached"] is False and len(q["calibration"]) == 64
             first_key = q["calibration"]
@@ -140,7 +142,7 @@ def test_quantized_engines_build_and_calibration_is_cached(tiny_dev, tmp_path):
                                   calibration=dict(calib, prompts_file=prompts))
     q = manifest["components"]["transformer"]["quantization"]
     assert q["calibration_cached"] is False and q["calibration"] != first_key
-    assert {(r.stage, r.status) for r in results} >= {("optimize", "built"), ("build", "built")}
+    assert {(r.stage, r.status) for r in results} >= {("optimize", "built"), ("quantize", "built"), ("build", "built")}
 
 
 def test_cli_calibrate_caches(tmp_path):

@@ -77,13 +77,14 @@ def ensure_native(source, component: str, precision: str, out_root: Path, force:
         err = f"max rel err {res.max_rel_err:.1e}" if res.max_rel_err is not None else "not validated"
         export_res = StageResult(component, "export", "built", res.seconds, f"zero-copy, {err}", res.bytes,
                                  peak_rss_mb())
+    skipped = StageResult(component, "optimize", "skipped", 0.0, "no graph passes on the zero-copy path")
     if precision not in ("fp8",):
-        return path, [export_res, StageResult(component, "optimize", "reused", 0.0,
-                                              "none on the zero-copy path (TensorRT fuses)")]
-    return _ensure_fp8(source, component, path, out_root, force, on_phase, calib, validate, export_res)
+        return path, [export_res, skipped]
+    q_path, quant_res = _ensure_fp8(source, component, path, out_root, force, on_phase, calib, validate)
+    return q_path, [export_res, skipped, quant_res]
 
 
-def _ensure_fp8(source, component, zc_path, out_root, force, on_phase, calib, validate, export_res):
+def _ensure_fp8(source, component, zc_path, out_root, force, on_phase, calib, validate):
     from ..quantize.calibration import DEFAULT_PROMPTS
     from ..quantize.native import quantize_linked
     from .pipeline import StageResult, _files_bytes, validate_against_pytorch
@@ -95,9 +96,9 @@ def _ensure_fp8(source, component, zc_path, out_root, force, on_phase, calib, va
                               "steps": calib.get("steps", 4), "opt_resolution": calib.get("opt_resolution", 1024)}}
     entry = None if force else _reusable(folder, component, inputs, validate)
     if entry:
-        res = StageResult(component, "optimize", "reused", 0.0, "unchanged zero-copy graph and calibration")
-        res.info = entry.get("quantization")
-        return folder / f"{component}.onnx", [export_res, res]
+        return folder / f"{component}.onnx", StageResult(component, "quantize", "reused", 0.0,
+                                                         "unchanged zero-copy graph and calibration",
+                                                         info=entry.get("quantization"))
     t0 = time.perf_counter()
     on_phase("calibrate")
     cal = calibrate_native(source, out_root, calib, lambda d, n: on_phase(f"calibrate {d}/{n} prompts"))
@@ -121,10 +122,8 @@ def _ensure_fp8(source, component, zc_path, out_root, force, on_phase, calib, va
                                      "quantization": record}
     write_json_atomic(info_path, info)
     err = f"max rel err {max_err:.1e}" if max_err is not None else "not validated"
-    res = StageResult(component, "optimize", "built", time.perf_counter() - t0,
-                      f"{q.quantized} fp8 layers, {err}", _files_bytes(q.path), peak_rss_mb())
-    res.info = record
-    return q.path, [export_res, res]
+    return q.path, StageResult(component, "quantize", "built", time.perf_counter() - t0,
+                               f"{q.quantized} fp8 layers, {err}", _files_bytes(q.path), peak_rss_mb(), record)
 
 
 def calibration_device() -> str:

@@ -39,13 +39,13 @@ from .manifest import MANIFEST, SCHEMA, read_manifest
 @dataclass
 class StageResult:
     component: str
-    stage: str  # "export", "optimize" or "build"
-    status: str  # "built", "reused"
+    stage: str  # "export", "optimize", "quantize" (quantized precisions) or "build"
+    status: str  # "built", "reused", "skipped" (no graph passes on the zero-copy path)
     seconds: float
     detail: str = ""
     bytes_written: int = 0
     peak_rss_mb: float = 0.0  # the process's peak RSS when the stage ended (a running maximum)
-    info: dict | None = None  # optimize: the quantization record (recipe, calibration, kept layers)
+    info: dict | None = None  # quantize: the quantization record (recipe, calibration, kept layers)
 
     def footprint(self) -> dict:
         return {"status": self.status, "seconds": round(self.seconds, 3), "bytes_written": self.bytes_written,
@@ -75,7 +75,7 @@ def ensure_onnx(source: ModelSource, component: str, dtype: str, out_root: Path,
     fp32_path, export_res = _ensure_export(source, component, out_root, force, on_phase, validate)
     opt_path, opt_res = _ensure_optimized(source, component, dtype, fp32_path, out_root, force, on_phase, calib,
                                           validate)
-    return opt_path, [export_res, opt_res]
+    return opt_path, [export_res, *opt_res]
 
 
 def _recorded(folder: Path, info_name: str, component: str, inputs: dict) -> dict | None:
@@ -130,13 +130,15 @@ def _ensure_optimized(source, component, dtype, fp32_path, out_root, force, on_p
                                  "steps": calib.get("steps", 4), "alpha": calib.get("alpha", 0.5)}
     entry = None if force else _recorded(folder, OPTIMIZE_INFO, component, inputs)
     if entry and (entry.get("max_rel_err") is not None or not validate):
-        res = StageResult(component, "optimize", "reused", 0.0, "unchanged ONNX")
-        res.info = entry.get("quantization")
+        res = [StageResult(component, "optimize", "reused", 0.0, "unchanged ONNX")]
+        if dtype in QUANTIZED:
+            res.append(StageResult(component, "quantize", "reused", 0.0, "unchanged ONNX and calibration",
+                                   info=entry.get("quantization")))
         return folder / f"{component}.onnx", res
     on_phase("optimize")
     t0 = time.perf_counter()
-    out_path, report, quant = optimize_component(source, component, dtype, fp32_path, folder, out_root, calib,
-                                                 on_phase)
+    out_path, report, quant, quant_seconds = optimize_component(source, component, dtype, fp32_path, folder,
+                                                                out_root, calib, on_phase)
     max_err = None
     if validate:
         on_phase("validate")
@@ -152,12 +154,14 @@ def _ensure_optimized(source, component, dtype, fp32_path, out_root, force, on_p
         "nodes": [report.rows[0][1], report.rows[-1][2]], "quantization": quant,
     }
     write_json_atomic(info_path, info)
-    seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0 - quant_seconds
     err = f"max rel err {max_err:.1e}" if max_err is not None else "not validated"
-    res = StageResult(component, "optimize", "built", seconds,
-                      f"{report.rows[0][1]} -> {report.rows[-1][2]} nodes, {err}", _files_bytes(out_path),
-                      peak_rss_mb())
-    res.info = quant
+    res = [StageResult(component, "optimize", "built", seconds,
+                       f"{report.rows[0][1]} -> {report.rows[-1][2]} nodes, {err}", _files_bytes(out_path),
+                       peak_rss_mb())]
+    if quant is not None:  # calibration + Q/DQ, timed inside the optimize stage; its bytes are the optimize output's
+        res.append(StageResult(component, "quantize", "built", quant_seconds,
+                               f"{quant['quantized_layers']} layers {dtype}", 0, peak_rss_mb(), quant))
     return out_path, res
 
 
@@ -177,8 +181,8 @@ def validate_against_pytorch(source, component: str, onnx_path: Path, dtype: str
 
 
 def optimize_component(source, component, dtype, fp32_path, folder, out_root, calib, on_phase):
-    """-> (path, optimize report, quantization record or None). Quantized recipes: passes at fp32, calibrate
-    (fp8, cached), insert Q/DQ, then place everything else in bf16."""
+    """-> (path, optimize report, quantization record or None, seconds spent calibrating and quantizing).
+    Quantized recipes: passes at fp32, calibrate (fp8, cached), insert Q/DQ, then place everything else in bf16."""
     from ..gpus import QUANTIZED
     from ..onnxio import load_onnx
     from ..optimize.pipeline import optimize_model, save_model
@@ -188,12 +192,13 @@ def optimize_component(source, component, dtype, fp32_path, folder, out_root, ca
         from ..optimize.pipeline import optimize_file
 
         report = optimize_file(fp32_path, folder / f"{component}.onnx", component, dtype=dtype, count_layers=False)
-        return report.path, report, None
+        return report.path, report, None, 0.0
     from ..quantize.qdq import CALIBRATED, quantize_model
 
     model, report = optimize_model(load_onnx(fp32_path), None, "fp32", component)
     record = {"recipe": dtype}
     amax = channel = None
+    t0 = time.perf_counter()
     if dtype in CALIBRATED:
         on_phase("calibrate")
         cal = calibrate_graph(source, model, dtype, out_root, calib)
@@ -203,6 +208,7 @@ def optimize_component(source, component, dtype, fp32_path, folder, out_root, ca
     on_phase("quantize")
     alpha = calib.get("alpha", 0.5)
     model, plan = quantize_model(model, dtype, amax, alpha=alpha, channel_amax=channel)
+    quant_seconds = time.perf_counter() - t0
     if dtype == "int8":
         record["smoothquant_alpha"] = alpha
     if plan.attention:
@@ -212,7 +218,7 @@ def optimize_component(source, component, dtype, fp32_path, folder, out_root, ca
                   other_layers="bf16")
     path = folder / f"{component}.onnx"
     save_model(model, path)
-    return path, report, record
+    return path, report, record, quant_seconds
 
 
 def calibrate_graph(source, model, recipe: str, out_root: Path, calib: dict):
@@ -333,6 +339,7 @@ def _build_locked(source, cfg, out_root, gpu_dir, backend, geo, specs, rng, forc
             onnx_path, res = ensure_onnx(source, name, dtype, out_root, force, lambda p, n=name: progress(n, p), calib,
                                          zero_copy, validate)
             results.extend(res)
+            quantization = next((r.info for r in res if r.info), None)
             onnx_sha = sha256_file(onnx_path)
             ws = name in cfg.weight_streaming
             profile = spec.profile(rng, geo)
@@ -349,16 +356,17 @@ def _build_locked(source, cfg, out_root, gpu_dir, backend, geo, specs, rng, forc
             built = build_engine(backend, onnx_path, spec, geo, rng, cfg.compute_capability, engine_path, ws,
                                  cfg.builder_optimization_level, gpu_dir / "timing.cache", log, weightless)
             seconds = time.perf_counter() - t0
-            results.append(StageResult(name, "build", "built", seconds, f"{built.layers} layers", built.bytes,
-                                       peak_rss_mb()))
+            res.append(StageResult(name, "build", "built", seconds, f"{built.layers} layers", built.bytes,
+                                   peak_rss_mb()))
+            results.append(res[-1])
             manifest["components"][name] = {
                 "engine": engine_path.name, "sha256": built.sha256, "bytes": built.bytes,
                 "precision": dtype, "onnx": str(onnx_path.relative_to(Path(out_root))), "onnx_sha256": onnx_sha,
                 "build_key": key, "weight_streaming": ws, "layers": built.layers,
                 "inputs": built.inputs, "outputs": built.outputs, "profile": built.profile,
                 "build_seconds": round(seconds, 3), "peak_rss_mb": round(peak_rss_mb(), 1),
-                "stages": {r.stage: r.footprint() for r in results[-3:]},
-                "quantization": results[-2].info, "weightless": weightless,
+                "stages": {r.stage: r.footprint() for r in res},
+                "quantization": quantization, "weightless": weightless,
                 **write_weight_files(onnx_path, gpu_dir, name, spec.subfolder, dtype in QUANTIZED),
             }
             write_json_atomic(gpu_dir / MANIFEST, manifest)
