@@ -103,9 +103,10 @@ class MappedWeights:
             m.madvise(mmap.MADV_DONTNEED)
 
     def __enter__(self):
+        import mmap
         import threading
 
-        if self.maps and hasattr(__import__("mmap"), "MADV_DONTNEED"):
+        if self.maps and hasattr(mmap, "MADV_DONTNEED"):
             self._stop = threading.Event()
 
             def loop():

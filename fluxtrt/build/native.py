@@ -11,7 +11,6 @@ Memory stays near one weight tensor until TensorRT's builder. `--copy-weights` t
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -19,10 +18,9 @@ from pathlib import Path
 from .. import __version__
 from ..components import specs_for
 from ..errors import FluxtrtError
-from ..fileio import peak_rss_mb, sha256_file, write_json_atomic
+from ..fileio import peak_rss_mb, sha256_file
 
 GRAPH_DTYPE = {"bf16": "bf16", "fp16": "fp16", "fp8": "bf16"}  # engine precision -> the zero-copy graph's dtype
-OPTIMIZE_INFO = "optimize.json"
 
 
 def native_refusal(source, component: str, precision: str) -> str | None:
@@ -35,38 +33,26 @@ def native_refusal(source, component: str, precision: str) -> str | None:
     return zero_copy_refusal(source, specs_for(source.geometry, [component])[component], graph)
 
 
-def _links_alive(onnx_path: Path) -> bool:
+def _reusable(folder: Path, info_name: str, component: str, inputs: dict, validate: bool) -> dict | None:
+    """pipeline.recorded, and every link of the zero-copy graph still reaches its checkpoint file."""
     from ..onnxio import linked_dir
+    from .pipeline import recorded
 
-    links = linked_dir(onnx_path)
-    return links.is_dir() and all(os.path.exists(link) for link in links.iterdir())
-
-
-def _reusable(folder: Path, component: str, inputs: dict, validate: bool) -> dict | None:
-    info_path = folder / ("export.json" if "model_hash" in inputs else OPTIMIZE_INFO)
-    info = json.loads(info_path.read_text()) if info_path.exists() else {}
-    entry = info.get("components", {}).get(component)
-    path = folder / f"{component}.onnx"
-    if not entry or not path.exists() or sha256_file(path) != entry["sha256"] or not _links_alive(path):
-        return None
-    recorded = entry.get("inputs") if "inputs" in entry else {k: info.get(k) for k in inputs}
-    if recorded != inputs or (validate and entry.get("max_rel_err") is None):
-        return None
-    return entry
+    entry = recorded(folder, info_name, component, inputs, validate)
+    links = linked_dir(folder / f"{component}.onnx")
+    return entry if entry and links.is_dir() and all(os.path.exists(link) for link in links.iterdir()) else None
 
 
 def ensure_native(source, component: str, precision: str, out_root: Path, force: bool, on_phase, calib: dict,
                   validate: bool = True):
-    """-> (the engine's ONNX, [export result, optimize result]) on the zero-copy path."""
-    from ..export import DEFAULT_OPSET, export_component, write_export_info
-    from .pipeline import StageResult
+    """-> (the engine's ONNX, [export, optimize (skipped)(, quantize) results]) on the zero-copy path."""
+    from ..export import DEFAULT_OPSET, EXPORT_INFO, export_component, write_export_info
+    from .pipeline import StageResult, export_inputs, validation_text
 
     graph = GRAPH_DTYPE[precision]
     base = Path(out_root) / "onnx" / f"{source.content_hash[:12]}-{graph}-zc"
     spec = specs_for(source.geometry, [component])[component]
-    inputs = {"model_hash": source.layout_hash, "fluxtrt": __version__, "opset": DEFAULT_OPSET}
-    entry = None if force else _reusable(base, component, inputs, validate)
-    if entry:
+    if not force and _reusable(base, EXPORT_INFO, component, export_inputs(source.layout_hash), validate):
         path = base / f"{component}.onnx"
         export_res = StageResult(component, "export", "reused", 0.0, "unchanged checkpoint (zero-copy)")
     else:
@@ -74,9 +60,8 @@ def ensure_native(source, component: str, precision: str, out_root: Path, force:
         res = export_component(source, spec, base, graph, validate=validate, on_phase=on_phase, zero_copy=True)
         write_export_info(base, source, graph, DEFAULT_OPSET, [res], zero_copy=True)
         path = res.path
-        err = f"max rel err {res.max_rel_err:.1e}" if res.max_rel_err is not None else "not validated"
-        export_res = StageResult(component, "export", "built", res.seconds, f"zero-copy, {err}", res.bytes,
-                                 peak_rss_mb())
+        export_res = StageResult(component, "export", "built", res.seconds,
+                                 f"zero-copy, {validation_text(res.max_rel_err)}", res.bytes, peak_rss_mb())
     skipped = StageResult(component, "optimize", "skipped", 0.0, "no graph passes on the zero-copy path")
     if precision not in ("fp8",):
         return path, [export_res, skipped]
@@ -87,14 +72,15 @@ def ensure_native(source, component: str, precision: str, out_root: Path, force:
 def _ensure_fp8(source, component, zc_path, out_root, force, on_phase, calib, validate):
     from ..quantize.calibration import DEFAULT_PROMPTS
     from ..quantize.native import quantize_linked
-    from .pipeline import StageResult, _files_bytes, validate_against_pytorch
+    from .pipeline import (OPTIMIZE_INFO, StageResult, _files_bytes, record_entry, validate_against_pytorch,
+                           validation_text)
 
     folder = Path(out_root) / "onnx" / f"{source.content_hash[:12]}-fp8-zc"
     prompts = Path(calib.get("prompts_file") or DEFAULT_PROMPTS)
     inputs = {"source_sha256": sha256_file(zc_path), "recipe": "fp8", "fluxtrt": __version__,
               "calibration": {"prompts_sha256": sha256_file(prompts), "size": calib.get("size", 32),
                               "steps": calib.get("steps", 4), "opt_resolution": calib.get("opt_resolution", 1024)}}
-    entry = None if force else _reusable(folder, component, inputs, validate)
+    entry = None if force else _reusable(folder, OPTIMIZE_INFO, component, inputs, validate)
     if entry:
         return folder / f"{component}.onnx", StageResult(component, "quantize", "reused", 0.0,
                                                          "unchanged zero-copy graph and calibration",
@@ -116,20 +102,11 @@ def _ensure_fp8(source, component, zc_path, out_root, force, on_phase, calib, va
               "calibration_samples": cal.samples, "calibration_file": str(cal.path.relative_to(Path(out_root))),
               "quantized_layers": q.quantized, "kept_in_high_precision": q.kept, "other_layers": "bf16",
               "fp8_weight_bytes": q.fp8_bytes, "linked_weight_bytes": q.linked_bytes}
-    info_path = folder / OPTIMIZE_INFO
-    info = json.loads(info_path.read_text()) if info_path.exists() else {"components": {}}
-    info["components"][component] = {"inputs": inputs, "sha256": sha256_file(q.path), "max_rel_err": max_err,
-                                     "quantization": record}
-    write_json_atomic(info_path, info)
-    err = f"max rel err {max_err:.1e}" if max_err is not None else "not validated"
+    record_entry(folder, component, {"inputs": inputs, "sha256": sha256_file(q.path), "max_rel_err": max_err,
+                                     "quantization": record})
     return q.path, StageResult(component, "quantize", "built", time.perf_counter() - t0,
-                               f"{q.quantized} fp8 layers, {err}", _files_bytes(q.path), peak_rss_mb(), record)
-
-
-def calibration_device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+                               f"{q.quantized} fp8 layers, {validation_text(max_err)}", _files_bytes(q.path),
+                               peak_rss_mb(), record)
 
 
 def calibrate_native(source, out_root: Path, calib: dict, on_prompt=lambda done, total: None):
@@ -139,7 +116,7 @@ def calibrate_native(source, out_root: Path, calib: dict, on_prompt=lambda done,
 
     from ..quantize.calibration import calibrate_modules
 
-    device = calib.get("device") or calibration_device()
+    device = calib.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise FluxtrtError("--device cuda: this machine has no CUDA GPU (or this torch has no CUDA); use --device "
                            "cpu, or calibrate on a GPU machine and copy its OUT/calibration/ here")

@@ -78,35 +78,50 @@ def ensure_onnx(source: ModelSource, component: str, dtype: str, out_root: Path,
     return opt_path, [export_res, *opt_res]
 
 
-def _recorded(folder: Path, info_name: str, component: str, inputs: dict) -> dict | None:
-    """The entry recorded for `component` if its inputs match and its file still has the recorded hash."""
+def recorded(folder: Path, info_name: str, component: str, inputs: dict, validate: bool = False) -> dict | None:
+    """The entry recorded for `component` in `folder/info_name` if the stage can be reused: the inputs match
+    (an optimize.json entry's own `inputs`, or export.json's top-level fields), its file still has the recorded
+    hash, and — when `validate` asks for it — it was validated against PyTorch."""
     info_path = folder / info_name
     info = json.loads(info_path.read_text()) if info_path.exists() else {}
     entry = info.get("components", {}).get(component)
     path = folder / f"{component}.onnx"
-    if entry and all(entry.get("inputs", {}).get(k) == v for k, v in inputs.items()) and path.exists() \
-            and sha256_file(path) == entry["sha256"]:
-        return entry
-    return None
+    if not entry or not path.exists() or sha256_file(path) != entry["sha256"]:
+        return None
+    if any(entry.get("inputs", info).get(k) != v for k, v in inputs.items()):
+        return None
+    return None if validate and entry.get("max_rel_err") is None else entry
+
+
+def export_inputs(model_hash: str) -> dict:
+    """What an export depends on, as export.json records it (recorded() compares them)."""
+    return {"model_hash": model_hash, "fluxtrt": __version__, "opset": DEFAULT_OPSET}
+
+
+def validation_text(max_err: float | None) -> str:
+    return f"max rel err {max_err:.1e}" if max_err is not None else "not validated"
+
+
+def record_entry(folder: Path, component: str, entry: dict) -> None:
+    """Set `component`'s entry in `folder/optimize.json` (written atomically)."""
+    info_path = folder / OPTIMIZE_INFO
+    info = json.loads(info_path.read_text()) if info_path.exists() else {"components": {}}
+    info["components"][component] = entry
+    write_json_atomic(info_path, info)
 
 
 def _ensure_export(source, component, out_root, force, on_phase, validate: bool = True):
     folder = onnx_dir_for(out_root, source, "fp32")
-    info_path = folder / EXPORT_INFO
-    info = json.loads(info_path.read_text()) if info_path.exists() else {}
-    entry = info.get("components", {}).get(component)
-    same_inputs = (info.get("model_hash") == source.content_hash and info.get("fluxtrt") == __version__
-                   and info.get("opset") == DEFAULT_OPSET)
-    path = folder / f"{component}.onnx"
-    if (not force and same_inputs and entry and path.exists() and sha256_file(path) == entry["sha256"]
-            and (entry.get("max_rel_err") is not None or not validate)):
-        return path, StageResult(component, "export", "reused", 0.0, "unchanged model and exporter")
+    inputs = export_inputs(source.content_hash)
+    if not force and recorded(folder, EXPORT_INFO, component, inputs, validate):
+        return folder / f"{component}.onnx", StageResult(component, "export", "reused", 0.0,
+                                                         "unchanged model and exporter")
     on_phase("export")
     spec = specs_for(source.geometry, [component])[component]
     res = export_component(source, spec, folder, "fp32", validate=validate, on_phase=on_phase)
     write_export_info(folder, source, "fp32", DEFAULT_OPSET, [res])
-    err = f"max rel err {res.max_rel_err:.1e}" if res.max_rel_err is not None else "not validated"
-    return res.path, StageResult(component, "export", "built", res.seconds, err, res.bytes, peak_rss_mb())
+    return res.path, StageResult(component, "export", "built", res.seconds, validation_text(res.max_rel_err),
+                                 res.bytes, peak_rss_mb())
 
 
 OPTIMIZE_INFO = "optimize.json"
@@ -128,8 +143,8 @@ def _ensure_optimized(source, component, dtype, fp32_path, out_root, force, on_p
         prompts = Path(calib.get("prompts_file") or DEFAULT_PROMPTS)
         inputs["calibration"] = {"prompts_sha256": sha256_file(prompts), "size": calib.get("size", 32),
                                  "steps": calib.get("steps", 4), "alpha": calib.get("alpha", 0.5)}
-    entry = None if force else _recorded(folder, OPTIMIZE_INFO, component, inputs)
-    if entry and (entry.get("max_rel_err") is not None or not validate):
+    entry = None if force else recorded(folder, OPTIMIZE_INFO, component, inputs, validate)
+    if entry:
         res = [StageResult(component, "optimize", "reused", 0.0, "unchanged ONNX")]
         if dtype in QUANTIZED:
             res.append(StageResult(component, "quantize", "reused", 0.0, "unchanged ONNX and calibration",
@@ -147,18 +162,12 @@ def _ensure_optimized(source, component, dtype, fp32_path, out_root, force, on_p
         except FluxtrtError:
             out_path.unlink()
             raise
-    info_path = folder / OPTIMIZE_INFO
-    info = json.loads(info_path.read_text()) if info_path.exists() else {"components": {}}
-    info["components"][component] = {
-        "inputs": inputs, "sha256": sha256_file(out_path), "max_rel_err": max_err,
-        "nodes": [report.rows[0][1], report.rows[-1][2]], "quantization": quant,
-    }
-    write_json_atomic(info_path, info)
+    record_entry(folder, component, {"inputs": inputs, "sha256": sha256_file(out_path), "max_rel_err": max_err,
+                                     "nodes": [report.rows[0][1], report.rows[-1][2]], "quantization": quant})
     seconds = time.perf_counter() - t0 - quant_seconds
-    err = f"max rel err {max_err:.1e}" if max_err is not None else "not validated"
     res = [StageResult(component, "optimize", "built", seconds,
-                       f"{report.rows[0][1]} -> {report.rows[-1][2]} nodes, {err}", _files_bytes(out_path),
-                       peak_rss_mb())]
+                       f"{report.rows[0][1]} -> {report.rows[-1][2]} nodes, {validation_text(max_err)}",
+                       _files_bytes(out_path), peak_rss_mb())]
     if quant is not None:  # calibration + Q/DQ, timed inside the optimize stage; its bytes are the optimize output's
         res.append(StageResult(component, "quantize", "built", quant_seconds,
                                f"{quant['quantized_layers']} layers {dtype}", 0, peak_rss_mb(), quant))

@@ -99,9 +99,9 @@ def quantize_linked(onnx_in: Path, dest_dir: Path, recipe: str, module_amax: dic
     inits = {t.name: t for t in g.initializer}
     producers = {o: n for n in g.node for o in n.output}
     p = plan(model, recipe)
-    chosen = set(p.quantized)
-    bad = [t.name for n in g.node if n.name in chosen
-           for t in [inits[linear_weight(n, inits, producers)[0]]] if t.data_type != TensorProto.BFLOAT16]
+    nodes = {n.name: n for n in g.node}
+    chosen = {q: linear_weight(nodes[q], inits, producers) for q in p.quantized}  # MatMul -> (weight, transposed)
+    bad = [w for w, _ in chosen.values() if inits[w].data_type != TensorProto.BFLOAT16]
     if bad:
         raise FluxtrtError(f"{onnx_in}: weight {bad[0]} is not bf16; the zero-copy fp8 path reads bf16 checkpoints")
     name = onnx_in.stem
@@ -112,7 +112,7 @@ def quantize_linked(onnx_in: Path, dest_dir: Path, recipe: str, module_amax: dic
         with open(tmp / data_name, "wb") as data:
             for n in g.node:
                 if n.name in chosen:
-                    wname, transposed = linear_weight(n, inits, producers)
+                    wname, transposed = chosen[n.name]
                     t = inits[wname]
                     q, scale = quantize_weight_fp8(read_external(onnx_in, t), tuple(t.dims), transposed)
                     offset = data.tell()
@@ -123,8 +123,8 @@ def quantize_linked(onnx_in: Path, dest_dir: Path, recipe: str, module_amax: dic
                     fp8_bytes += q.nbytes
                     out.nodes = []
                     x = n.input[0]
-                    n.input[0] = out.qdq(x, f"{n.name}__act", _bf16(activation_amax(wname, prov, module_amax) / FP8_MAX),
-                                         "fp8", ml_dtypes.bfloat16)
+                    act_scale = _bf16(activation_amax(wname, prov, module_amax) / FP8_MAX)
+                    n.input[0] = out.qdq(x, f"{n.name}__act", act_scale, "fp8", ml_dtypes.bfloat16)
                     sname = out.const(f"{wname}__wscale", np.array(scale, dtype=ml_dtypes.bfloat16))
                     out.inits.append(qt)
                     out.nodes.append(helper.make_node("DequantizeLinear", [qt.name, sname], [f"{wname}__dq"],
