@@ -14,9 +14,9 @@ import shutil
 import tarfile
 from pathlib import Path, PurePosixPath
 
-from .build.manifest import read_manifest
 from .errors import FluxtrtError
 from .fileio import sha256_file, staging_dir
+from .records import read_manifest
 
 MAX_UNPACKED_BYTES = 64 << 30  # a full-size FLUX.1-dev set of engines is well under this
 SKIP = {".fluxtrt.lock", "build.log"}
@@ -26,18 +26,18 @@ class ArtifactError(FluxtrtError):
     """An archive is corrupt, tampered with, or unsafe to extract."""
 
 
-def archive_name(manifest: dict) -> str:
-    model = manifest["model"]["id"].replace("/", "_").replace(":", "-").strip("._") or "model"
-    return f"fluxtrt-{model}-{manifest['gpu']}-sm{manifest['compute_capability'].replace('.', '')}.tar.gz"
+def archive_name(manifest) -> str:
+    model = manifest.model.id.replace("/", "_").replace(":", "-").strip("._") or "model"
+    return f"fluxtrt-{model}-{manifest.gpu}-{manifest.sm}.tar.gz"
 
 
 def pack(gpu_dir: Path, out_dir: Path) -> tuple[Path, Path]:
     """gpu_dir (OUT/<gpu>) -> out_dir/<name>.tar.gz and <name>.tar.gz.sha256 (sha256sum format)."""
     gpu_dir, out_dir = Path(gpu_dir), Path(out_dir)
     manifest = read_manifest(gpu_dir)
-    for name, e in manifest["components"].items():
-        if sha256_file(gpu_dir / e["engine"]) != e["sha256"]:
-            raise ArtifactError(f"{gpu_dir / e['engine']} does not match its manifest; rebuild before packing")
+    for e in manifest.components.values():
+        if sha256_file(gpu_dir / e.engine) != e.sha256:
+            raise ArtifactError(f"{gpu_dir / e.engine} does not match its manifest; rebuild before packing")
     name = archive_name(manifest)
     out_dir.mkdir(parents=True, exist_ok=True)
     files = sorted(p for p in gpu_dir.rglob("*") if p.is_file() and p.name not in SKIP
@@ -48,7 +48,7 @@ def pack(gpu_dir: Path, out_dir: Path) -> tuple[Path, Path]:
         with open(archive, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz, \
                 tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
             for f in files:
-                info = tar.gettarinfo(str(f), arcname=f"{manifest['gpu']}/{f.relative_to(gpu_dir).as_posix()}")
+                info = tar.gettarinfo(str(f), arcname=f"{manifest.gpu}/{f.relative_to(gpu_dir).as_posix()}")
                 info.uid = info.gid = 0
                 info.uname = info.gname = ""
                 info.mtime = 0
@@ -87,8 +87,20 @@ def _check_member(m: tarfile.TarInfo) -> PurePosixPath:
     return p
 
 
-def unpack(archive: Path, dest: Path, sha_file: Path | None = None, max_bytes: int = MAX_UNPACKED_BYTES) -> Path:
-    """Verify and safely extract one artifact archive into dest/<gpu>/; returns that folder."""
+def previous_name(final: Path) -> Path:
+    """A free name beside `final` for the folder an unpack replaces: `<gpu>.previous`, `<gpu>.previous-2`, ..."""
+    n, cand = 1, final.with_name(f"{final.name}.previous")
+    while cand.exists() or cand.is_symlink():
+        n += 1
+        cand = final.with_name(f"{final.name}.previous-{n}")
+    return cand
+
+
+def unpack(archive: Path, dest: Path, sha_file: Path | None = None, max_bytes: int = MAX_UNPACKED_BYTES,
+           on_moved=lambda old, new: None) -> Path:
+    """Verify and safely extract one artifact archive into dest/<gpu>/; returns that folder. An existing
+    dest/<gpu>/ is never deleted (it may hold the user's own files): it is moved aside to `<gpu>.previous`
+    (`on_moved(old, new)` is told) and the new folder takes its place."""
     archive, dest = Path(archive), Path(dest)
     verify_checksum(archive, sha_file)
     try:
@@ -118,12 +130,14 @@ def unpack(archive: Path, dest: Path, sha_file: Path | None = None, max_bytes: i
                     shutil.copyfileobj(src, out, 1 << 22)
             folder = tmp / top
             manifest = read_manifest(folder)
-            for name, e in manifest["components"].items():
-                f = folder / e["engine"]
-                if not f.exists() or sha256_file(f) != e["sha256"]:
-                    raise ArtifactError(f"{archive.name}: {e['engine']} does not match the manifest's sha256; "
+            for e in manifest.components.values():
+                f = folder / e.engine
+                if not f.exists() or sha256_file(f) != e.sha256:
+                    raise ArtifactError(f"{archive.name}: {e.engine} does not match the manifest's sha256; "
                                         "refusing the archive")
-            if final.exists():
-                shutil.rmtree(final)
+            if final.exists() or final.is_symlink():
+                aside = previous_name(final)
+                os.replace(final, aside)
+                on_moved(final, aside)
             os.replace(folder, final)
     return final

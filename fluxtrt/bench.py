@@ -158,8 +158,72 @@ def plot(rows: list[Row], path) -> None:
     axes[0].set_title("seconds per image (end to end)")
     axes[1].bar(labels, [r.transformer_step_s.median * 1000 for r in rows], color="tab:orange")
     axes[1].set_title("transformer step (ms)")
-    for ax in axes:
-        ax.tick_params(axis="x", labelsize=7)
+    for ax in axes:  # labels are two lines each: rotate them so neighbours never overlap
+        ax.tick_params(axis="x", labelsize=7, labelrotation=35)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=100)
     plt.close(fig)
+
+
+@dataclass
+class BenchOptions:
+    sizes: list = field(default_factory=lambda: [512])
+    batches: list = field(default_factory=lambda: [1])
+    steps: int | None = None  # default: 28 dev, 4 schnell
+    runs: int = 3
+    warmup: int = 1
+    baseline: str = "none"  # or "diffusers"
+    torch_dtype: str = "bf16"
+    compile: bool = False
+    cuda_graph: bool = False
+
+    def check(self) -> "BenchOptions":
+        from .errors import FluxtrtError
+
+        if not self.sizes or not self.batches or min(self.sizes) < 1 or min(self.batches) < 1:
+            raise FluxtrtError("--sizes and --batch take comma-separated positive integers")
+        if self.runs < 1 or self.warmup < 0:
+            raise FluxtrtError("--runs must be at least 1 and --warmup at least 0")
+        if self.baseline not in ("diffusers", "none"):
+            raise FluxtrtError(f"--baseline is diffusers or none, got {self.baseline!r}")
+        return self
+
+
+def run_bench(pipe, source, backend: str, opts: BenchOptions, say=lambda line: None) -> tuple[list[Row], dict]:
+    """Rows for fluxtrt's pipeline `pipe` (and diffusers', with baseline=diffusers, plus ratios) and the run's
+    metadata. `say` gets one line per measurement as it starts."""
+    import torch
+
+    from . import __version__
+    from .dtypes import torch_dtype
+
+    steps = opts.steps if opts.steps is not None else (28 if pipe.geo.variant == "dev" else 4)
+    label, dpipe = f"fluxtrt ({backend})", None
+    if opts.baseline == "diffusers":
+        from .models.source import resolve_model
+
+        src = source or resolve_model(pipe.manifest.model.id)
+        on_gpu = pipe.device.type == "cuda"
+        dpipe = src.load_pipeline(torch_dtype(opts.torch_dtype) if on_gpu else torch.float32, pipe.device.type)
+        dpipe.set_progress_bar_config(disable=True)
+        if opts.compile:
+            dpipe.transformer = torch.compile(dpipe.transformer, fullgraph=False, dynamic=False)
+    rows = []
+    for size in opts.sizes:
+        for b in opts.batches:
+            say(f"measuring {label} {size}x{size} batch {b}, {steps} steps ...")
+            ours = bench_fluxtrt(pipe, label, size, size, b, steps, opts.runs, opts.warmup)
+            rows.append(ours)
+            if dpipe is not None:
+                say(f"measuring diffusers {size}x{size} batch {b} ...")
+                base = bench_diffusers(dpipe, pipe.geo, size, size, b, steps, opts.runs, opts.warmup, pipe.device)
+                add_ratios(ours, base)
+                rows.append(base)
+    meta = {"fluxtrt": __version__, "torch": torch.__version__, "device": torch.cuda.get_device_name() if
+            pipe.device.type == "cuda" else "cpu", "backend": backend, "steps": steps, "runs": opts.runs,
+            "warmup": opts.warmup, "compile": opts.compile, "cuda_graph": opts.cuda_graph,
+            "torch_dtype": opts.torch_dtype, "model": source.id if source else pipe.manifest.model.id,
+            "date": time.strftime("%Y-%m-%d"), "variant": pipe.geo.variant}
+    return rows, meta

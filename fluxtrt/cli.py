@@ -1,19 +1,20 @@
-"""The `fluxtrt` command line. Each command is a thin wrapper over one library call; heavy imports
-(torch, onnx, TensorRT) happen inside the commands, so `fluxtrt --help` is instant and needs no GPU."""
+"""The `fluxtrt` command line. Each command parses its options, makes one call into `fluxtrt.api` and renders
+the result (`render.py`); every decision lives in the library. Heavy imports (torch, onnx, TensorRT) happen
+inside the library calls, so `fluxtrt --help` is instant and needs no GPU."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
-import time
 import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 
 from . import __version__
+from . import render as r
 from .errors import FluxtrtError
 
 app = typer.Typer(
@@ -24,15 +25,14 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-# Tables are wide: when writing to a file or pipe (logs, CI), do not cut them at 80 columns.
-console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
-out = Console(width=None if sys.stdout.isatty() else 200)
 _STATE = {"debug": False}
+OOM_HINT = ("try `--low-vram`, a smaller batch or size, or a lower precision (`fluxtrt build -p fp8`, or per "
+            "component `-p transformer=fp8`)")
 
 
 def _version(value: bool):
     if value:
-        out.print(f"fluxtrt {__version__}")
+        r.out.print(f"fluxtrt {__version__}")
         raise typer.Exit()
 
 
@@ -44,54 +44,42 @@ def main(
     _STATE["debug"] = debug or bool(os.environ.get("FLUXTRT_DEBUG"))
 
 
+def _one_line(e: BaseException) -> str | None:
+    """The one line for an error the user can fix, or None (a bug: keep the traceback)."""
+    if isinstance(e, FluxtrtError):
+        return str(e)
+    if isinstance(e, MemoryError):
+        return f"out of memory; {OOM_HINT}"
+    if isinstance(e, RuntimeError) and (type(e).__name__ == "OutOfMemoryError" or any(
+            s in str(e).lower() for s in ("out of memory", "cudaerrormemoryallocation"))):
+        return f"out of GPU memory; {OOM_HINT}"
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return (f"no space left on the device while writing {e.filename or 'a file'}; free some space or use --out "
+                "on another disk (nothing half-written was kept)")
+    if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return (f"cannot write {e.filename or 'a file'}: {e.strerror}; pass --out in a writable folder "
+                "(nothing half-written was kept)")
+    return None
+
+
 def friendly(fn):
-    """Turn FluxtrtError into one red line and exit code 2 (a traceback only with --debug)."""
+    """An error the user can fix is one red line and exit code 2 (a traceback only with --debug)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except FluxtrtError as e:
-            if _STATE["debug"]:
-                raise
-            from rich.markup import escape
-
-            console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
-        except MemoryError:
-            if _STATE["debug"]:
-                raise
-            console.print("[bold red]error:[/] out of memory; try `--low-vram`, a smaller batch or size, or a lower "
-                          "precision (`fluxtrt build --precision transformer=fp8`)")
-            raise typer.Exit(2) from None
-        except RuntimeError as e:  # torch.cuda.OutOfMemoryError and TensorRT allocation failures
-            if _STATE["debug"] or not _is_oom(e):
-                raise
-            console.print("[bold red]error:[/] out of GPU memory; try `--low-vram`, a smaller batch or size, or a "
-                          "lower precision (`fluxtrt build --precision transformer=fp8`)")
-            raise typer.Exit(2) from None
-        except OSError as e:
-            if e.errno != 28 or _STATE["debug"]:  # ENOSPC: say which file and what to do
-                raise
-            console.print(f"[bold red]error:[/] no space left on the device while writing {e.filename or 'a file'}; "
-                          "free some space or use --out on another disk (nothing half-written was kept)")
-            raise typer.Exit(2) from None
         except KeyboardInterrupt:
-            console.print("[yellow]interrupted[/]: nothing half-written was left behind")
+            r.console.print("[yellow]interrupted[/]: nothing half-written was left behind")
             raise typer.Exit(130) from None
+        except Exception as e:
+            line = None if _STATE["debug"] else _one_line(e)
+            if line is None:
+                raise
+            r.error(line)
+            raise typer.Exit(2) from None
 
     return wrapper
-
-
-def _is_oom(e: BaseException) -> bool:
-    text = str(e).lower()
-    return type(e).__name__ == "OutOfMemoryError" or "out of memory" in text or "cudaerrormemoryallocation" in text
-
-
-def _split(values: Optional[list[str]]) -> Optional[list[str]]:
-    if not values:
-        return None
-    return [v.strip() for item in values for v in item.split(",") if v.strip()]
 
 
 def _quiet_libraries():
@@ -104,526 +92,159 @@ def _quiet_libraries():
     warnings.filterwarnings("ignore")
 
 
+def _list(values: Optional[list[str]]) -> list[str]:
+    return [v.strip() for item in values or [] for v in item.split(",") if v.strip()]
+
+
+def _opt(default, *names, help: str):
+    return typer.Option(default, *names, help=help)
+
+
 MODEL_HELP = "Local FLUX.1 diffusers folder, or `tiny` / `tiny-schnell` (embedded random weights)."
-COMPONENTS_HELP = "Components, comma-separated: clip, t5, transformer, vae_decoder, vae_encoder (default: all)."
+MODEL = _opt("tiny", "--model", "-m", help=MODEL_HELP)
+COMPONENTS = _opt(None, "--components", "-c", help="Components, comma-separated: clip, t5, transformer, "
+                  "vae_decoder, vae_encoder (default: all).")
+PRECISION = _opt(None, "--precision", "-p", help="Override the config's precision: `bf16` for every component, "
+                 "`fp8` / `int8-wo` / `int4-wo` for every component that has the recipe (the config's precision "
+                 "for the rest), or per component `transformer=fp8,t5=bf16`.")
+VALIDATE = _opt(True, "--validate/--no-validate", help="Compare every ONNX with PyTorch in ONNX Runtime (needs the "
+                "fp32 model in memory: turn it off for full-size models on small machines).")
+CAL_SIZE = _opt(32, "--calibration-size", help="Calibrated recipes: prompts from the calibration file.")
+CAL_STEPS = _opt(4, "--calibration-steps", help="Calibrated recipes: denoising steps per calibration prompt.")
+CAL_PROMPTS = _opt(None, "--calibration-prompts", help="Calibrated recipes: prompt file (default: the prompts "
+                   "shipped with fluxtrt, calibration/prompts.txt in a checkout).")
+ENGINES = _opt(None, "--engines", "-e", help="Folder written by `fluxtrt build` (OUT/<gpu>).")
+BACKEND = _opt("auto", "--backend", help="tensorrt (engines on an NVIDIA GPU), onnxruntime (the ONNX they were "
+               "built from), torch (the PyTorch modules), or auto.")
+TORCH_DTYPE = _opt("bf16", "--torch-dtype", help="dtype of PyTorch components (and the diffusers baseline) on a "
+                   "GPU: bf16, fp16, fp32.")
+COMPILE = _opt(False, "--compile", help="torch.compile the PyTorch components (and the baseline's).")
+CUDA_GRAPH = _opt(False, "--cuda-graph", help="Capture the transformer step as a CUDA graph.")
+STEPS = _opt(None, "--steps", help="Denoising steps (default: 28 dev, 4 schnell; at most 1000).")
 
 
 @app.command()
 @friendly
 def export(
-    model: str = typer.Option("tiny", "--model", "-m", help=MODEL_HELP),
-    out_dir: Path = typer.Option(Path("onnx"), "--out", "-o", help="Folder for <component>.onnx files."),
-    components: Optional[list[str]] = typer.Option(None, "--components", "-c", help=COMPONENTS_HELP),
-    dtype: str = typer.Option("fp32", "--dtype", help="Weight/activation dtype of the exported graph: fp32, fp16, bf16."),
-    opset: int = typer.Option(19, "--opset", help="ONNX opset."),
-    validate: bool = typer.Option(True, "--validate/--no-validate", help="Compare with PyTorch in ONNX Runtime."),
-    zero_copy: Optional[bool] = typer.Option(
-        None, "--zero-copy/--copy-weights",
-        help="Zero-copy: trace without loading weights; the ONNX points into the model folder's safetensors (nothing "
-             "copied; the graph keeps the stored dtype). Default: zero-copy for each component whose safetensors are "
-             "stored in --dtype, weights copied for the others."),
+    model: str = MODEL, out_dir: Path = _opt(Path("onnx"), "--out", "-o", help="Folder for <component>.onnx files."),
+    components: Optional[list[str]] = COMPONENTS,
+    dtype: str = _opt("fp32", "--dtype", help="Weight/activation dtype of the exported graph: fp32, fp16, bf16."),
+    opset: int = _opt(19, "--opset", help="ONNX opset."), validate: bool = VALIDATE,
+    zero_copy: bool = _opt(False, "--zero-copy/--copy-weights", help="Zero-copy: trace without loading weights; the "
+                           "ONNX's external data are links into the model folder's safetensors (nothing copied; only "
+                           "fluxtrt and TensorRT's parser read it). Default: standard ONNX with its weights."),
 ):
-    """Export each component to ONNX (dynamic batch and image size) and validate it against PyTorch.
-
-    With --zero-copy the weights are never loaded: the graph is traced on PyTorch's meta device and every
-    initializer is external data pointing into the checkpoint's own safetensors files, through links in
-    <out>/<component>.weights/ (keep the model folder where it is). It is the default wherever the checkpoint already
-    holds the exact tensors (safetensors stored in --dtype). Little memory and nothing copied at any size
-    (full FLUX.1-dev transformer on 16 cores: 42 s, 1.05 GB peak RSS, 2.3 MB written: three blocks of each kind are
-    traced and replicated; a later export of the same architecture reuses the cached graph: 6 s)."""
+    """Export each component to ONNX (dynamic batch and image size) and validate it against PyTorch."""
     _quiet_libraries()
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-    from rich.table import Table
-
-    from .export import export_model
+    from . import api
+    from .components import specs_for
     from .models.source import resolve_model
 
-    source = resolve_model(model)
-    names = _split(components)
-    copied = []
-    if zero_copy is None:  # per component: zero-copy where the stored tensors are exactly the graph's
-        from .components import specs_for
-        from .export import torch_dtype, zero_copy_refusal
-
-        torch_dtype(dtype)
-        refusals = {n: zero_copy_refusal(source, s, dtype) for n, s in specs_for(source.geometry, names).items()}
-        zero_copy = frozenset(n for n, why in refusals.items() if why is None)
-        copied = [why for why in refusals.values() if why is not None]
-    phases = ["load", "trace", "save", "validate", "done"] if validate else ["load", "trace", "save", "done"]
-    with Progress(SpinnerColumn(), TextColumn("{task.description:<12}"), BarColumn(), TextColumn("{task.fields[phase]}"),
-                  TimeElapsedColumn(), console=console, transient=False) as bar:
-        from .components import specs_for
-
-        tasks = {n: bar.add_task(n, total=len(phases) - 1, phase="waiting")
-                 for n in specs_for(source.geometry, names)}
-
-        def progress(name, phase):
-            bar.update(tasks[name], completed=phases.index(phase), phase=phase)
-
-        results = export_model(source, out_dir, names, dtype, opset, validate, progress=progress, zero_copy=zero_copy)
-    title = "zero-copy " if all(r.zero_copy for r in results) else ""
-    table = Table(title=f"ONNX {title}export of {source.id} ({source.variant}) -> {out_dir}")
-    for col in ("component", "file", "dtype", "written", "seconds", "max rel err vs PyTorch"):
-        table.add_column(col)
-    for r in results:
-        err = f"{r.max_rel_err:.1e}" if r.max_rel_err is not None else "not validated"
-        name = r.path.name + (" (+ .data)" if r.external_data else "")
-        if r.zero_copy:
-            name += f" -> {r.zero_copy['linked_tensors']} tensors, {_human(r.zero_copy['linked_bytes'])} in the checkpoint"
-            if r.zero_copy["graph"] == "from cache":
-                name += " (graph from cache)"
-        table.add_row(r.component, name, r.dtype, _human(r.bytes), f"{r.seconds:.1f}", err)
-    out.print(table)
-    if copied:
-        out.print("weights copied, not zero-copy: " + "; ".join(copied))
-
-
-def _precision_overrides(values: Optional[list[str]], components) -> dict:
-    """`bf16` (every component) or `transformer=fp16,t5=bf16`."""
-    from .components import ALL
-
-    out = {}
-    for item in _split(values) or []:
-        if "=" in item:
-            comp, prec = item.split("=", 1)
-            out[comp.strip()] = prec.strip()
-        else:
-            out.update({c: item for c in (components or ALL)})
-    return out
+    names = list(specs_for(resolve_model(model).geometry, _list(components) or None))
+    with r.phases(names, with_bar=True, total=5 if validate else 4) as update:
+        summary = api.export(model, out_dir, _list(components), dtype, opset, validate, zero_copy, update)
+    r.export_summary(summary)
 
 
 @app.command()
 @friendly
 def build(
-    gpu: Optional[str] = typer.Option(None, "--gpu", "-g", help="Target GPU: a name in configs/ (3090, 4090, 5090, a100, l40s, h100, h200)."),
-    config: Optional[Path] = typer.Option(None, "--config", help="A custom GPU config YAML instead of --gpu."),
-    model: str = typer.Option("tiny", "--model", "-m", help=MODEL_HELP),
-    out_dir: Path = typer.Option(Path("engines"), "--out", "-o", help="Output root: engines go to OUT/<gpu>/, ONNX to OUT/onnx/."),
-    components: Optional[list[str]] = typer.Option(None, "--components", "-c", help=COMPONENTS_HELP),
-    precision: Optional[list[str]] = typer.Option(None, "--precision", "-p", help="Override the config's precision: `bf16` for all, or `transformer=fp16,t5=bf16`."),
-    static_shape: Optional[bool] = typer.Option(None, "--static-shape/--dynamic-shape", help="Pin the profile to the config's opt batch and resolution (default: the config's choice)."),
-    force: bool = typer.Option(False, "--force", help="Rebuild every stage even if its inputs are unchanged."),
-    calibration_size: int = typer.Option(32, "--calibration-size", help="fp8: prompts from the calibration file."),
-    calibration_steps: int = typer.Option(4, "--calibration-steps", help="fp8: denoising steps per calibration prompt."),
-    calibration_prompts: Optional[Path] = typer.Option(None, "--calibration-prompts", help="fp8: prompt file (default calibration/prompts.txt)."),
-    smoothquant_alpha: float = typer.Option(0.5, "--smoothquant-alpha", help="int8 (W8A8): SmoothQuant migration strength, 0..1."),
-    weightless: bool = typer.Option(False, "--weightless", help="Weight-stripped, refittable engines that `fluxtrt run --weights` fills from a checkpoint (needs a GPU on the build machine: TensorRT-RTX 1.7 refuses it on CPU)."),
-    zero_copy: bool = typer.Option(True, "--zero-copy/--copy-weights", help="Build a component straight from its checkpoint when it is stored in the engine's dtype (bf16 FLUX.1 at bf16 or fp8: no fp32 copy, weights read one at a time); --copy-weights takes the fp32 path (graph passes, every recipe) for all."),
-    validate: bool = typer.Option(True, "--validate/--no-validate", help="Compare every ONNX with PyTorch in ONNX Runtime (needs the fp32 model in memory: turn it off for full-size models on small machines)."),
+    gpu: Optional[str] = _opt(None, "--gpu", "-g", help="Target GPU: a shipped config (3090, 4090, 5090, a100, "
+                              "l40s, h100, h200)."),
+    config: Optional[Path] = _opt(None, "--config", help="A custom GPU config YAML instead of --gpu."),
+    model: Optional[str] = _opt(None, "--model", "-m", help=MODEL_HELP + " (default: tiny, said in the table)"),
+    out_dir: Path = _opt(Path("engines"), "--out", "-o", help="Output root: engines to OUT/<gpu>/, ONNX to OUT/onnx/."),
+    components: Optional[list[str]] = COMPONENTS, precision: Optional[list[str]] = PRECISION,
+    static_shape: Optional[bool] = _opt(None, "--static-shape/--dynamic-shape", help="Pin the profile to the "
+                                        "config's opt batch and resolution (default: the config's choice)."),
+    force: bool = _opt(False, "--force", help="Rebuild every stage even if its inputs are unchanged."),
+    calibration_size: int = CAL_SIZE, calibration_steps: int = CAL_STEPS, calibration_prompts: Optional[Path] = CAL_PROMPTS,
+    smoothquant_alpha: float = _opt(0.5, "--smoothquant-alpha", help="int8 (W8A8): SmoothQuant strength, 0..1."),
+    weightless: bool = _opt(False, "--weightless", help="Weight-stripped, refittable engines that `fluxtrt run "
+                            "--weights` fills from a checkpoint (TensorRT-RTX 1.7 needs a GPU to build them)."),
+    zero_copy: bool = _opt(True, "--zero-copy/--copy-weights", help="Build a component straight from its checkpoint "
+                           "when it is stored in the engine's dtype (no fp32 copy); --copy-weights takes the fp32 "
+                           "path (graph passes, every recipe) for all."),
+    validate: bool = VALIDATE,
 ):
     """Export, optimize (and quantize), then build serialized TensorRT engines for one GPU, reusing every
-    unchanged stage. Each component also gets a weight map (<name>.weights.json: every engine weight's source
-    tensors in the checkpoint) and a weight-free ONNX, so engines and ONNX can take the user's own weights."""
+    unchanged stage; each engine also gets a weight map and a weight-free ONNX for the user's own weights."""
     _quiet_libraries()
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-    from rich.table import Table
+    from . import api
+    from .records import CalibrationSettings
 
-    from .build.backends import get_backend
-    from .build.pipeline import build_gpu
-    from .components import specs_for
-    from .gpus import load_gpu
-    from .models.source import resolve_model
-
-    cfg = load_gpu(gpu, config)
-    get_backend(cfg.backend).check_target(cfg.compute_capability)  # fail before any work
-    names = _split(components)
-    cfg = cfg.with_precision(_precision_overrides(precision, names)) if precision else cfg
-    source = resolve_model(model)
-    with Progress(SpinnerColumn(), TextColumn("{task.description:<12}"), TextColumn("{task.fields[phase]}"),
-                  TimeElapsedColumn(), console=console) as bar:
-        tasks = {n: bar.add_task(n, phase="waiting") for n in specs_for(source.geometry, names)}
-        manifest, results = build_gpu(source, cfg, out_dir, names, static_shape, force,
-                                      progress=lambda n, p: bar.update(tasks[n], phase=p),
-                                      calibration={"size": calibration_size, "steps": calibration_steps,
-                                                   "prompts_file": calibration_prompts, "alpha": smoothquant_alpha},
-                                      weightless=weightless, zero_copy=zero_copy, validate=validate)
-    table = Table(title=f"{cfg.key}: {manifest['backend']} {manifest['backend_version']} for "
-                        f"sm{cfg.compute_capability.replace('.', '')}, model {source.id} ({source.variant}) -> {out_dir / cfg.key}")
-    for col in ("component", "precision", "export", "optimize", "quantize", "build", "layers", "engine size",
-                "seconds", "bytes written", "peak RSS"):
-        table.add_column(col)
-    by = {(r.component, r.stage): r for r in results}
-    for name in tasks:
-        e = manifest["components"][name]
-        stages = [by[(name, s)] for s in ("export", "optimize", "quantize", "build") if (name, s) in by]
-        cells = {r.stage: f"{r.status} {r.seconds:.1f}s" if r.status == "built" else r.status for r in stages}
-        table.add_row(name, e["precision"], *(cells.get(s, "-") for s in ("export", "optimize", "quantize", "build")),
-                      str(e["layers"]), _human(e["bytes"]),
-                      f"{sum(r.seconds for r in stages):.1f}", _human(sum(r.bytes_written for r in stages)),
-                      f"{max(r.peak_rss_mb for r in stages):.0f} MB")
-    out.print(table)
-    if all(r.status in ("reused", "skipped") for r in results):
-        out.print("Nothing to do: every engine is up to date (use --force to rebuild).")
-    out.print(f"manifest: {out_dir / cfg.key / 'manifest.json'}; log: {out_dir / cfg.key / 'build.log'}")
+    calib = CalibrationSettings(calibration_size, calibration_steps, calibration_prompts, smoothquant_alpha)
+    with r.phases([]) as update:
+        summary = api.build(gpu, model, out_dir, _list(components), _list(precision), config, static_shape, force,
+                            calib, weightless, zero_copy, validate, update)
+    r.build_summary(summary)
 
 
 @app.command()
 @friendly
 def calibrate(
-    model: str = typer.Option("tiny", "--model", "-m", help=MODEL_HELP),
-    out_dir: Path = typer.Option(Path("engines"), "--out", "-o", help="Output root (the cache goes to OUT/calibration/)."),
-    recipe: str = typer.Option("fp8", "--recipe", help="Recipe to calibrate for (fp8; weight-only recipes need none)."),
-    size: int = typer.Option(32, "--calibration-size", help="Prompts used from the file."),
-    steps: int = typer.Option(4, "--calibration-steps", help="Denoising steps per prompt."),
-    prompts: Optional[Path] = typer.Option(None, "--calibration-prompts", help="Prompt file (default calibration/prompts.txt)."),
-    resolution: int = typer.Option(1024, "--resolution", help="The profile's opt size; a smaller non-square size is added."),
-    zero_copy: bool = typer.Option(True, "--zero-copy/--copy-weights", help="As for build: calibrate for the engine built straight from a bf16 checkpoint (ranges per linear layer, measured in PyTorch), or for the fp32 path."),
-    device: Optional[str] = typer.Option(None, "--device", help="zero-copy path: where PyTorch runs the pipeline, cpu or cuda (default: cuda if present). A cache made on a GPU serves builds on CPU-only machines: copy OUT/calibration/."),
+    model: str = MODEL, out_dir: Path = _opt(Path("engines"), "--out", "-o", help="Output root (the cache goes to "
+                                             "OUT/calibration/)."),
+    recipe: str = _opt("fp8", "--recipe", help="Recipe to calibrate for (fp8, fp8-attn, int8)."),
+    size: int = CAL_SIZE, steps: int = CAL_STEPS, prompts: Optional[Path] = CAL_PROMPTS,
+    resolution: int = _opt(1024, "--resolution", help="The profile's opt size; a smaller non-square one is added."),
+    zero_copy: bool = _opt(True, "--zero-copy/--copy-weights", help="As for build: ranges per linear layer of a "
+                           "bf16 checkpoint (PyTorch), or of the fp32 path's graph (ONNX Runtime)."),
+    device: Optional[str] = _opt(None, "--device", help="zero-copy path: cpu or cuda (default: cuda if present). "
+                                 "A cache made on a GPU serves builds on CPU-only machines: copy OUT/calibration/."),
 ):
-    """Run calibration alone: run diffusers' pipeline over the prompts, measure activation ranges, and cache them
-    (a later `fluxtrt build --precision transformer=fp8` reuses the cache)."""
+    """Run calibration alone and cache the activation ranges (a later quantized `fluxtrt build` reuses them)."""
     _quiet_libraries()
-    from .build.native import calibrate_native, native_refusal
-    from .build.pipeline import calibrate_graph, optimized_fp32_transformer
-    from .models.source import resolve_model
-    from .quantize.qdq import CALIBRATED
+    from . import api
+    from .records import CalibrationSettings
 
-    if recipe not in CALIBRATED:
-        raise FluxtrtError(f"only {', '.join(CALIBRATED)} need calibration (activation ranges); "
-                           f"'{recipe}' is weight-only or unknown")
-    if size < 1 or steps < 1:
-        raise FluxtrtError("--calibration-size and --calibration-steps must be at least 1")
-    if device not in (None, "cpu", "cuda"):
-        raise FluxtrtError(f"--device {device}: choose cpu or cuda")
-    source = resolve_model(model)
-    calib = {"prompts_file": prompts, "size": size, "steps": steps, "opt_resolution": resolution, "device": device}
-    if zero_copy and native_refusal(source, "transformer", recipe) is None:
-        with console.status("calibrating (PyTorch, max |input| of every linear layer over the prompts)...") as st:
-            cal = calibrate_native(source, out_dir, calib, lambda d, n: st.update(f"calibrating: {d}/{n} prompts"))
-    else:
-        graph = optimized_fp32_transformer(source, out_dir)
-        with console.status("calibrating (running the reference pipeline over the prompts)..."):
-            cal = calibrate_graph(source, graph, recipe, out_dir, calib)
+    settings = CalibrationSettings(size, steps, prompts, opt_resolution=resolution, device=device)
+    with r.console.status("calibrating (running the reference pipeline over the prompts)...") as st:
+        source, cal = api.calibrate(model, out_dir, recipe, settings, zero_copy,
+                                    lambda d, n: st.update(f"calibrating: {d}/{n} prompts"))
     state = "reused the cache" if cal.cached else f"measured {cal.samples} transformer calls"
-    out.print(f"{recipe} calibration for {source.id}: {len(cal.amax)} activation ranges, {state} -> {cal.path}")
+    r.out.print(f"{recipe} calibration for {source.id}: {len(cal.amax)} activation ranges, {state} -> {cal.path}")
 
 
 @app.command()
 @friendly
 def artifacts(
-    gpus: str = typer.Option("4090", "--gpus", help="GPU targets, comma-separated (TensorRT-RTX ones build here, GPU or not)."),
-    model: str = typer.Option("tiny", "--model", "-m", help=MODEL_HELP),
-    engines: Path = typer.Option(Path("engines"), "--engines", help="Build root (engines are built or reused there)."),
-    out_dir: Path = typer.Option(Path("dist"), "--out", "-o", help="Folder for the archives and their .sha256 files."),
-    precision: Optional[list[str]] = typer.Option(None, "--precision", "-p", help="As for build."),
+    gpus: str = _opt("4090", "--gpus", help="GPU targets, comma-separated (TensorRT-RTX ones build here, GPU or not)."),
+    model: str = MODEL, engines: Path = _opt(Path("engines"), "--engines", help="Build root (engines built or reused)."),
+    out_dir: Path = _opt(Path("dist"), "--out", "-o", help="Folder for the archives and their .sha256 files."),
+    precision: Optional[list[str]] = PRECISION,
 ):
     """Build engines for each GPU target and pack each target into one archive with a sha256 file."""
     _quiet_libraries()
-    from .artifacts import pack
-    from .build.pipeline import build_gpu
-    from .gpus import load_gpu
-    from .models.source import resolve_model
+    from . import api
 
-    targets = [g.strip() for g in gpus.split(",") if g.strip()]
-    configs = [load_gpu(g) for g in targets]  # all names checked before any work
-    source = resolve_model(model)
-    for cfg in configs:
-        cfg = cfg.with_precision(_precision_overrides(precision, None)) if precision else cfg
-        with console.status(f"building {cfg.key} ({cfg.sm})..."):
-            build_gpu(source, cfg, engines)
-        archive, sha = pack(engines / cfg.key, out_dir)
-        out.print(f"{cfg.key}: {archive} ({_human(archive.stat().st_size)}), {sha.name}")
+    for cfg, archive, sha in api.artifacts(gpus, model, engines, out_dir, _list(precision), r.console.print):
+        r.out.print(f"{cfg.key}: {archive} ({r.human(archive.stat().st_size)}), {sha.name}")
 
 
 @app.command()
 @friendly
 def unpack(
     archive: Path = typer.Argument(..., help="An archive made by `fluxtrt artifacts` (its .sha256 file beside it)."),
-    out_dir: Path = typer.Option(Path("engines"), "--out", "-o", help="Where the GPU folder is placed."),
-    sha256: Optional[Path] = typer.Option(None, "--sha256", help="The checksum file, if not ARCHIVE.sha256."),
+    out_dir: Path = _opt(Path("engines"), "--out", "-o", help="Where the GPU folder is placed."),
+    sha256: Optional[Path] = _opt(None, "--sha256", help="The checksum file, if not ARCHIVE.sha256."),
 ):
     """Verify an engine archive's checksum and extract it safely (plain files only, no paths out)."""
     from .artifacts import unpack as do_unpack
 
-    folder = do_unpack(archive, out_dir, sha256)
-    out.print(f"verified and unpacked {archive.name} -> {folder} (run: fluxtrt run --engines {folder} --prompt ...)")
+    folder = do_unpack(archive, out_dir, sha256, on_moved=lambda old, new: r.note(
+        f"{old} existed: moved it to {new} (nothing deleted; remove it when you no longer need it)"))
+    r.out.print(f"verified and unpacked {archive.name} -> {folder} (run: fluxtrt run --engines {folder} --prompt ...)")
 
 
 @app.command()
 @friendly
 def inspect(engine_dir: Path = typer.Argument(..., help="A folder written by `fluxtrt build` (OUT/<gpu>).")):
-    """Print an engine folder's manifest and, with TensorRT-RTX, whether this machine can run its engines."""
-    from rich.table import Table
+    """Print an engine folder's manifest, check each engine file's size and sha256, and say whether this
+    machine's TensorRT can run it."""
+    from . import api
 
-    from .build.backends import get_backend
-    from .build.manifest import read_manifest
-    from .errors import BackendUnavailableError
-
-    m = read_manifest(engine_dir)
-    out.print(f"[bold]{m['gpu_name']}[/] ({m['gpu']}, sm{m['compute_capability'].replace('.', '')}) built by "
-              f"{m['backend']} {m['backend_version']}, fluxtrt {m['fluxtrt']}; model {m['model']['id']} "
-              f"({m['model']['variant']}, {m['model']['hash'][:12]}); shapes {m['shape_range']}")
-    backend = get_backend(m["backend"])
-    table = Table()
-    for col in ("component", "precision", "size", "layers", "inputs (min..max)", "this machine"):
-        table.add_column(col)
-    for name, e in m["components"].items():
-        prof = ", ".join(f"{k} {v['min']}..{v['max']}" for k, v in e["profile"].items())
-        try:
-            validity = backend.runtime_validity(Path(engine_dir) / e["engine"]) or "unknown"
-        except BackendUnavailableError as err:
-            validity = f"cannot check: {err}"
-        table.add_row(name, e["precision"], _human(e["bytes"]), str(e["layers"]), prof, validity)
-    out.print(table)
-
-
-def _read_prompts(prompt: Optional[str], prompts_file: Optional[Path]) -> list[str]:
-    from .errors import FluxtrtError
-
-    if (prompt is None) == (prompts_file is None):
-        raise FluxtrtError("pass exactly one of --prompt TEXT or --prompts-file FILE")
-    if prompts_file is not None:
-        try:
-            text = Path(prompts_file).read_bytes().decode("utf-8")
-        except OSError as e:
-            raise FluxtrtError(f"cannot read {prompts_file}: {e.strerror}") from None
-        except UnicodeDecodeError as e:
-            raise FluxtrtError(f"{prompts_file} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
-        prompts = [line.strip() for line in text.splitlines() if line.strip()]
-        if not prompts:
-            raise FluxtrtError(f"{prompts_file} has no prompts (one per line)")
-        return prompts
-    if not prompt.strip():
-        raise FluxtrtError("the prompt is empty; describe the image with --prompt TEXT")
-    return [prompt]
-
-
-def _pick_backend(backend: str, engines: Optional[Path]) -> tuple[str, list[str]]:
-    """(backend, components that fall back to PyTorch). `auto`: the TensorRT executor where this GPU can run
-    the engines; else PyTorch on a CUDA GPU (e.g. TensorRT-RTX on Hopper); else ONNX Runtime. Components the
-    manifest lacks fall back to PyTorch. Each choice is said once."""
-    from .build.manifest import read_manifest
-    from .runtime.pipeline import RUN_COMPONENTS
-
-    if engines is None:
-        return "torch", []
-    manifest = read_manifest(engines)
-    missing = [c for c in RUN_COMPONENTS if c not in manifest["components"]]
-    if missing:
-        console.print(f"[yellow]note:[/] no engine for {', '.join(missing)}: running PyTorch for it", highlight=False)
-    if backend != "auto":
-        return backend, missing
-    from .build.backends import get_backend, local_gpu_capabilities
-    from .errors import FluxtrtError
-    from .runtime.executors import check_gpu_for
-
-    try:
-        check_gpu_for(manifest, get_backend(manifest["backend"]))
-    except FluxtrtError as e:
-        if local_gpu_capabilities():
-            console.print(f"[yellow]note:[/] running the PyTorch modules on this GPU instead ({e})", highlight=False)
-            return "torch", missing
-        console.print(f"[yellow]note:[/] using ONNX Runtime on the engines' source ONNX ({e})", highlight=False)
-        return "onnxruntime", missing
-    too_big = engines_that_do_not_fit(manifest, missing)
-    if too_big:
-        console.print(f"[yellow]note:[/] {', '.join(too_big)} engine(s) do not fit the free GPU memory and were "
-                      "not built with weight streaming: running them with PyTorch on the CPU", highlight=False)
-    return "tensorrt", missing + [f"{c}@cpu" for c in too_big]
-
-
-def engines_that_do_not_fit(manifest: dict, skip=()) -> list[str]:
-    """Components whose engine is larger than the GPU's free memory (weight-streaming engines excepted)."""
-    import torch
-
-    free = torch.cuda.mem_get_info()[0]
-    return [c for c, e in manifest["components"].items()
-            if c not in skip and c != "vae_encoder" and not e.get("weight_streaming") and e["bytes"] > free]
-
-
-@app.command()
-@friendly
-def run(
-    prompt: Optional[str] = typer.Option(None, "--prompt", help="What to draw."),
-    prompts_file: Optional[Path] = typer.Option(None, "--prompts-file", help="UTF-8 file, one prompt per line."),
-    engines: Optional[Path] = typer.Option(None, "--engines", "-e", help="Folder written by `fluxtrt build` (OUT/<gpu>)."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="With --backend torch and no --engines: " + MODEL_HELP),
-    backend: str = typer.Option("auto", "--backend", help="tensorrt (engines on an NVIDIA GPU), onnxruntime (the ONNX they were built from), torch (the PyTorch modules), or auto."),
-    fallback: Optional[list[str]] = typer.Option(None, "--fallback", help="Components to run in PyTorch instead, e.g. t5,transformer."),
-    torch_dtype: str = typer.Option("bf16", "--torch-dtype", help="dtype of PyTorch components: bf16, fp16, fp32."),
-    compile: bool = typer.Option(False, "--compile", help="torch.compile the PyTorch components."),
-    steps: Optional[int] = typer.Option(None, "--steps", help="Denoising steps (default: 28 dev, 4 schnell)."),
-    guidance: float = typer.Option(3.5, "--guidance", help="Distilled guidance scale (dev only; ignored by schnell)."),
-    height: Optional[int] = typer.Option(None, "--height", help="Pixels, a multiple of 16 (default: the profile's opt)."),
-    width: Optional[int] = typer.Option(None, "--width", help="Pixels, a multiple of 16 (default: the profile's opt)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the CPU generator (same seed, same image as diffusers)."),
-    batch: int = typer.Option(1, "--batch", help="Images per call; one prompt is repeated, a prompts file is chunked."),
-    out_path: Path = typer.Option(Path("fluxtrt.png"), "--out", "-o", help="PNG path; several images get -0, -1, ... suffixes."),
-    low_vram: bool = typer.Option(False, "--low-vram", help="Load and free engines stage by stage."),
-    weight_streaming_budget: Optional[int] = typer.Option(None, "--weight-streaming-budget", help="MB of transformer weights kept on the GPU (engines built with weight streaming)."),
-    cuda_graph: bool = typer.Option(False, "--cuda-graph", help="Capture the transformer step as a CUDA graph (TensorRT-RTX's whole-graph strategy)."),
-    allow_host_code: bool = typer.Option(False, "--allow-host-code", help="Let engines with embedded host code load (only for engines you trust)."),
-    weights: Optional[Path] = typer.Option(None, "--weights", help="Your FLUX.1 folder (diffusers layout, safetensors): weights come from it through the build's weight map (weightless engines are refitted; ONNX Runtime fills the weight-free ONNX)."),
-    lora: Optional[Path] = typer.Option(None, "--lora", help="A transformer LoRA (diffusers/peft safetensors) merged into --weights as they load: no rebuild."),
-    lora_scale: float = typer.Option(1.0, "--lora-scale", help="Strength of --lora."),
-):
-    """Generate images from built engines (diffusers' FluxPipeline semantics, seed for seed)."""
-    _quiet_libraries()
-    import logging
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
-
-    from .build.manifest import read_manifest
-    from .errors import FluxtrtError
-    from .runtime.pipeline import FluxEngines
-
-    prompts = _read_prompts(prompt, prompts_file)
-    if batch < 1:
-        raise FluxtrtError(f"--batch must be at least 1, got {batch}")
-    if seed < 0 or seed >= 2**63:
-        raise FluxtrtError(f"--seed must be in 0..2^63-1, got {seed}")
-    if out_path.suffix.lower() != ".png":
-        raise FluxtrtError(f"--out must end in .png, got {out_path}")
-    if engines is None and model is None:
-        engines = Path("engines/4090")
-    source = None
-    if engines is None:
-        from .models.source import resolve_model
-
-        source = resolve_model(model)
-        variant, opt = source.variant, [1, 1024, 1024]
-    else:
-        manifest = read_manifest(engines)
-        variant, opt = manifest["model"]["variant"], manifest["shape_range"]["opt"]
-    height, width = height or opt[1], width or opt[2]
-    steps = steps if steps is not None else (28 if variant == "dev" else 4)
-    chosen, missing = _pick_backend(backend, engines)
-    logging.getLogger("fluxtrt").addHandler(_WarningLine())
-    pipe = FluxEngines(engines, chosen, low_vram, weight_streaming_budget and weight_streaming_budget << 20, cuda_graph,
-                       model=source, fallback=sorted(set(_split(fallback) or []) | set(missing)),
-                       torch_dtype=torch_dtype, compile=compile, allow_host_code=allow_host_code, weights=weights,
-                       lora=lora, lora_scale=lora_scale)
-    chunks = [prompts[i:i + batch] for i in range(0, len(prompts), batch)] if len(prompts) > 1 else [prompts * batch]
-    pipe.check_request(max(len(c) for c in chunks), height, width, steps)  # fail before any work
-    paths, all_timings = [], []
-    many = sum(len(c) for c in chunks) > 1
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console) as bar:
-        task = bar.add_task(f"{chosen} {height}x{width}, {len(chunks)} call(s) x {steps} steps",
-                            total=len(chunks) * steps)
-        for k, chunk in enumerate(chunks):
-            res = pipe.generate(chunk, height, width, steps, guidance, seed + k, on_step=lambda i: bar.advance(task))
-            for j, img in enumerate(res.images):
-                idx = sum(len(c) for c in chunks[:k]) + j
-                dest = out_path.with_name(f"{out_path.stem}-{idx}{out_path.suffix}") if many else out_path
-                _save_png(img, dest)
-                paths.append(dest)
-            all_timings.append(res.timings)
-    table = Table(title="timings (seconds)")
-    for col in ("call", "text encoders", "step mean", "step min", "step max", "VAE decode", "total", "peak GPU GB"):
-        table.add_column(col)
-    for k, t in enumerate(all_timings):
-        st = t.steps or [0.0]
-        mem = f"{t.peak_memory_gb:.2f}" if t.peak_memory_gb is not None else "-"
-        table.add_row(str(k), f"{t.text_encoders:.3f}", f"{sum(st) / len(st):.3f}", f"{min(st):.3f}", f"{max(st):.3f}",
-                      f"{t.vae:.3f}", f"{t.total:.3f}", mem)
-    out.print(table)
-    for p in paths:
-        out.print(f"wrote {p}")
-
-
-@app.command()
-@friendly
-def bench(
-    engines: Optional[Path] = typer.Option(None, "--engines", "-e", help="Folder written by `fluxtrt build`."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="With --backend torch: " + MODEL_HELP + " Also random:flux.1-dev / random:flux.1-schnell (full size, random weights)."),
-    backend: str = typer.Option("auto", "--backend", help="tensorrt, onnxruntime, torch or auto (as for run)."),
-    sizes: str = typer.Option("512", "--sizes", help="Square image sizes in pixels, comma-separated."),
-    batches: str = typer.Option("1", "--batch", help="Batch sizes, comma-separated."),
-    steps: Optional[int] = typer.Option(None, "--steps", help="Denoising steps (default: 28 dev, 4 schnell)."),
-    runs: int = typer.Option(3, "--runs", help="Measured runs per row (median and spread)."),
-    warmup: int = typer.Option(1, "--warmup", help="Unmeasured runs first."),
-    baseline: str = typer.Option("none", "--baseline", help="diffusers: also run diffusers' FluxPipeline in this process and print ratios; none."),
-    torch_dtype: str = typer.Option("bf16", "--torch-dtype", help="dtype for PyTorch components and the diffusers baseline on a GPU (CPU: fp32)."),
-    compile: bool = typer.Option(False, "--compile", help="torch.compile our PyTorch transformer and the baseline's, alike."),
-    cuda_graph: bool = typer.Option(False, "--cuda-graph", help="CUDA-graph the transformer step (torch on GPU; TensorRT-RTX's strategy)."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the table as JSON."),
-    plot_out: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG chart (needs matplotlib)."),
-):
-    """Measure latency per component, seconds per image and peak memory, optionally against diffusers."""
-    _quiet_libraries()
-    import json
-
-    import torch
-    from rich.table import Table
-
-    from . import __version__
-    from .bench import add_ratios, bench_diffusers, bench_fluxtrt, plot, to_json
-    from .errors import FluxtrtError
-    from .fileio import write_json_atomic
-    from .models.source import resolve_model
-    from .runtime.pipeline import FluxEngines
-
-    try:
-        size_list = [int(v) for v in sizes.split(",") if v.strip()]
-        batch_list = [int(v) for v in batches.split(",") if v.strip()]
-    except ValueError:
-        raise FluxtrtError(f"--sizes and --batch take comma-separated integers, got {sizes!r} / {batches!r}") from None
-    if runs < 1 or warmup < 0:
-        raise FluxtrtError("--runs must be at least 1 and --warmup at least 0")
-    if baseline not in ("diffusers", "none"):
-        raise FluxtrtError(f"--baseline is diffusers or none, got {baseline!r}")
-    if plot_out is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise FluxtrtError("--plot needs matplotlib: pip install matplotlib") from None
-    if engines is None and model is None:
-        raise FluxtrtError("pass --engines DIR, or --backend torch --model MODEL")
-    source = resolve_model(model) if engines is None else None
-    chosen, missing = _pick_backend(backend, engines)
-    pipe = FluxEngines(engines, chosen, model=source, fallback=missing, torch_dtype=torch_dtype,
-                       compile=compile, cuda_graph=cuda_graph)
-    variant = pipe.geo.variant
-    steps = steps if steps is not None else (28 if variant == "dev" else 4)
-    label = f"fluxtrt ({chosen})"
-    dpipe = None
-    if baseline == "diffusers":
-        src = source or resolve_model(pipe.manifest["model"]["id"])
-        on_gpu = pipe.device.type == "cuda"
-        dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[torch_dtype] if on_gpu else torch.float32
-        dpipe = src.load_pipeline(dt, pipe.device.type)
-        dpipe.set_progress_bar_config(disable=True)
-        if compile:
-            dpipe.transformer = torch.compile(dpipe.transformer, fullgraph=False, dynamic=False)
-    rows = []
-    for size in size_list:
-        for b in batch_list:
-            console.print(f"measuring {label} {size}x{size} batch {b}, {steps} steps ...", highlight=False)
-            ours = bench_fluxtrt(pipe, label, size, size, b, steps, runs, warmup)
-            rows.append(ours)
-            if dpipe is not None:
-                console.print(f"measuring diffusers {size}x{size} batch {b} ...", highlight=False)
-                base = bench_diffusers(dpipe, pipe.geo, size, size, b, steps, runs, warmup, pipe.device)
-                add_ratios(ours, base)
-                rows.append(base)
-    table = Table(title=f"fluxtrt bench: {pipe.geo.variant}, {steps} steps, {runs} runs (median \\[min-max])")
-    for col in ("system", "size", "batch", "text enc s", "step s", "VAE s", "end-to-end s", "s/image", "img/min",
-                "outside transformer", "peak GB", "speedup vs diffusers"):
-        table.add_column(col)
-
-    def fmt(m):
-        return f"{m.median:.3f} [{m.min:.3f}-{m.max:.3f}]"
-
-    for r in rows:
-        speed = f"{r.ratios['end_to_end_s']:.2f}x (step {r.ratios['transformer_step_s']:.2f}x)" if r.ratios else ""
-        table.add_row(r.system, f"{r.width}x{r.height}", str(r.batch), fmt(r.text_encoders_s), fmt(r.transformer_step_s),
-                      fmt(r.vae_decode_s), fmt(r.end_to_end_s), f"{r.seconds_per_image:.3f}", f"{r.images_per_minute:.1f}",
-                      f"{100 * r.outside_transformer_share:.1f}%", "-" if r.peak_memory_gb is None else f"{r.peak_memory_gb:.1f}",
-                      speed)
-    out.print(table)
-    meta = {"fluxtrt": __version__, "torch": torch.__version__, "device": torch.cuda.get_device_name() if
-            pipe.device.type == "cuda" else "cpu", "backend": chosen, "steps": steps, "runs": runs, "warmup": warmup,
-            "compile": compile, "cuda_graph": cuda_graph, "torch_dtype": torch_dtype,
-            "model": source.id if source else pipe.manifest["model"]["id"], "date": time.strftime("%Y-%m-%d")}
-    if json_out is not None:
-        write_json_atomic(json_out, to_json(rows, meta))
-        out.print(f"wrote {json_out}")
-    if plot_out is not None:
-        plot(rows, plot_out)
-        out.print(f"wrote {plot_out}")
-    del json
+    r.inspection(*api.inspect(engine_dir))
 
 
 class _WarningLine:
@@ -632,7 +253,7 @@ class _WarningLine:
     level = 30
 
     def handle(self, record):
-        console.print(f"[yellow]warning:[/] {record.getMessage()}", highlight=False)
+        r.warning(record.getMessage())
 
     def __getattr__(self, name):  # the logging module probes a few attributes
         import logging
@@ -640,78 +261,94 @@ class _WarningLine:
         return getattr(logging.Handler(), name)
 
 
-def _save_png(image, dest: Path) -> None:
-    import os
-    import tempfile
+@app.command()
+@friendly
+def run(
+    prompt: Optional[str] = _opt(None, "--prompt", help="What to draw."),
+    prompts_file: Optional[Path] = _opt(None, "--prompts-file", help="UTF-8 file, one prompt per line."),
+    engines: Optional[Path] = ENGINES, backend: str = BACKEND, torch_dtype: str = TORCH_DTYPE, compile: bool = COMPILE,
+    model: Optional[str] = _opt(None, "--model", "-m", help="With --backend torch and no --engines: " + MODEL_HELP),
+    fallback: Optional[list[str]] = _opt(None, "--fallback", help="Components to run in PyTorch, e.g. t5,transformer."),
+    steps: Optional[int] = STEPS, seed: int = _opt(0, "--seed", help="Seed of the CPU generator (as diffusers)."),
+    guidance: float = _opt(3.5, "--guidance", help="Distilled guidance scale (dev only; ignored by schnell)."),
+    height: Optional[int] = _opt(None, "--height", help="Pixels, a multiple of 16 (default: the profile's opt)."),
+    width: Optional[int] = _opt(None, "--width", help="Pixels, a multiple of 16 (default: the profile's opt)."),
+    batch: int = _opt(1, "--batch", help="Images per call; one prompt is repeated, a prompts file is chunked."),
+    out_path: Path = _opt(Path("fluxtrt.png"), "--out", "-o", help="PNG path; several images get -0, -1, ... suffixes."),
+    low_vram: bool = _opt(False, "--low-vram", help="Load and free engines stage by stage."),
+    weight_streaming_budget: Optional[int] = _opt(None, "--weight-streaming-budget", help="MB of transformer "
+                                                  "weights kept on the GPU (engines built with weight streaming)."),
+    cuda_graph: bool = CUDA_GRAPH,
+    allow_host_code: bool = _opt(False, "--allow-host-code", help="Let engines with embedded host code load."),
+    weights: Optional[Path] = _opt(None, "--weights", help="Your FLUX.1 folder: weights come from it through the "
+                                   "build's weight map (weightless engines are refitted; ONNX Runtime fills them)."),
+    lora: Optional[Path] = _opt(None, "--lora", help="A transformer LoRA (diffusers/peft) merged into --weights."),
+    lora_scale: float = _opt(1.0, "--lora-scale", help="Strength of --lora."),
+):
+    """Generate images from built engines (diffusers' FluxPipeline semantics, seed for seed)."""
+    _quiet_libraries()
+    import logging
 
-    from PIL import Image
+    from . import api
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".png", dir=dest.parent)
-    os.close(fd)
+    opts = api.RunOptions(engines, model, backend, _list(fallback), torch_dtype, compile, steps, guidance, height,
+                          width, seed, batch, out_path, low_vram, weight_streaming_budget, cuda_graph,
+                          allow_host_code, weights, lora, lora_scale)
+    logging.getLogger("fluxtrt").addHandler(_WarningLine())
+    prompts = api.read_prompts(prompt, prompts_file)
+    with r.phases(["denoise"]) as update:
+        done = api.generate(prompts, opts, on_step=lambda i: update("denoise", f"step {i + 1}"), say=r.note)
+    r.timings(done)
+
+
+@app.command()
+@friendly
+def bench(
+    engines: Optional[Path] = ENGINES, backend: str = BACKEND, torch_dtype: str = TORCH_DTYPE, compile: bool = COMPILE,
+    model: Optional[str] = _opt(None, "--model", "-m", help="With --backend torch: " + MODEL_HELP + " Also "
+                                "random:flux.1-dev / random:flux.1-schnell (full size, random weights)."),
+    sizes: str = _opt("512", "--sizes", help="Square image sizes in pixels, comma-separated."),
+    batches: str = _opt("1", "--batch", help="Batch sizes, comma-separated."), steps: Optional[int] = STEPS,
+    runs: int = _opt(3, "--runs", help="Measured runs per row (median and spread)."),
+    warmup: int = _opt(1, "--warmup", help="Unmeasured runs first."),
+    baseline: str = _opt("none", "--baseline", help="diffusers: also run diffusers' FluxPipeline here; none."),
+    cuda_graph: bool = CUDA_GRAPH,
+    json_out: Optional[Path] = _opt(None, "--json", help="Write the table as JSON."),
+    plot_out: Optional[Path] = _opt(None, "--plot", help="Write a PNG chart (needs matplotlib)."),
+):
+    """Measure latency per component, seconds per image and peak memory, optionally against diffusers."""
+    _quiet_libraries()
+    from . import api
+    from .bench import BenchOptions
+
     try:
-        Image.fromarray(image).save(tmp, format="PNG")
-        from .fileio import _umask_mode
-
-        os.chmod(tmp, _umask_mode())
-        os.replace(tmp, dest)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        opts = BenchOptions([int(v) for v in _list([sizes])], [int(v) for v in _list([batches])], steps, runs, warmup,
+                            baseline, torch_dtype, compile, cuda_graph)
+    except ValueError:
+        raise FluxtrtError(f"--sizes and --batch take comma-separated integers, got {sizes!r} / {batches!r}") from None
+    rows, meta, written = api.bench(engines, model, backend, opts, say=lambda line: r.console.print(line),
+                                    json_out=json_out, plot_out=plot_out)
+    r.bench_rows(rows, meta)
+    for path in written:
+        r.out.print(f"wrote {path}")
 
 
 @app.command()
 @friendly
 def optimize(
-    in_dir: Path = typer.Option(..., "--in", help="Folder written by `fluxtrt export` (fp32)."),
-    out_dir: Path = typer.Option(..., "--out", help="Folder for the optimized ONNX files."),
-    passes: Optional[list[str]] = typer.Option(None, "--passes", help="Passes, comma-separated (default: cleanup, fold_constants, infer_shapes, fuse_projections, fuse_rmsnorm, fuse_gelu_tanh, cleanup)."),
-    dtype: str = typer.Option("fp32", "--dtype", help="Precision placement: fp32, fp16 or bf16 (norms, softmax, outputs stay fp32)."),
-    components: Optional[list[str]] = typer.Option(None, "--components", "-c", help=COMPONENTS_HELP),
+    in_dir: Path = _opt(..., "--in", help="Folder written by `fluxtrt export` (fp32)."),
+    out_dir: Path = _opt(..., "--out", help="Folder for the optimized ONNX files."),
+    passes: Optional[list[str]] = _opt(None, "--passes", help="Passes, comma-separated (default: cleanup, "
+                                       "fold_constants, infer_shapes, fuse_projections, fuse_rmsnorm, fuse_gelu_tanh, "
+                                       "cleanup)."),
+    dtype: str = _opt("fp32", "--dtype", help="Precision placement: fp32, fp16 or bf16 (norms, softmax, outputs fp32)."),
+    components: Optional[list[str]] = COMPONENTS,
 ):
     """Run graph passes and precision placement; print node counts per pass and TensorRT layers before/after."""
     _quiet_libraries()
-    import json
+    from . import api
 
-    from rich.table import Table
-
-    from .components import specs_for
-    from .errors import FluxtrtError
-    from .models.source import resolve_model
-    from .optimize.pipeline import check_passes, optimize_file
-    from .validate import bound_for, compare_onnx
-
-    info_path = in_dir / "export.json"
-    if not info_path.exists():
-        raise FluxtrtError(f"{in_dir} has no export.json; export first with `fluxtrt export --out {in_dir}`")
-    info = json.loads(info_path.read_text())
-    if info.get("dtype") != "fp32":
-        raise FluxtrtError(f"optimize takes an fp32 export (its precision placement casts); {in_dir} is {info.get('dtype')}")
-    pass_names = check_passes(_split(passes))
-    geo = resolve_model(info["model"]).geometry
-    names = _split(components) or list(info["components"])
-    for name, spec in specs_for(geo, names).items():
-        src = in_dir / info["components"][name]["file"]
-        rep = optimize_file(src, out_dir / src.name, name, pass_names, dtype)
-        check = compare_onnx(src, rep.path, spec, geo, bound_for(name, dtype, 1e-5))
-        if not check.ok:
-            raise FluxtrtError(f"optimized {name} disagrees with the export: " + "; ".join(check.failures()))
-        table = Table(title=f"{name}: TensorRT layers {rep.trt_layers_before} -> {rep.trt_layers_after}; "
-                            f"max rel err vs export {check.max_rel_err:.1e}")
-        for col in ("pass", "nodes before", "nodes after", "seconds"):
-            table.add_column(col)
-        for p, before, after, sec in rep.rows:
-            table.add_row(p, str(before), str(after), f"{sec:.2f}")
-        out.print(table)
-    out.print(f"wrote {out_dir}")
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
+    r.optimize_reports(api.optimize(in_dir, out_dir, _list(passes), dtype, _list(components)), out_dir)
 
 
 def run_cli():  # entry point

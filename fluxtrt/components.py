@@ -157,7 +157,7 @@ class ComponentSpec:
         """Fresh random inputs of the right shapes and value ranges (torch tensors, fp32/int64)."""
         import torch
 
-        from .runtime.flux_math import latent_image_ids, text_ids
+        from .flux_math import latent_image_ids, text_ids
 
         g = torch.Generator().manual_seed(seed)
         shapes = self.input_shapes(point, geo)

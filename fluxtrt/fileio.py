@@ -130,9 +130,19 @@ def exclusive_lock(folder: Path, what: str = "fluxtrt build"):
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
             raise FluxtrtError(f"another {what} (pid {holder}) is writing to {folder}; wait for it to finish "
                                "or use another --out") from None
+        try:  # the file may have been removed by the holder we waited on: then this lock guards nothing
+            same = os.fstat(fd).st_ino == os.stat(lock_path).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:
+            raise FluxtrtError(f"another {what} was finishing in {folder}; run again")
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
-        yield
+        try:
+            yield
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock_path)  # leave no lock file behind (still held: nobody else can take it meanwhile)
     finally:
         os.close(fd)
 

@@ -1,4 +1,5 @@
-"""GPU targets: `configs/<gpu>.yaml`, loaded with a safe YAML loader and validated field by field."""
+"""GPU targets: `fluxtrt/data/configs/<gpu>.yaml` (the checkout's `configs/` links there; the wheel ships them),
+loaded with a safe YAML loader and validated field by field."""
 
 from __future__ import annotations
 
@@ -6,22 +7,20 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import precisions
 from .components import ALL as COMPONENTS
 from .components import ShapePoint, ShapeRange
 from .errors import ConfigError
 from .fileio import sha256_json
 
 BACKENDS = ("tensorrt-rtx", "tensorrt")
-PRECISIONS = ("fp32", "fp16", "bf16")
-QUANTIZED = ("fp8", "fp8-attn", "int8", "int8-wo", "int4-wo")  # transformer only: Q/DQ, the rest in bf16
-PLANNED_PRECISIONS = ("fp4",)
 # Compute capabilities TensorRT-RTX 1.7 builds for (it refuses sm90: Hopper needs full TensorRT).
 RTX_CAPABILITIES = ("8.0", "8.6", "8.9", "12.0", "12.1")
 PIXEL_MULTIPLE = 16
 
 
 def configs_dir() -> Path:
-    return Path(os.environ.get("FLUXTRT_CONFIGS", Path(__file__).resolve().parents[1] / "configs"))
+    return Path(os.environ.get("FLUXTRT_CONFIGS", Path(__file__).resolve().parent / "data" / "configs"))
 
 
 def known_gpus() -> list[str]:
@@ -60,6 +59,7 @@ class GpuConfig:
         return ShapeRange(ShapePoint(bmin, rmin, rmin), opt, ShapePoint(bmax, rmax, rmax))
 
     def with_precision(self, overrides: dict) -> "GpuConfig":
+        """The config with some components' precision replaced (`precisions.apply_overrides` reads `-p`)."""
         from dataclasses import replace
 
         merged = {**self.precision, **overrides}
@@ -71,22 +71,7 @@ class GpuConfig:
 def _check_precisions(prec: dict, where: str, compute_capability: str | None = None,
                       backend: str | None = None) -> None:
     for comp, p in prec.items():
-        if comp not in COMPONENTS:
-            raise ConfigError(f"{where}: precision for unknown component '{comp}'; components are {', '.join(COMPONENTS)}")
-        if p in PLANNED_PRECISIONS:
-            raise ConfigError(f"{where}: precision '{p}' for {comp} is not implemented yet (FP4 is planned); "
-                              f"use one of {', '.join(PRECISIONS + QUANTIZED)}")
-        if p in QUANTIZED and comp != "transformer":
-            raise ConfigError(f"{where}: '{p}' quantizes the transformer's linear layers only; {comp} takes "
-                              f"{', '.join(PRECISIONS)}")
-        if p not in PRECISIONS + QUANTIZED:
-            raise ConfigError(f"{where}: precision '{p}' for {comp} is not one of {', '.join(PRECISIONS + QUANTIZED)}")
-        if p == "int8" and backend == "tensorrt-rtx":
-            raise ConfigError(f"{where}: int8 (W8A8) needs the full TensorRT backend; TensorRT-RTX runs INT8 only as "
-                              "weight-only GEMMs: use int8-wo")
-        if p.startswith("fp8") and compute_capability and tuple(map(int, compute_capability.split("."))) < (8, 9):
-            raise ConfigError(f"{where}: fp8 needs compute capability 8.9 or newer (this target is {compute_capability}); "
-                              "use int8-wo or int4-wo")
+        precisions.check(comp, p, where, compute_capability, backend)
 
 
 def _triple(raw, name: str, where: str, multiple: int = 1) -> tuple[int, int, int]:

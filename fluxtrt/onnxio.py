@@ -118,12 +118,22 @@ def linked_arrays(onnx_path: Path, model=None) -> dict:
     return out
 
 
+def onnxruntime():
+    """The onnxruntime module, or one line saying how to install it (an extra: `cpu` or `gpu`, one of the two)."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise FluxtrtError("ONNX Runtime is not installed: pip install 'fluxtrt[cpu]' (or 'fluxtrt[gpu]' for "
+                           "onnxruntime-gpu; install one of the two, not both)") from None
+    return ort
+
+
 def ort_session(onnx_path: Path, providers=("CPUExecutionProvider",), options=None, overrides=None):
     """An ONNX Runtime session; linked initializers are passed in memory-mapped (ORT refuses the links), and
     `overrides` (name -> array) replace initializers (a weight-free ONNX filled from a checkpoint)."""
     import numpy as np
-    import onnxruntime as ort
 
+    ort = onnxruntime()
     options = options or ort.SessionOptions()
     arrays = linked_arrays(onnx_path) if has_linked_data(onnx_path) else {}
     arrays.update({k: np.ascontiguousarray(v) for k, v in (overrides or {}).items()})

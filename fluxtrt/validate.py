@@ -128,10 +128,11 @@ def cpu_session(onnx_path: Path, overrides: dict | None = None):
     """An ONNX Runtime CPU session; bf16 graphs are widened to fp32 first (see upcast_bf16). `overrides`
     (name -> array) replaces initializers, e.g. weights filled from a checkpoint into a weight-free ONNX."""
     import onnx
-    import onnxruntime as ort
     from onnx import TensorProto, numpy_helper
 
-    from .onnxio import load_onnx, ort_session
+    from .onnxio import load_onnx, onnxruntime, ort_session
+
+    ort = onnxruntime()
 
     header = onnx.load(str(onnx_path), load_external_data=False)
     has_bf16 = any(vi.type.tensor_type.elem_type == TensorProto.BFLOAT16

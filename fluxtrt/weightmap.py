@@ -18,6 +18,7 @@ import contextlib
 import contextvars
 import json
 
+from .dtypes import cast, np_dtype
 from .errors import FluxtrtError
 
 KEY = "fluxtrt.weights"
@@ -94,23 +95,6 @@ def evaluate(recipe, get):
     raise FluxtrtError(f"weight map: unknown recipe op '{op}'")
 
 
-def np_dtype(name: str):
-    import numpy as np
-
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
-
-
-def cast(x, to: str):
-    import numpy as np
-
-    with np.errstate(over="ignore"):
-        return x.astype(np_dtype(to))
-
-
 def build_map(model, component: str, subfolder: str, quantized: bool = False) -> dict:
     """The JSON weight map of an optimized ModelProto (from its recorded provenance)."""
     from onnx import helper
@@ -128,86 +112,6 @@ def build_map(model, component: str, subfolder: str, quantized: bool = False) ->
     return {"component": component, "subfolder": subfolder, "refittable": not quantized and bool(entries),
             "reason": reason,
             "weights": entries, "checkpoint_tensors": keys}
-
-
-def read_stored(t):
-    """One safetensors tensor (a zerocopy.StoredTensor) as a numpy array."""
-    import numpy as np
-
-    from .zerocopy import SAFETENSORS_DTYPES
-
-    with open(t.file, "rb") as f:
-        f.seek(t.offset)
-        raw = f.read(t.length)
-    return np.frombuffer(raw, dtype=np_dtype(SAFETENSORS_DTYPES[t.dtype][2])).reshape(t.shape)
-
-
-class CheckpointReader:
-    """Tensors of one component folder's safetensors shards, read by key."""
-
-    def __init__(self, folder):
-        from .zerocopy import checkpoint_index
-
-        self.folder = folder
-        self.index = checkpoint_index(folder)
-
-    def __call__(self, key: str):
-        t = self.index.get(key)
-        if t is None:
-            raise FluxtrtError(f"your checkpoint {self.folder} has no tensor '{key}', which the engine needs; "
-                               "is it the same model (dev/schnell, same architecture) the engines were built for?")
-        return read_stored(t)
-
-
-class Lora:
-    """A LoRA for the transformer in diffusers/peft format (`transformer.<module>.lora_A.weight` [r, in],
-    `.lora_B.weight` [out, r], optional `<module>.alpha`), applied to checkpoint tensors as they are read:
-    W' = W + scale * (alpha / r) * B @ A, before the weight map's recipes (so fused q/k/v get it too)."""
-
-    def __init__(self, path, scale: float = 1.0):
-        from .zerocopy import read_header
-
-        stored = read_header(path)
-        self.path, self.deltas, self.used = path, {}, set()
-        pairs: dict[str, dict] = {}
-        for key, t in stored.items():
-            name = key[len("transformer."):] if key.startswith("transformer.") else key
-            for part in ("lora_A", "lora_B"):
-                if name.endswith(f".{part}.weight"):
-                    pairs.setdefault(name[: -len(f".{part}.weight")], {})[part] = t
-            if name.endswith(".alpha"):
-                pairs.setdefault(name[: -len(".alpha")], {})["alpha"] = t
-        if not pairs or any(key.startswith(("text_encoder", "lora_te")) for key in stored):
-            raise FluxtrtError(f"{path} is not a transformer LoRA in diffusers/peft format "
-                               "(transformer.<module>.lora_A.weight / lora_B.weight)")
-        for module, p in pairs.items():
-            if "lora_A" not in p or "lora_B" not in p:
-                raise FluxtrtError(f"{path}: {module} lacks lora_A or lora_B")
-            a, b = read_stored(p["lora_A"]).astype("float32"), read_stored(p["lora_B"]).astype("float32")
-            rank = a.shape[0]
-            alpha = float(read_stored(p["alpha"]).reshape(-1)[0]) if "alpha" in p else rank
-            self.deltas[f"{module}.weight"] = (b @ a) * (scale * alpha / rank)
-
-    def wrap(self, get):
-        def read(key):
-            w = get(key)
-            delta = self.deltas.get(key)
-            if delta is None:
-                return w
-            if delta.shape != w.shape:
-                raise FluxtrtError(f"LoRA {self.path}: {key} has shape {list(delta.shape)}, the checkpoint's is "
-                                   f"{list(w.shape)}; the LoRA is for another model")
-            self.used.add(key)
-            return cast(w.astype("float32") + delta, str(w.dtype))
-        return read
-
-    def check_all_used(self) -> None:
-        unused = sorted(set(self.deltas) - self.used)
-        if unused:
-            raise FluxtrtError(f"LoRA {self.path} targets weights the transformer does not have: "
-                               f"{', '.join(unused[:3])}" + (" ..." if len(unused) > 3 else ""))
-
-
 
 
 def materialize(weight_map: dict, get) -> dict:
@@ -243,28 +147,3 @@ def write_weightfree(onnx_path, weight_map: dict, dest) -> int:
     data = model.SerializeToString()
     write_bytes_atomic(dest, data)
     return len(data)
-
-
-def refit_engine(engine, trt, logger, weights: dict) -> None:
-    """Fill a refittable (weight-stripped) TensorRT engine with `weights` (name -> array, from `materialize`).
-    Every refittable weight the engine lists must be given; TensorRT checks shapes and types."""
-    import numpy as np
-
-    refitter = trt.Refitter(engine, logger)
-    wanted = set(refitter.get_all_weights())
-    missing = sorted(wanted - set(weights))
-    if missing:
-        raise FluxtrtError(f"the engine wants weights the weight map does not provide: {', '.join(missing[:5])}"
-                           + (" ..." if len(missing) > 5 else "") + "; rebuild the engine and its map together")
-    keep = []  # TensorRT reads the host arrays during refit_cuda_engine
-    for name in sorted(wanted):
-        arr = np.ascontiguousarray(weights[name])
-        keep.append(arr)
-        if arr.dtype == np_dtype("bfloat16"):  # numpy has no bf16: hand TensorRT the buffer and its type
-            w = trt.Weights(trt.DataType.BF16, arr.ctypes.data, arr.size)
-        else:
-            w = trt.Weights(arr)
-        if not refitter.set_named_weights(name, w):
-            raise FluxtrtError(f"TensorRT refused weight {name} {list(arr.shape)} {arr.dtype} from your checkpoint")
-    if not refitter.refit_cuda_engine():
-        raise FluxtrtError("TensorRT could not refit the engine with your checkpoint's weights")

@@ -22,9 +22,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
 
-    from fluxtrt.build.backends import get_backend
-    from fluxtrt.build.engine import build_engine
     from fluxtrt.components import specs_for
+    from fluxtrt.engine.backends import get_backend
+    from fluxtrt.engine.build import build_engine
     from fluxtrt.gpus import load_gpu
     from fluxtrt.models.source import resolve_model
 

@@ -25,8 +25,8 @@ def main() -> None:
 
     from fluxtrt.components import specs_for
     from fluxtrt.export import _quiet_exporter, dynamic_shapes, example_point, export_patches, torch_dtype
+    from fluxtrt.export.zerocopy import empty_component
     from fluxtrt.models.source import resolve_model
-    from fluxtrt.zerocopy import empty_component
 
     src = resolve_model(args.model)
     spec = specs_for(src.geometry, [args.component])[args.component]

@@ -60,7 +60,7 @@ def write_layout(folder: Path, sub: str, out: Path, dtype: str, shard_bytes: int
     import struct
 
     from fluxtrt.export import torch_dtype
-    from fluxtrt.zerocopy import empty_component
+    from fluxtrt.export.zerocopy import empty_component
 
     model, _ = empty_component(folder, sub, torch_dtype(dtype))
     code = {"fp32": "F32", "fp16": "F16", "bf16": "BF16"}[dtype]

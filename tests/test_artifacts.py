@@ -8,10 +8,10 @@ import pytest
 pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installed (pip install -e '.[rtx]')")
 
 from fluxtrt.artifacts import ArtifactError, pack, unpack  # noqa: E402
-from fluxtrt.build.manifest import read_manifest  # noqa: E402
-from fluxtrt.build.pipeline import build_gpu  # noqa: E402
 from fluxtrt.fileio import sha256_file  # noqa: E402
 from fluxtrt.gpus import load_gpu  # noqa: E402
+from fluxtrt.records import read_manifest  # noqa: E402
+from fluxtrt.stages.build import build_gpu  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +28,9 @@ def test_pack_names_checksums_and_roundtrips(packed, tmp_path):
     assert sha.read_text() == f"{sha256_file(archive)}  {archive.name}\n"
     folder = unpack(archive, tmp_path)
     m = read_manifest(folder)
-    assert folder == tmp_path / "4090" and m["compute_capability"] == "8.9"
-    for e in m["components"].values():
-        assert sha256_file(folder / e["engine"]) == e["sha256"]
+    assert folder == tmp_path / "4090" and m.compute_capability == "8.9"
+    for e in m.components.values():
+        assert sha256_file(folder / e.engine) == e.sha256
     assert (folder / "model" / "tokenizer").is_dir()  # `fluxtrt run` needs nothing else
     again, _ = pack(root / "engines" / "4090", tmp_path / "again")
     assert sha256_file(again) == sha256_file(archive)  # deterministic archives
@@ -98,6 +98,27 @@ def test_cli_unpack(packed, tmp_path):
     _, archive, _ = packed
     res = CliRunner().invoke(app, ["unpack", str(archive), "--out", str(tmp_path)])
     assert res.exit_code == 0 and "verified and unpacked" in res.output, res.output
+    # into an existing folder: the user's own files and the old build are moved aside, never deleted
+    (tmp_path / "4090" / "my-notes.txt").write_text("mine")
+    res = CliRunner().invoke(app, ["unpack", str(archive), "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "4090.previous" / "my-notes.txt").read_text() == "mine"
+    assert "moved it to" in " ".join(res.output.split()) and not (tmp_path / "4090" / "my-notes.txt").exists()
+    assert read_manifest(tmp_path / "4090") == read_manifest(tmp_path / "4090.previous")
+    res = CliRunner().invoke(app, ["unpack", str(archive), "--out", str(tmp_path)])
+    assert res.exit_code == 0 and (tmp_path / "4090.previous-2" / "manifest.json").is_file()
+
+
+def test_run_on_unpacked_archive_without_onnx_names_the_working_path(packed, tmp_path):
+    """An unpacked archive carries no ONNX of the build machine: ONNX Runtime needs the user's weights, and the
+    error says so instead of 'rebuild'."""
+    from fluxtrt.errors import FluxtrtError
+    from fluxtrt.runtime.pipeline import FluxEngines
+
+    _, archive, _ = packed
+    folder = unpack(archive, tmp_path)
+    with pytest.raises(FluxtrtError, match="--weights YOUR_FLUX_FOLDER"):
+        FluxEngines(folder, "onnxruntime").generate(["a cat"], 256, 256, 1)
 
 
 def test_unpacked_archive_runs_with_the_users_weights(packed, tmp_path, tiny_schnell):
@@ -110,8 +131,8 @@ def test_unpacked_archive_runs_with_the_users_weights(packed, tmp_path, tiny_sch
 
     root, archive, _ = packed
     folder = unpack(archive, tmp_path)
-    for e in read_manifest(folder)["components"].values():
-        assert (folder / e["weight_map"]).is_file() and (folder / e["weightfree_onnx"]).is_file()
+    for e in read_manifest(folder).components.values():
+        assert (folder / e.weight_map).is_file() and (folder / e.weightfree_onnx).is_file()
     args = (["a lighthouse at dusk"], 256, 256, 2, 0.0)
     mine = FluxEngines(folder, "onnxruntime", weights=tiny_schnell.path).generate(*args, seed=4).images
     theirs = FluxEngines(root / "engines" / "4090", "onnxruntime").generate(*args, seed=4).images

@@ -16,8 +16,8 @@ RANGE = ShapeRange(ShapePoint(1, 256, 256), ShapePoint(1, 512, 512), ShapePoint(
 @pytest.fixture(scope="module")
 def fake_engines(tmp_path_factory):
     """An engine folder whose manifest declares profiles (no engine is built: request checks need none)."""
-    from fluxtrt.build.pipeline import copy_model_assets
     from fluxtrt.models.source import resolve_model
+    from fluxtrt.stages.build import copy_model_assets
 
     src = resolve_model("tiny-schnell")
     folder = tmp_path_factory.mktemp("fake") / "4090"
@@ -28,8 +28,10 @@ def fake_engines(tmp_path_factory):
         prof = {k: {"min": list(lo), "opt": list(opt), "max": list(hi)} for k, (lo, opt, hi) in
                 spec.profile(RANGE, src.geometry).items()}
         comps[name] = {"engine": f"{name}.engine", "sha256": "0" * 64, "onnx": f"onnx/{name}.onnx",
-                       "onnx_sha256": "0" * 64, "profile": prof, "inputs": [], "outputs": [], "precision": "fp32"}
-    manifest = {"schema": 1, "backend": "tensorrt-rtx", "backend_version": "1.7.1.116", "gpu": "4090",
+                       "onnx_sha256": "0" * 64, "profile": prof, "inputs": [], "outputs": [], "precision": "fp32",
+                       "bytes": 1, "build_key": "0" * 64, "layers": 1}
+    manifest = {"schema": 2, "fluxtrt": "0.1.0", "config_hash": "0" * 64, "vram_gb": 24.0, "static_shape": False,
+                "pixel_multiple": 16, "backend": "tensorrt-rtx", "backend_version": "1.7.1.116", "gpu": "4090",
                 "gpu_name": "NVIDIA GeForce RTX 4090", "compute_capability": "8.9",
                 "model": {"id": "tiny-schnell", "hash": src.content_hash, "variant": "schnell"},
                 "shape_range": {"min": [1, 256, 256], "opt": [1, 512, 512], "max": [4, 1024, 1024]},
@@ -102,6 +104,8 @@ def test_host_code_engines_are_refused_unless_allowed(tmp_path):
     class Logger:
         errors = []
 
+    from .helpers import entry as make_entry
+
     class Runtime:
         def __init__(self, logger):
             self.logger = logger
@@ -124,7 +128,7 @@ def test_host_code_engines_are_refused_unless_allowed(tmp_path):
         def runtime_validity(self, path):
             return None
 
-    entry = {"sha256": sha256_file(engine), "inputs": [], "outputs": [], "profile": {}}
+    entry = make_entry(sha256=sha256_file(engine))
     with pytest.raises(FluxtrtError, match="embeds host code: pass --allow-host-code only if you trust"):
         TensorRTExecutor("transformer", entry, engine, Backend()).activate()
     assert seen["engine_host_code_allowed"] is False
@@ -146,4 +150,6 @@ def test_very_long_prompt_is_truncated_with_a_warning(caplog):
     msgs = [r.getMessage() for r in caplog.records]
     assert any("prompt truncated to 77 CLIP tokens" in m for m in msgs)
     assert any("prompt truncated to 256 T5 tokens" in m for m in msgs)  # schnell: T5's own length, not CLIP's
+    for m in msgs:  # one short line with the counts, not the dropped text
+        assert "\n" not in m and len(m) < 120 and "words dropped" in m, m
     assert res.images.shape == (1, 256, 256, 3)

@@ -8,15 +8,15 @@ import yaml
 
 pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installed (pip install -e '.[rtx]')")
 
-from fluxtrt.build.backends import TensorRT, TensorRTRTX, get_backend  # noqa: E402
-from fluxtrt.build.engine import BuildError, apply_profile  # noqa: E402
-from fluxtrt.build.manifest import read_manifest  # noqa: E402
-from fluxtrt.build.pipeline import build_gpu  # noqa: E402
 from fluxtrt.components import specs_for  # noqa: E402
+from fluxtrt.engine.backends import TensorRT, TensorRTRTX, get_backend  # noqa: E402
+from fluxtrt.engine.build import BuildError, apply_profile  # noqa: E402
 from fluxtrt.errors import BackendUnavailableError  # noqa: E402
 from fluxtrt.fileio import sha256_file  # noqa: E402
 from fluxtrt.gpus import configs_dir, load_config_file, load_gpu  # noqa: E402
 from fluxtrt.models.source import resolve_model  # noqa: E402
+from fluxtrt.records import read_manifest  # noqa: E402
+from fluxtrt.stages.build import build_gpu  # noqa: E402
 
 _BUILDS = {}
 
@@ -38,34 +38,34 @@ def check_manifest(root, src, cfg, manifest):
     geo = src.geometry
     gpu_dir = root / cfg.key
     assert read_manifest(gpu_dir) == manifest
-    assert manifest["backend"] == "tensorrt-rtx" and manifest["backend_version"] == TensorRTRTX().version
-    assert manifest["compute_capability"] == cfg.compute_capability
-    assert manifest["model"] == {"id": src.id, "hash": src.content_hash, "variant": src.variant}
-    assert manifest["config_hash"] == cfg.config_hash
+    assert manifest.backend == "tensorrt-rtx" and manifest.backend_version == TensorRTRTX().version
+    assert manifest.compute_capability == cfg.compute_capability
+    assert vars(manifest.model) == {"id": src.id, "hash": src.content_hash, "variant": src.variant}
+    assert manifest.config_hash == cfg.config_hash
     rng = cfg.shape_range()
     specs = specs_for(geo)
-    assert set(manifest["components"]) == set(specs)
+    assert set(manifest.components) == set(specs)
     for name, spec in specs.items():
-        e = manifest["components"][name]
-        assert e["precision"] == cfg.precision[name]
-        assert sha256_file(gpu_dir / e["engine"]) == e["sha256"] and e["bytes"] > 10_000
-        assert sha256_file(root / e["onnx"]) == e["onnx_sha256"]
-        assert e["onnx"].split("/")[1].endswith(f"-{cfg.precision[name]}-opt")  # built from the optimized graph
-        assert [i["name"] for i in e["inputs"]] == [t.name for t in spec.inputs]
-        assert [o["name"] for o in e["outputs"]] == [t.name for t in spec.outputs]
+        e = manifest.components[name]
+        assert e.precision == cfg.precision[name]
+        assert sha256_file(gpu_dir / e.engine) == e.sha256 and e.bytes > 10_000
+        assert sha256_file(root / e.onnx) == e.onnx_sha256
+        assert e.onnx.split("/")[1].endswith(f"-{cfg.precision[name]}-opt")  # built from the optimized graph
+        assert [i["name"] for i in e.inputs] == [t.name for t in spec.inputs]
+        assert [o["name"] for o in e.outputs] == [t.name for t in spec.outputs]
         # the profile TensorRT holds covers exactly the documented range (256..1536 px, batch 1..4)
         want = spec.profile(rng, geo)
         for inp, (lo, opt, hi) in want.items():
-            assert e["profile"][inp] == {"min": list(lo), "opt": list(opt), "max": list(hi)}, (name, inp)
-        assert e["layers"] > 10 and e["build_seconds"] > 0 and e["peak_rss_mb"] > 100
+            assert e.profile[inp] == {"min": list(lo), "opt": list(opt), "max": list(hi)}, (name, inp)
+        assert e.layers > 10 and e.build_seconds > 0 and e.peak_rss_mb > 100
         # footprint per stage: wall time, bytes written, peak RSS (as measured when the stage ran)
-        assert set(e["stages"]) == {"export", "optimize", "build"}
-        for st in e["stages"].values():
+        assert set(e.stages) == {"export", "optimize", "build"}
+        for st in e.stages.values():
             if st["status"] == "built":
                 assert st["seconds"] > 0 and st["bytes_written"] > 0 and st["peak_rss_mb"] > 100
-        assert e["stages"]["build"]["bytes_written"] in (0, e["bytes"])
-        assert e["weight_streaming"] == (name in cfg.weight_streaming)
-        dtypes = {i["name"]: i["dtype"] for i in e["inputs"]}
+        assert e.stages["build"]["bytes_written"] in (0, e.bytes)
+        assert e.weight_streaming == (name in cfg.weight_streaming)
+        dtypes = {i["name"]: i["dtype"] for i in e.inputs}
         float_in = [t.name for t in spec.inputs if t.is_float]
         expect = {"fp32": "float", "fp16": "half", "bf16": "bf16"}[cfg.precision[name]]
         assert all(dtypes[n] == expect for n in float_in), (name, dtypes)
@@ -76,8 +76,8 @@ def test_build_sm89(built, model):
     root, src, cfg, manifest, results = built(model, "4090")
     check_manifest(root, src, cfg, manifest)
     assert {r.status for r in results if r.stage == "build"} == {"built"}
-    tr = manifest["components"]["transformer"]
-    assert ("guidance" in [i["name"] for i in tr["inputs"]]) == (model == "tiny")
+    tr = manifest.components["transformer"]
+    assert ("guidance" in [i["name"] for i in tr.inputs]) == (model == "tiny")
 
 
 @pytest.mark.slow
@@ -87,7 +87,7 @@ def test_build_sm86_reuses_exports(built, model):
     root, src, cfg, manifest, results = built(model, "3090")
     check_manifest(root, src, cfg, manifest)
     assert all(r.status == "reused" for r in results if r.stage in ("export", "optimize"))  # ONNX shared across GPUs
-    assert manifest["compute_capability"] == "8.6"
+    assert manifest.compute_capability == "8.6"
 
 
 def test_second_build_is_a_noop(built):
@@ -96,7 +96,7 @@ def test_second_build_is_a_noop(built):
     manifest2, results = build_gpu(src, cfg, root)
     assert results and all(r.status == "reused" for r in results)
     assert {p.name: p.stat().st_mtime_ns for p in (root / "4090").glob("*.engine")} == mtimes
-    assert manifest2["components"] == manifest["components"]
+    assert manifest2.components == manifest.components
 
 
 def test_changed_config_rebuilds_only_what_changed(built, tmp_path):
@@ -110,7 +110,7 @@ def test_changed_config_rebuilds_only_what_changed(built, tmp_path):
     status = {(r.component, r.stage): r.status for r in results}
     assert status.pop(("vae_decoder", "optimize")) == "built" and status.pop(("vae_decoder", "build")) == "built"
     assert set(status.values()) == {"reused"}
-    assert manifest2["components"]["vae_decoder"]["precision"] == "fp16"
+    assert manifest2.components["vae_decoder"].precision == "fp16"
     # restore, so other tests see the shipped config's engines (the fp32 export is reused)
     build_gpu(src, cfg, root)
 
@@ -122,7 +122,7 @@ def test_interrupted_engine_write_is_not_trusted(built):
     engine.write_bytes(engine.read_bytes()[:1000])
     _, results = build_gpu(src, cfg, root, components=["clip"])
     assert {(r.stage, r.status) for r in results} == {("export", "reused"), ("optimize", "reused"), ("build", "built")}
-    assert sha256_file(engine) == read_manifest(root / "4090")["components"]["clip"]["sha256"]
+    assert sha256_file(engine) == read_manifest(root / "4090").components["clip"].sha256
 
 
 def test_profile_names_are_checked_against_the_network(tiny_schnell, built):
@@ -132,7 +132,7 @@ def test_profile_names_are_checked_against_the_network(tiny_schnell, built):
     builder = trt.Builder(backend.logger)
     net = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(net, backend.logger)
-    onnx_file = root / read_manifest(root / "4090")["components"]["clip"]["onnx"]
+    onnx_file = root / read_manifest(root / "4090").components["clip"].onnx
     assert parser.parse_from_file(str(onnx_file))
     with pytest.raises(BuildError, match="profile inputs \\['ids'\\] not in the network.*network has input_ids"):
         apply_profile(net, builder.create_optimization_profile(), {"ids": ((1, 77),) * 3}, "clip")
@@ -148,7 +148,7 @@ def test_full_tensorrt_missing_package_is_a_clear_error(monkeypatch):
 
 def test_full_tensorrt_without_target_gpu_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt", types.SimpleNamespace(__version__="10.13"))
-    monkeypatch.setattr("fluxtrt.build.backends.local_gpu_capabilities", lambda: [])
+    monkeypatch.setattr("fluxtrt.engine.backends.local_gpu_capabilities", lambda: [])
     with pytest.raises(BackendUnavailableError, match="builds only for the GPU it runs on.*sm90.*no CUDA GPU"):
         TensorRT().check_target("9.0")
 
@@ -188,16 +188,16 @@ def test_plan_is_streamed_to_disk_and_a_failed_write_leaves_nothing(built, tmp_p
     import errno
 
     from fluxtrt import fileio
-    from fluxtrt.build.engine import build_engine
+    from fluxtrt.engine.build import build_engine
 
     root, src, cfg, manifest, _ = built("tiny-schnell", "4090")
-    entry = manifest["components"]["clip"]
+    entry = manifest.components["clip"]
     spec = specs_for(src.geometry, ["clip"])["clip"]
     backend = get_backend(cfg.backend)
-    onnx_file = root / entry["onnx"]
+    onnx_file = root / entry.onnx
     out = tmp_path / "clip.engine"
     engine = build_engine(backend, onnx_file, spec, src.geometry, cfg.shape_range(), cfg.compute_capability, out)
-    assert engine.bytes == out.stat().st_size > 0 and engine.sha256 == sha256_file(out) == entry["sha256"]
+    assert engine.bytes == out.stat().st_size > 0 and engine.sha256 == sha256_file(out) == entry.sha256
 
     real = fileio.atomic_file
 

@@ -7,7 +7,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift as diffusers_shift
 
-from fluxtrt.runtime import flux_math as fm
+from fluxtrt import flux_math as fm
 
 DEV = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
            base_image_seq_len=256, max_image_seq_len=4096)

@@ -13,6 +13,7 @@ import torch
 from fluxtrt.components import specs_for
 from fluxtrt.quantize.native import quantize_weight_fp8
 from fluxtrt.quantize.qdq import FP8_MAX, linear_weight, plan
+from fluxtrt.records import CalibrationSettings  # noqa: E402
 
 E4M3_REL = 2.0 ** -4  # 3 mantissa bits: round to nearest is within half a step, 2^-4 of the value
 E4M3_MIN_NORMAL = 2.0 ** -6
@@ -34,16 +35,17 @@ def test_fp8_weight_is_e4m3_of_the_bf16_weight(transposed):
     big = np.abs(want) >= E4M3_MIN_NORMAL * scale
     assert np.all(np.abs(deq - want)[big] <= E4M3_REL * np.abs(want)[big] + 1e-12)
     assert np.all(np.abs(deq - want)[~big] <= 2.0 ** -10 * scale)  # subnormal steps are 2^-9 * scale
-    assert np.abs(deq).max() <= FP8_MAX * scale and np.abs(q.view(ml_dtypes.float8_e4m3fn).astype(np.float32)).max() >= 0.9 * FP8_MAX
+    assert np.abs(deq).max() <= FP8_MAX * scale
+    assert np.abs(q.view(ml_dtypes.float8_e4m3fn).astype(np.float32)).max() >= 0.9 * FP8_MAX
 
 
 def test_module_ranges_match_onnx_runtime_ranges(tiny_dev, tmp_path):
     """The PyTorch hook on each nn.Linear measures the same tensor ONNX Runtime sees at the MatMul that the
     linear layer became (fused q/k/v included, found through the weight map), on the same prompts."""
     from fluxtrt import weightmap
-    from fluxtrt.build.pipeline import optimized_fp32_transformer
     from fluxtrt.quantize.calibration import activation_ranges, collect_inputs, linear_input_ranges
     from fluxtrt.quantize.native import module_of
+    from fluxtrt.stages.fp32_plan import optimized_fp32_transformer
 
     prompts, sizes = ["a red fox in the snow", "a lighthouse at night"], [(64, 64), (48, 80)]
     amax, calls = linear_input_ranges(tiny_dev, prompts, sizes, 2, "fp32", "cpu")
@@ -73,35 +75,35 @@ def _sha_files(folder):
 @pytest.fixture(scope="module")
 def fp8_build(tiny_bf16, tmp_path_factory):
     pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installed (pip install -e '.[rtx]')")
-    from fluxtrt.build.pipeline import build_gpu
     from fluxtrt.gpus import load_gpu
+    from fluxtrt.stages.build import build_gpu
 
     root = tmp_path_factory.mktemp("native-fp8")
     before = _sha_files(tiny_bf16.path / "transformer")
     cfg = load_gpu("4090").with_precision({"transformer": "fp8"})
-    calib = {"size": 3, "steps": 2}
+    calib = CalibrationSettings(size=3, steps=2)
     manifest, results = build_gpu(tiny_bf16, cfg, root, ["transformer"], calibration=calib)
     return tiny_bf16, cfg, root, manifest, results, before, calib
 
 
 def test_fp8_build_takes_the_zero_copy_path(fp8_build):
     src, cfg, root, manifest, results, before, _ = fp8_build
-    e = manifest["components"]["transformer"]
-    q = e["quantization"]
+    e = manifest.components["transformer"]
+    q = e.quantization
     assert q["path"] == "zero-copy" and q["recipe"] == "fp8" and not q["calibration_cached"]
-    assert {k: v["status"] for k, v in e["stages"].items()} == \
+    assert {k: v["status"] for k, v in e.stages.items()} == \
         {"export": "built", "optimize": "skipped", "quantize": "built", "build": "built"}
-    assert e["stages"]["quantize"]["bytes_written"] >= q["fp8_weight_bytes"] > 0
-    assert e["onnx"].endswith("-fp8-zc/transformer.onnx")
-    opt = json.loads((root / "onnx" / e["onnx"].split("/")[1] / "optimize.json").read_text())
+    assert e.stages["quantize"]["bytes_written"] >= q["fp8_weight_bytes"] > 0
+    assert e.onnx.endswith("-fp8-zc/transformer.onnx")
+    opt = json.loads((root / "onnx" / e.onnx.split("/")[1] / "optimize.json").read_text())
     assert 0 < opt["components"]["transformer"]["max_rel_err"] <= 1.5e-1  # ONNX Runtime vs fp32 PyTorch
     assert _sha_files(src.path / "transformer") == before  # the checkpoint is only read
     zc = onnx.load(str(next((root / "onnx").glob("*-bf16-zc")) / "transformer.onnx"), load_external_data=False)
     assert q["quantized_layers"] == len(plan(zc, "fp8").quantized) > 10 and len(q["kept_in_high_precision"]) == 3
     spec = specs_for(src.geometry)["transformer"]
-    assert [i["name"] for i in e["inputs"]] == [t.name for t in spec.inputs]
+    assert [i["name"] for i in e.inputs] == [t.name for t in spec.inputs]
     for name, (lo, opt, hi) in spec.profile(cfg.shape_range(None), src.geometry).items():
-        assert e["profile"][name] == {"min": list(lo), "opt": list(opt), "max": list(hi)}, name
+        assert e.profile[name] == {"min": list(lo), "opt": list(opt), "max": list(hi)}, name
 
 
 def test_fp8_graph_stores_only_fp8_weights(fp8_build):
@@ -109,9 +111,9 @@ def test_fp8_graph_stores_only_fp8_weights(fp8_build):
     from fluxtrt.onnxio import external_info
 
     src, cfg, root, manifest, *_ = fp8_build
-    path = root / manifest["components"]["transformer"]["onnx"]
+    path = root / manifest.components["transformer"].onnx
     model = onnx.load(str(path), load_external_data=False)
-    q = manifest["components"]["transformer"]["quantization"]
+    q = manifest.components["transformer"].quantization
     fp8 = [t for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT8E4M3FN and t.dims]
     assert len(fp8) == q["quantized_layers"]
     assert all(external_info(t)["location"] == "transformer.onnx.data" for t in fp8)
@@ -128,11 +130,11 @@ def test_fp8_activation_scales_come_from_the_module_ranges(fp8_build):
     from fluxtrt.quantize.native import module_of
 
     src, cfg, root, manifest, *_ = fp8_build
-    e = manifest["components"]["transformer"]
-    amax = json.loads((root / e["quantization"]["calibration_file"]).read_text())["amax"]
+    e = manifest.components["transformer"]
+    amax = json.loads((root / e.quantization["calibration_file"]).read_text())["amax"]
     zc = onnx.load(str(next((root / "onnx").glob("*-bf16-zc")) / "transformer.onnx"), load_external_data=False)
     prov = weightmap.read(zc)
-    model = onnx.load(str(root / e["onnx"]), load_external_data=False)
+    model = onnx.load(str(root / e.onnx), load_external_data=False)
     inits = {t.name: t for t in model.graph.initializer}
     nodes = {n.name: n for n in model.graph.node}
     checked = 0
@@ -145,11 +147,11 @@ def test_fp8_activation_scales_come_from_the_module_ranges(fp8_build):
             want = float(torch.tensor(amax[module] / FP8_MAX).to(torch.bfloat16).float())
             assert float(scale) == want, (n.name, module)
             checked += 1
-    assert checked == e["quantization"]["quantized_layers"]
+    assert checked == e.quantization["quantized_layers"]
 
 
 def test_rebuild_reuses_every_stage_and_the_calibration(fp8_build):
-    from fluxtrt.build.pipeline import build_gpu
+    from fluxtrt.stages.build import build_gpu
 
     src, cfg, root, manifest, _, _, calib = fp8_build
     _, results = build_gpu(src, cfg, root, ["transformer"], calibration=calib)
@@ -161,17 +163,17 @@ def test_calibrate_cli_fills_the_cache_the_build_reads(tiny_bf16, tmp_path):
     pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installed (pip install -e '.[rtx]')")
     from typer.testing import CliRunner
 
-    from fluxtrt.build.pipeline import build_gpu
     from fluxtrt.cli import app
     from fluxtrt.gpus import load_gpu
+    from fluxtrt.stages.build import build_gpu
 
     res = CliRunner().invoke(app, ["calibrate", "-m", str(tiny_bf16.path), "-o", str(tmp_path), "--device", "cpu",
                                    "--calibration-size", "2", "--calibration-steps", "1", "--resolution", "1024"])
     assert res.exit_code == 0 and "linear" not in res.output and "measured" in res.output, res.output
     cfg = load_gpu("4090").with_precision({"transformer": "fp8"})
-    manifest, _ = build_gpu(tiny_bf16, cfg, tmp_path, ["transformer"], calibration={"size": 2, "steps": 1},
+    manifest, _ = build_gpu(tiny_bf16, cfg, tmp_path, ["transformer"], calibration=CalibrationSettings(size=2, steps=1),
                             validate=False)
-    q = manifest["components"]["transformer"]["quantization"]
+    q = manifest.components["transformer"].quantization
     assert q["calibration_cached"] and q["path"] == "zero-copy"
     res = CliRunner().invoke(app, ["calibrate", "-m", str(tiny_bf16.path), "--device", "tpu"])
     assert res.exit_code == 2 and "--device tpu" in res.output
@@ -183,15 +185,15 @@ def test_calibrate_cli_fills_the_cache_the_build_reads(tiny_bf16, tmp_path):
 
 def test_copy_weights_takes_the_fp32_path(tiny_bf16, tmp_path):
     pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installed (pip install -e '.[rtx]')")
-    from fluxtrt.build.native import native_refusal
-    from fluxtrt.build.pipeline import build_gpu
     from fluxtrt.gpus import load_gpu
+    from fluxtrt.stages.build import build_gpu
+    from fluxtrt.stages.zerocopy_plan import native_refusal
 
     assert native_refusal(tiny_bf16, "transformer", "bf16") is None
     assert "fp32 graph" in native_refusal(tiny_bf16, "transformer", "int8")
     assert "stored in fp32" in native_refusal(tiny_bf16, "clip", "fp16")
     manifest, _ = build_gpu(tiny_bf16, load_gpu("4090"), tmp_path, ["transformer"], zero_copy=False)
-    assert manifest["components"]["transformer"]["onnx"].endswith("-bf16-opt/transformer.onnx")
+    assert manifest.components["transformer"].onnx.endswith("-bf16-opt/transformer.onnx")
 
 
 @pytest.mark.slow
@@ -200,14 +202,14 @@ def test_zero_copy_engines_run_like_diffusers(tiny_bf16, tmp_path):
     the fp32 path: `fluxtrt run`'s pipeline on ONNX Runtime matches diffusers (fp32 compute on the same stored
     weights) step by step."""
     pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installed (pip install -e '.[rtx]')")
-    from fluxtrt.build.pipeline import build_gpu
     from fluxtrt.gpus import load_gpu
     from fluxtrt.runtime.pipeline import FluxEngines
+    from fluxtrt.stages.build import build_gpu
     from tests.test_runtime import MAX_UINT8_DIFF, reference
 
     cfg = load_gpu("4090").with_precision({"clip": "fp32", "t5": "bf16", "transformer": "bf16", "vae_decoder": "fp32"})
     manifest, _ = build_gpu(tiny_bf16, cfg, tmp_path, ["clip", "t5", "transformer", "vae_decoder"])
-    paths = {n: e["onnx"] for n, e in manifest["components"].items()}
+    paths = {n: e.onnx for n, e in manifest.components.items()}
     assert paths["t5"].endswith("-bf16-zc/t5.onnx") and paths["transformer"].endswith("-bf16-zc/transformer.onnx")
     assert paths["clip"].endswith("-fp32-opt/clip.onnx")
     seed = int(np.random.default_rng().integers(0, 2**31))
@@ -223,12 +225,12 @@ def test_zero_copy_engines_run_like_diffusers(tiny_bf16, tmp_path):
 def test_weights_from_memory_maps_give_the_same_engine(fp8_build, tmp_path, monkeypatch):
     """Handing the parser pointers into memory maps (whose pages are dropped while TensorRT builds) gives the
     engine that parsing the file gives, byte for byte."""
-    import fluxtrt.build.engine as engine
-    from fluxtrt.build.backends import get_backend
+    import fluxtrt.engine.build as engine
+    from fluxtrt.engine.backends import get_backend
 
     src, cfg, root, manifest, *_ = fp8_build
     spec = specs_for(src.geometry)["transformer"]
-    onnx_path = root / manifest["components"]["transformer"]["onnx"]
+    onnx_path = root / manifest.components["transformer"].onnx
     backend, rng = get_backend(cfg.backend), cfg.shape_range(None)
 
     def build(path):

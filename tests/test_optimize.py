@@ -172,7 +172,7 @@ def test_onnx_attention_op_support_in_tensorrt_rtx(tmp_path):
     trt = pytest.importorskip("tensorrt_rtx")
     from onnx import TensorProto, helper
 
-    from fluxtrt.build.backends import TensorRTRTX
+    from fluxtrt.engine.backends import TensorRTRTX
 
     backend = TensorRTRTX()
     built = {}

@@ -11,6 +11,7 @@ from onnx import numpy_helper
 from fluxtrt.components import ShapePoint, specs_for
 from fluxtrt.optimize.pipeline import optimize_model
 from fluxtrt.quantize.qdq import plan, quantize_model
+from fluxtrt.records import CalibrationSettings  # noqa: E402
 
 # max|quantized - fp32 graph| / max|fp32 graph| on fresh random inputs (tiny transformer, ONNX Runtime)
 BOUNDS = {"fp8": 5e-2, "fp8-attn": 5e-2, "int8": 5e-2, "int8-wo": 2e-2, "int4-wo": 5e-2}
@@ -82,9 +83,8 @@ def test_recipe_error_is_bounded_and_the_check_is_sensitive(fp32_transformer, re
 
 def test_sensitivity_names_what_degrades_most(fp32_transformer):
     """Quantize one layer at a time; the layers we keep in high precision are among the most sensitive."""
-    from fluxtrt.quantize.qdq import sensitivity
-
     from fluxtrt.quantize.calibration import activation_ranges
+    from fluxtrt.quantize.qdq import sensitivity
 
     src, model = fp32_transformer
     p = plan(model, "fp8")
@@ -114,33 +114,33 @@ def test_fp8_without_calibration_is_refused(fp32_transformer):
 
 def test_quantized_engines_build_and_calibration_is_cached(tiny_dev, tmp_path):
     pytest.importorskip("tensorrt_rtx")
-    from fluxtrt.build.pipeline import build_gpu
     from fluxtrt.gpus import load_gpu
+    from fluxtrt.stages.build import build_gpu
 
-    calib = {"size": 3, "steps": 2}
+    calib = CalibrationSettings(size=3, steps=2)
     for recipe in ("fp8", "fp8-attn", "int8-wo", "int4-wo"):
         cfg = load_gpu("4090").with_precision({"transformer": recipe})
         manifest, results = build_gpu(tiny_dev, cfg, tmp_path, ["transformer"], calibration=calib)
-        e = manifest["components"]["transformer"]
-        q = e["quantization"]
-        assert e["precision"] == recipe and q["recipe"] == recipe and e["bytes"] > 10_000
+        e = manifest.components["transformer"]
+        q = e.quantization
+        assert e.precision == recipe and q["recipe"] == recipe and e.bytes > 10_000
         assert "writes the model output (proj_out)" in q["kept_in_high_precision"].values()
-        assert set(e["stages"]) == {"export", "optimize", "quantize", "build"}  # the quantize stage timed apart
-        assert e["stages"]["quantize"]["status"] == "built" and e["stages"]["quantize"]["seconds"] > 0
+        assert set(e.stages) == {"export", "optimize", "quantize", "build"}  # the quantize stage timed apart
+        assert e.stages["quantize"]["status"] == "built" and e.stages["quantize"]["seconds"] > 0
         if recipe == "fp8":
             assert q["calibration_cached"] is False and len(q["calibration"]) == 64
             first_key = q["calibration"]
     # a rebuild that must redo the optimize stage reuses the calibration cache...
     cfg = load_gpu("4090").with_precision({"transformer": "fp8"})
     manifest, _ = build_gpu(tiny_dev, cfg, tmp_path, ["transformer"], force=True, calibration=calib)
-    q = manifest["components"]["transformer"]["quantization"]
+    q = manifest.components["transformer"].quantization
     assert q["calibration_cached"] is True and q["calibration"] == first_key
     # ...and another prompt file invalidates it
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a teapot on a table\na mountain road at night\nan owl in the rain\n")
     manifest, results = build_gpu(tiny_dev, cfg, tmp_path, ["transformer"],
-                                  calibration=dict(calib, prompts_file=prompts))
-    q = manifest["components"]["transformer"]["quantization"]
+                                  calibration=calib.replace(prompts_file=prompts))
+    q = manifest.components["transformer"].quantization
     assert q["calibration_cached"] is False and q["calibration"] != first_key
     assert {(r.stage, r.status) for r in results} >= {("optimize", "built"), ("quantize", "built"), ("build", "built")}
 
@@ -164,14 +164,14 @@ def test_cli_calibrate_fills_the_cache_build_reads(tmp_path, tiny_schnell):
     pytest.importorskip("tensorrt_rtx")
     from typer.testing import CliRunner
 
-    from fluxtrt.build.pipeline import build_gpu
     from fluxtrt.cli import app
     from fluxtrt.gpus import load_gpu
+    from fluxtrt.stages.build import build_gpu
 
     cfg = load_gpu("4090").with_precision({"transformer": "fp8"})
     res = CliRunner().invoke(app, ["calibrate", "--model", "tiny-schnell", "--out", str(tmp_path),
                                    "--calibration-size", "2", "--calibration-steps", "1",
                                    "--resolution", str(cfg.resolution[1])])
     assert res.exit_code == 0 and "measured" in res.output, res.output
-    manifest, _ = build_gpu(tiny_schnell, cfg, tmp_path, ["transformer"], calibration={"size": 2, "steps": 1})
-    assert manifest["components"]["transformer"]["quantization"]["calibration_cached"] is True
+    manifest, _ = build_gpu(tiny_schnell, cfg, tmp_path, ["transformer"], calibration=CalibrationSettings(size=2, steps=1))
+    assert manifest.components["transformer"].quantization["calibration_cached"] is True

@@ -3,6 +3,8 @@
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -24,3 +26,17 @@ def test_readme_commands_exist_in_the_cli():
     commands = set(get_command(app).commands)
     shown = {m for b in _blocks() for m in re.findall(r"fluxtrt ([a-z]+)", b)}
     assert shown and shown <= commands, shown - commands
+
+
+@pytest.mark.slow
+def test_readme_python_example_runs(tmp_path, monkeypatch):
+    """The README's Python example, as written, builds fp8 engines for the 4090 and writes fox.png."""
+    (code,) = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102
+    built, done = scope["built"], scope["done"]
+    assert built.manifest.components["transformer"].precision == "fp8"
+    assert {e.precision for n, e in built.manifest.components.items() if n != "transformer"} <= {"fp16", "bf16", "fp32"}
+    assert any("fp8 applies to transformer" in n for n in built.notes)
+    assert done.paths == [Path("fox.png")] and (tmp_path / "fox.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

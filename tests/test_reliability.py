@@ -11,11 +11,11 @@ import pytest
 
 pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installed (pip install -e '.[rtx]')")
 
-from fluxtrt.build.manifest import read_manifest  # noqa: E402
-from fluxtrt.build.pipeline import build_gpu  # noqa: E402
 from fluxtrt.errors import FluxtrtError  # noqa: E402
 from fluxtrt.fileio import exclusive_lock, sha256_file, write_bytes_atomic  # noqa: E402
 from fluxtrt.gpus import load_gpu  # noqa: E402
+from fluxtrt.records import read_manifest  # noqa: E402
+from fluxtrt.stages.build import build_gpu  # noqa: E402
 
 
 def test_second_build_into_the_same_folder_fails_clearly(tiny_schnell, tmp_path):
@@ -23,7 +23,7 @@ def test_second_build_into_the_same_folder_fails_clearly(tiny_schnell, tmp_path)
         with pytest.raises(FluxtrtError, match=f"another fluxtrt build \\(pid {os.getpid()}\\) is writing to"):
             build_gpu(tiny_schnell, load_gpu("4090"), tmp_path, components=["clip"])
     manifest, _ = build_gpu(tiny_schnell, load_gpu("4090"), tmp_path, components=["clip"])  # lock released
-    assert "clip" in manifest["components"]
+    assert "clip" in manifest.components
 
 
 @pytest.mark.slow
@@ -37,20 +37,20 @@ def test_killed_build_resumes_with_only_the_missing_work(tiny_schnell, tmp_path)
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
         m = read_manifest(tmp_path / "4090", required=False) if manifest_path.exists() else None
-        if m and m["components"]:
+        if m and m.components:
             break
         time.sleep(0.1)
     assert proc.poll() is None, "the build finished before it could be killed"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    done = set(read_manifest(tmp_path / "4090")["components"])
+    done = set(read_manifest(tmp_path / "4090").components)
     assert done and done != set(comps.split(","))
     manifest, results = build_gpu(tiny_schnell, load_gpu("4090"), tmp_path, components=comps.split(","))
     status = {(r.component, r.stage): r.status for r in results}
     for c in comps.split(","):
         assert status[(c, "build")] == ("reused" if c in done else "built"), (c, status)
-        e = manifest["components"][c]
-        assert sha256_file(tmp_path / "4090" / e["engine"]) == e["sha256"]
+        e = manifest.components[c]
+        assert sha256_file(tmp_path / "4090" / e.engine) == e.sha256
     assert not list(tmp_path.rglob(".tmp-*"))  # the killed run's staging folders were cleared
 
 
@@ -80,13 +80,12 @@ def test_write_error_leaves_no_partial_file(tmp_path, monkeypatch):
 
 
 def test_cli_reports_disk_full_in_one_line(monkeypatch, tmp_path):
-    from typer.testing import CliRunner
-
-    from fluxtrt.cli import app
-
     import contextlib
 
+    from typer.testing import CliRunner
+
     from fluxtrt import fileio
+    from fluxtrt.cli import app
 
     real = fileio.atomic_file
 

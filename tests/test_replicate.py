@@ -83,7 +83,7 @@ def test_replicated_export_matches_pytorch_and_refuses_unscoped_graphs(deep_tiny
     graph whose blocks cannot be told apart raises ReplicationError (export then traces every block)."""
     import onnx_ir as ir
 
-    from fluxtrt.replicate import ReplicationError, replicate
+    from fluxtrt.export.replicate import ReplicationError, replicate
 
     r = export(deep_tiny, tmp_path / "x", tmp_path / "c", monkeypatch)
     assert r.zero_copy["replicated_blocks"] == DEPTHS and r.zero_copy["graph"] == "traced"

@@ -4,15 +4,15 @@ import numpy as np
 import pytest
 import torch
 
-from fluxtrt.build.manifest import ManifestError
-from fluxtrt.errors import BackendUnavailableError
+from fluxtrt.errors import BackendUnavailableError, FluxtrtError
+from fluxtrt.records import ManifestError
 
 pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installed (pip install -e '.[rtx]')")
 
-from fluxtrt.build.pipeline import build_gpu  # noqa: E402
 from fluxtrt.gpus import load_gpu  # noqa: E402
 from fluxtrt.runtime.executors import ShapeError, check_gpu_for  # noqa: E402
 from fluxtrt.runtime.pipeline import FluxEngines, RequestError  # noqa: E402
+from fluxtrt.stages.build import build_gpu  # noqa: E402
 
 MAX_UINT8_DIFF = 2  # of 255, image vs diffusers
 _ENGINES = {}
@@ -46,7 +46,8 @@ def reference(src, prompts, h, w, steps, guidance, seed):
 
     # schnell runs T5 at 256 tokens, as its model card's example passes max_sequence_length=256
     img = pipe(prompts, height=h, width=w, num_inference_steps=steps, guidance_scale=guidance,
-               max_sequence_length=src.geometry.t5_length, generator=torch.Generator().manual_seed(seed), output_type="np", callback_on_step_end=keep).images
+               max_sequence_length=src.geometry.t5_length, generator=torch.Generator().manual_seed(seed), output_type="np",
+               callback_on_step_end=keep).images
     return (img * 255).round().astype("uint8"), latents
 
 
@@ -119,24 +120,24 @@ def test_profile_check_of_an_executor(fp32_engines):
 
 def test_tensorrt_executor_refuses_without_gpu(fp32_engines, monkeypatch):
     _, engines = fp32_engines("tiny-schnell")
-    monkeypatch.setattr("fluxtrt.build.backends.local_gpu_capabilities", lambda: [])
+    monkeypatch.setattr("fluxtrt.engine.backends.local_gpu_capabilities", lambda: [])
     with pytest.raises(BackendUnavailableError, match="needs an NVIDIA GPU.*--backend onnxruntime"):
         FluxEngines(engines, "tensorrt")
 
 
 def test_tensorrt_executor_refuses_other_gpu_or_version(fp32_engines, monkeypatch):
-    from fluxtrt.build.backends import TensorRTRTX
-    from fluxtrt.build.manifest import read_manifest
+    from fluxtrt.engine.backends import TensorRTRTX
+    from fluxtrt.records import read_manifest
 
     _, engines = fp32_engines("tiny-schnell")
     manifest = read_manifest(engines)
-    monkeypatch.setattr("fluxtrt.build.backends.local_gpu_capabilities", lambda: ["8.6"])
+    monkeypatch.setattr("fluxtrt.engine.backends.local_gpu_capabilities", lambda: ["8.6"])
     with pytest.raises(BackendUnavailableError, match="built for sm89 .* this GPU is sm86"):
         check_gpu_for(manifest, TensorRTRTX())
-    monkeypatch.setattr("fluxtrt.build.backends.local_gpu_capabilities", lambda: ["8.9"])
+    monkeypatch.setattr("fluxtrt.engine.backends.local_gpu_capabilities", lambda: ["8.9"])
     check_gpu_for(manifest, TensorRTRTX())  # right GPU, right version: accepted
     with pytest.raises(BackendUnavailableError, match="built by tensorrt-rtx .* but 0.0 is installed"):
-        check_gpu_for(dict(manifest, backend_version=manifest["backend_version"]), type("B", (), {"version": "0.0"})())
+        check_gpu_for(manifest, type("B", (), {"version": "0.0"})())
 
 
 def test_corrupt_onnx_or_manifest_is_refused(fp32_engines, tmp_path):
@@ -211,13 +212,13 @@ def test_cli_prompts_file_not_utf8(fp32_engines, tmp_path):
 def test_tensorrt_executor_checks_engine_validity_before_loading(fp32_engines):
     """TensorRT-RTX's get_engine_validity reads the engine header without a GPU: here it says INVALID, and
     the executor refuses before deserializing."""
-    from fluxtrt.build.backends import TensorRTRTX
-    from fluxtrt.build.manifest import read_manifest
+    from fluxtrt.engine.backends import TensorRTRTX
+    from fluxtrt.records import read_manifest
     from fluxtrt.runtime.executors import TensorRTExecutor
 
     _, engines = fp32_engines("tiny-schnell")
-    entry = read_manifest(engines)["components"]["clip"]
-    ex = TensorRTExecutor("clip", entry, engines / entry["engine"], TensorRTRTX())
+    entry = read_manifest(engines).components["clip"]
+    ex = TensorRTExecutor("clip", entry, engines / entry.engine, TensorRTRTX())
     with pytest.raises(BackendUnavailableError, match="says clip.engine cannot run on this machine \\(INVALID"):
         ex.activate()
     (engines / "bad.engine").write_bytes(b"x" * 100)
@@ -250,16 +251,24 @@ def test_fallback_mixes_engines_and_torch(fp32_engines):
 
 
 def test_auto_backend_choice(fp32_engines, monkeypatch):
-    from fluxtrt.cli import _pick_backend
+    from fluxtrt.runtime.choice import choose_backend
+
+    def pick(requested="auto"):
+        c = choose_backend(requested, engines)
+        return c.backend, c.fallback
 
     _, engines = fp32_engines("tiny-schnell")
-    monkeypatch.setattr("fluxtrt.build.backends.local_gpu_capabilities", lambda: [])
-    assert _pick_backend("auto", engines) == ("onnxruntime", [])
-    monkeypatch.setattr("fluxtrt.build.backends.local_gpu_capabilities", lambda: ["9.0"])  # an H100/H200
-    assert _pick_backend("auto", engines) == ("torch", [])  # TensorRT-RTX refuses sm90: PyTorch on the GPU
-    monkeypatch.setattr("fluxtrt.build.backends.local_gpu_capabilities", lambda: ["8.9"])
+    monkeypatch.setattr("fluxtrt.engine.backends.local_gpu_capabilities", lambda: [])
+    assert pick() == ("onnxruntime", [])
+    assert "ONNX Runtime" in choose_backend("auto", engines).notes[0]  # the choice is said, not silent
+    monkeypatch.setattr("fluxtrt.engine.backends.local_gpu_capabilities", lambda: ["9.0"])  # an H100/H200
+    assert pick() == ("torch", [])  # TensorRT-RTX refuses sm90: PyTorch on the GPU
+    monkeypatch.setattr("fluxtrt.engine.backends.local_gpu_capabilities", lambda: ["8.9"])
     monkeypatch.setattr("torch.cuda.mem_get_info", lambda: (24 << 30, 24 << 30))
-    assert _pick_backend("auto", engines) == ("tensorrt", [])
+    assert pick() == ("tensorrt", [])
+    assert pick("onnxruntime") == ("onnxruntime", [])  # an explicit choice is kept
+    with pytest.raises(FluxtrtError, match="choose auto, tensorrt"):
+        pick("tensorrtt")
 
 
 def test_cli_bench_json_and_plot(fp32_engines, tmp_path):
@@ -302,22 +311,22 @@ def test_random_architecture_is_full_size():
 
 
 def test_engine_that_does_not_fit_falls_back_to_cpu(fp32_engines, monkeypatch):
-    from fluxtrt.build.manifest import read_manifest
-    from fluxtrt.cli import _pick_backend
+    from fluxtrt.records import read_manifest
+    from fluxtrt.runtime.choice import choose_backend
     from fluxtrt.runtime.executors import TorchExecutor
 
     _, engines = fp32_engines("tiny-schnell")
     manifest = read_manifest(engines)
-    comps = manifest["components"]
-    free = comps["vae_decoder"]["bytes"] - 1  # the VAE decoder engine is 1 byte too big
-    assert comps["transformer"]["weight_streaming"] and comps["transformer"]["bytes"] < free
-    monkeypatch.setattr("fluxtrt.build.backends.local_gpu_capabilities", lambda: ["8.9"])
+    comps = manifest.components
+    free = comps["vae_decoder"].bytes - 1  # the VAE decoder engine is 1 byte too big
+    assert comps["transformer"].weight_streaming and comps["transformer"].bytes < free
+    monkeypatch.setattr("fluxtrt.engine.backends.local_gpu_capabilities", lambda: ["8.9"])
     monkeypatch.setattr("torch.cuda.mem_get_info", lambda: (free, 2 * free))
-    backend, fallback = _pick_backend("auto", engines)
-    assert backend == "tensorrt" and fallback == ["vae_decoder@cpu"]
+    choice = choose_backend("auto", engines)
+    assert choice.backend == "tensorrt" and choice.fallback == ["vae_decoder@cpu"]
     monkeypatch.setattr("torch.cuda.mem_get_info", lambda: (1000, 2000))  # nothing fits...
-    _, fallback = _pick_backend("auto", engines)
-    assert "transformer@cpu" not in fallback  # ...but weight streaming lets the transformer run anyway
+    # ...but weight streaming lets the transformer run anyway
+    assert "transformer@cpu" not in choose_backend("auto", engines).fallback
     pipe = FluxEngines(engines, "onnxruntime", fallback=["vae_decoder@cpu"], device="cpu")
     ex = pipe.executors["vae_decoder"]
     assert isinstance(ex, TorchExecutor) and ex.device.type == "cpu" and ex.dtype_name == "fp32"
@@ -349,12 +358,13 @@ def test_nan_from_a_component_is_reported_by_name(fp32_engines):
 
 def test_tensorrt_executor_input_buffers_are_made_once_per_shape(fp32_engines):
     """Buffer planning: inputs needing a cast are copied into buffers allocated once per (name, shape)."""
-    from fluxtrt.build.backends import TensorRTRTX
+    from fluxtrt.engine.backends import TensorRTRTX
     from fluxtrt.runtime.executors import TensorRTExecutor
 
     _, engines = fp32_engines("tiny-schnell")
-    entry = {"inputs": [{"name": "x", "dtype": "bf16"}, {"name": "ids", "dtype": "int64"}], "outputs": [],
-             "profile": {}, "sha256": ""}
+    from .helpers import entry as make_entry
+
+    entry = make_entry(inputs=[{"name": "x", "dtype": "bf16"}, {"name": "ids", "dtype": "int64"}])
     ex = TensorRTExecutor("transformer", entry, engines / "transformer.engine", TensorRTRTX())
     ids = torch.arange(6)
     feeds = {"x": torch.randn(2, 3), "ids": ids}

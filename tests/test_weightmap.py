@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from fluxtrt import weightmap
+from fluxtrt.checkpoint import CheckpointReader
 from fluxtrt.components import specs_for
 from fluxtrt.models.source import resolve_model
 
@@ -46,7 +47,7 @@ def test_weight_map_reproduces_every_weight(two_checkpoints, component, dtype, t
         spec = specs_for(src.geometry, [component])[component]
         model = optimized(src, component, tmp_path / str(k), dtype)
         wmap = weightmap.build_map(model, component, spec.subfolder)
-        reader = weightmap.CheckpointReader(src.path / spec.subfolder)
+        reader = CheckpointReader(src.path / spec.subfolder)
         got = weightmap.materialize(wmap, reader)
         graph = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
         for name, arr in got.items():  # names, shapes, dtypes and values, bit for bit
@@ -91,4 +92,4 @@ def test_unknown_checkpoint_tensor_is_refused(two_checkpoints, tmp_path):
     wmap = weightmap.build_map(model, "vae_decoder", "vae")
     wmap["weights"][0]["recipe"] = {"tensor": "decoder.not_there.weight"}
     with pytest.raises(FluxtrtError, match="has no tensor 'decoder.not_there.weight'"):
-        weightmap.materialize(wmap, weightmap.CheckpointReader(src.path / "vae"))
+        weightmap.materialize(wmap, CheckpointReader(src.path / "vae"))

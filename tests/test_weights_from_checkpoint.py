@@ -1,6 +1,6 @@
 """Engines and ONNX that take the user's own weights (#7): the build writes a weight map and a weight-free
 ONNX per component; `fluxtrt run --weights` fills them from a checkpoint. ONNX Runtime runs the whole flow
-here; TensorRT's refit path (weightmap.refit_engine) needs a GPU and is checked with a stand-in refitter."""
+here; TensorRT's refit path (refit_engine) needs a GPU and is checked with a stand-in refitter."""
 
 import json
 import shutil
@@ -10,12 +10,15 @@ import onnx
 import pytest
 
 from fluxtrt import weightmap
-from fluxtrt.build.pipeline import build_gpu
+from fluxtrt.checkpoint import CheckpointReader
+from fluxtrt.dtypes import np_dtype
+from fluxtrt.engine.refit import refit_engine
 from fluxtrt.errors import FluxtrtError
 from fluxtrt.gpus import load_gpu
 from fluxtrt.models.source import resolve_model
 from fluxtrt.onnxio import external_info
 from fluxtrt.runtime.pipeline import FluxEngines
+from fluxtrt.stages.build import build_gpu
 
 RUN = ("clip", "t5", "transformer", "vae_decoder")
 
@@ -31,20 +34,20 @@ def built(tmp_path_factory):
 def test_build_writes_weight_map_and_weight_free_onnx(built):
     src, gpu_dir, manifest = built
     for name in RUN:
-        e = manifest["components"][name]
-        assert e["refittable"] and not e["weightless"]
-        wmap = json.loads((gpu_dir / e["weight_map"]).read_text())
+        e = manifest.components[name]
+        assert e.refittable and not e.weightless
+        wmap = json.loads((gpu_dir / e.weight_map).read_text())
         assert wmap["weights"] and wmap["subfolder"]
-        free = onnx.load(str(gpu_dir / e["weightfree_onnx"]), load_external_data=False)
+        free = onnx.load(str(gpu_dir / e.weightfree_onnx), load_external_data=False)
         mapped = {w["name"] for w in wmap["weights"]}
         for t in free.graph.initializer:
             if t.name in mapped:  # stripped: no bytes, only where they come from
                 assert not t.raw_data and external_info(t)["location"] == weightmap.CHECKPOINT_LOCATION
         # the file shrank by the mapped weights' bytes (what stays: graph structure and the graph's constants)
-        mapped_bytes = sum(int(np.prod(w["shape"])) * weightmap.np_dtype(w["dtype"]).itemsize for w in wmap["weights"])
-        full = (gpu_dir.parent / e["onnx"]).stat().st_size
+        mapped_bytes = sum(int(np.prod(w["shape"])) * np_dtype(w["dtype"]).itemsize for w in wmap["weights"])
+        full = (gpu_dir.parent / e.onnx).stat().st_size
         slack = 4096 + 64 * len(mapped)  # each stripped tensor keeps a few bytes saying where it comes from
-        assert (gpu_dir / e["weightfree_onnx"]).stat().st_size <= full - mapped_bytes + slack, name
+        assert (gpu_dir / e.weightfree_onnx).stat().st_size <= full - mapped_bytes + slack, name
 
 
 def generate(pipe):
@@ -89,13 +92,15 @@ def test_checkpoint_mismatch_is_refused(built, tmp_path):
 def test_weightless_engine_needs_weights():
     from fluxtrt.runtime.executors import WeightSource
 
+    from .helpers import entry
+
     with pytest.raises(FluxtrtError, match="pass --weights"):
-        WeightSource.for_component(None, None, {"weightless": True}, "transformer")
+        WeightSource.for_component(None, None, entry(weightless=True), "transformer")
 
 
 def test_weightless_build_on_cpu_is_refused_clearly(tmp_path):
     """The known obstacle, pinned: TensorRT-RTX 1.7 refuses STRIP_PLAN/REFIT builds without a GPU."""
-    from fluxtrt.build.engine import BuildError
+    from fluxtrt.engine.build import BuildError
 
     with pytest.raises(BuildError, match="builds weightless engines only where the build machine has a supported GPU"):
         build_gpu(resolve_model("tiny"), load_gpu("4090"), tmp_path, ["vae_decoder"], weightless=True)
@@ -134,17 +139,17 @@ class _StandInTrt:
 
 def test_refit_sets_every_engine_weight_from_the_map(built):
     src, gpu_dir, manifest = built
-    e = manifest["components"]["transformer"]
-    wmap = json.loads((gpu_dir / e["weight_map"]).read_text())
-    arrays = weightmap.materialize(wmap, weightmap.CheckpointReader(src.path / "transformer"))
+    e = manifest.components["transformer"]
+    wmap = json.loads((gpu_dir / e.weight_map).read_text())
+    arrays = weightmap.materialize(wmap, CheckpointReader(src.path / "transformer"))
     trt = _StandInTrt(list(arrays))
-    weightmap.refit_engine(object(), trt, None, arrays)
+    refit_engine(object(), trt, None, arrays)
     assert set(trt.set) == set(arrays)
-    bf16 = [n for n, a in arrays.items() if a.dtype == weightmap.np_dtype("bfloat16")]
+    bf16 = [n for n, a in arrays.items() if a.dtype == np_dtype("bfloat16")]
     assert bf16 and all(trt.set[n][0] == "bf16" and trt.set[n][2] == arrays[n].size for n in bf16)
     trt_missing = _StandInTrt(list(arrays) + ["not_in_the_map"])
     with pytest.raises(FluxtrtError, match="does not provide: not_in_the_map"):
-        weightmap.refit_engine(object(), trt_missing, None, arrays)
+        refit_engine(object(), trt_missing, None, arrays)
 
 
 LORA_MODULES = ("transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_v",

@@ -10,12 +10,12 @@ import numpy as np
 import onnx
 import pytest
 
+from fluxtrt.checkpoint import checkpoint_index
 from fluxtrt.components import specs_for
 from fluxtrt.errors import FluxtrtError
 from fluxtrt.export import export_component
 from fluxtrt.models.source import resolve_model
 from fluxtrt.onnxio import external_info, load_onnx, read_external
-from fluxtrt.zerocopy import checkpoint_index
 
 
 def sha(path):
@@ -168,7 +168,7 @@ def test_second_export_of_an_architecture_relinks_the_cached_graph(tmp_path, rew
     assert r.zero_copy["graph"] == "from cache" and r.max_rel_err <= 1e-4  # ORT on the relinked graph == PyTorch
     assert all(os.path.realpath(p).startswith(str(other.path)) for p in (tmp_path / "c" / "transformer.weights").iterdir())
     # another architecture (schnell: no guidance embedder, shorter T5) never gets this graph
-    from fluxtrt.zerocopy import template_key
+    from fluxtrt.export.zerocopy import template_key
 
     schnell = resolve_model("tiny-schnell")
     s_spec = specs_for(schnell.geometry, ["transformer"])["transformer"]

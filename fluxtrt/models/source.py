@@ -60,7 +60,7 @@ class ModelSource:
     def layout_hash(self) -> str:
         """sha256 over every file's relative path, size and mtime, the contents of small files (configs,
         tokenizers) and the headers of safetensors files: the model's identity without reading its weights."""
-        from ..zerocopy import read_header
+        from ..checkpoint import read_header
 
         h = hashlib.sha256(b"layout\0")
         for f in sorted(p for p in self.path.rglob("*") if p.is_file()):
@@ -96,7 +96,6 @@ class ModelSource:
         """The reference diffusers FluxPipeline."""
         import torch
         from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
-
         from diffusers.utils import logging as dlog
 
         dlog.disable_progress_bar()
@@ -164,5 +163,14 @@ def resolve_model(model: str | Path) -> ModelSource:
             f"has {', '.join(REQUIRED)}"
         )
     src = ModelSource(id=name, path=path.resolve())
-    src.geometry  # validate configs now, with a clear error
+    _ = src.geometry  # validate configs now, with a clear error
+    check_safetensors(src.path)
     return src
+
+
+def check_safetensors(folder: Path) -> None:
+    """Every shard's header fits its file: a truncated download is one line now, not a traceback later."""
+    from ..checkpoint import read_header
+
+    for shard in sorted(folder.glob("*/*.safetensors")):
+        read_header(shard)  # raises naming the file and its size

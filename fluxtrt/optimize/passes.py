@@ -10,6 +10,8 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from ..dtypes import cast
+
 # Ops that need a newer opset than the exporter's 19: Gelu (20), RMSNormalization (23).
 FUSED_OPSET = 23
 FOLD_LIMIT_BYTES = 1 << 20
@@ -74,7 +76,7 @@ def fold_weight_transforms(graph: gs.Graph) -> int:
                 value, op = np.transpose(x, perm), {"op": "transpose", "perm": perm}
             elif node.op == "Cast":
                 to = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(node.attrs["to"]))
-                value, op = weightmap.cast(x, str(to)), {"op": "cast", "to": str(to)}
+                value, op = cast(x, str(to)), {"op": "cast", "to": str(to)}
             else:
                 if node.op == "Reshape":
                     shape = [int(v) for v in np.asarray(node.inputs[1].values).reshape(-1)]

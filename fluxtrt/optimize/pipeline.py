@@ -71,7 +71,7 @@ def save_model(model, path: Path, external_threshold: int = 1_800_000_000) -> No
 def trt_layer_count(onnx_path: Path) -> int | None:
     """Layers of the network TensorRT-RTX parses from the file (None without tensorrt-rtx)."""
     try:
-        from ..build.backends import TensorRTRTX
+        from ..engine.backends import TensorRTRTX
 
         backend = TensorRTRTX()
         trt = backend.trt

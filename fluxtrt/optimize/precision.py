@@ -2,7 +2,8 @@
 
 `place_precision(model, dtype)` casts weights and activations of an fp32 graph to fp16/bf16 and keeps fp32
 islands where low precision hurts or TensorRT lacks a kernel: normalizations and softmax outside attention
-(statistics in fp32; attention's MatMul-Softmax-MatMul stays in the graph's precision so TensorRT fuses it), `Resize` in bf16 (TensorRT has no bf16 Resize), and the graph outputs (the Euler update and VAE
+(statistics in fp32; attention's MatMul-Softmax-MatMul stays in the graph's precision so TensorRT fuses it),
+`Resize` in bf16 (TensorRT has no bf16 Resize), and the graph outputs (the Euler update and VAE
 post-processing read fp32). Each island is Cast(to fp32) -> op -> Cast(back); weights feeding only islands
 stay fp32. Works on the proto (not onnx-graphsurgeon), because graphsurgeon widens bf16 constants it reads."""
 

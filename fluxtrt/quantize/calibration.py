@@ -18,8 +18,7 @@ from typing import Callable
 from .. import __version__
 from ..errors import FluxtrtError
 from ..fileio import sha256_json, write_json_atomic
-
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "calibration" / "prompts.txt"
+from ..records import DEFAULT_PROMPTS  # noqa: E402,F401  (re-read by tests)
 
 
 @dataclass
@@ -92,7 +91,7 @@ def linear_input_ranges(source, prompts: list[str], sizes: list[tuple[int, int]]
     until the end (no host sync per layer)."""
     import torch
 
-    from ..export import torch_dtype
+    from ..dtypes import torch_dtype
 
     pipe = source.load_pipeline(torch_dtype(dtype), device)
     amax: dict = {}
@@ -120,8 +119,11 @@ def activation_ranges(model, names: list[str], samples: list[dict], per_channel:
     """max |x| of each named tensor over all samples, from ONNX Runtime on the (fp32) graph; with
     `per_channel`, also the max per channel of the last axis: (amax, channel_amax)."""
     import numpy as np
-    import onnxruntime as ort
     from onnx import TensorProto, helper
+
+    from ..onnxio import onnxruntime
+
+    ort = onnxruntime()
 
     probe = copy.deepcopy(model)
     for n in names:

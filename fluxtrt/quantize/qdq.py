@@ -22,10 +22,9 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import FluxtrtError
+from ..precisions import RECIPES
 
 FP8_MAX = 448.0
-RECIPES = ("fp8", "fp8-attn", "int8", "int8-wo", "int4-wo")
-CALIBRATED = ("fp8", "fp8-attn", "int8")
 INT4_BLOCK = 128
 
 
@@ -154,7 +153,8 @@ class _Writer:
             q = np.clip(np.round(blocks / sw[:, None, :]), -8, 7).astype(np.int8).reshape(k, n)
             q = helper.make_tensor(f"{wname}__{kind}", TensorProto.INT4, q.shape, q.flatten().tolist())
             attrs = {"axis": 0, "block_size": block}
-        qname = self.const(f"{wname}__{kind}", q if isinstance(q, TensorProto) else numpy_helper.from_array(q, f"{wname}__{kind}"))
+        tensor = q if isinstance(q, TensorProto) else numpy_helper.from_array(q, f"{wname}__{kind}")
+        qname = self.const(f"{wname}__{kind}", tensor)
         sname = self.const(f"{wname}__wscale", np.asarray(sw, np.float32))
         self.nodes.append(helper.make_node("DequantizeLinear", [qname, sname], [f"{wname}__dq"], name=f"{node}__w_dq",
                                            **attrs))
@@ -223,7 +223,9 @@ def sensitivity(model: onnx.ModelProto, act_amax: dict, feeds_list: list[dict], 
     against the unquantized graph: [(relative error, MatMul, kept reason or ''), ...], worst first."""
     import copy
 
-    import onnxruntime as ort
+    from ..onnxio import onnxruntime
+
+    ort = onnxruntime()
 
     p = plan(model, "fp8")
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])

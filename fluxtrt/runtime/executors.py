@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..build.manifest import ManifestError
+from ..checkpoint import CheckpointReader
+from ..dtypes import torch_dtype, torch_dtype_of_engine
 from ..errors import BackendUnavailableError, FluxtrtError
+from ..records import ComponentEntry, ManifestError
 
 
 class ShapeError(FluxtrtError):
@@ -23,9 +25,9 @@ class ShapeError(FluxtrtError):
 class Executor:
     kind = ""
 
-    def __init__(self, component: str, entry: dict):
+    def __init__(self, component: str, entry: ComponentEntry | None):
         self.component = component
-        self.entry = entry  # the manifest entry: I/O names and dtypes, profile
+        self.entry = entry  # the manifest entry: I/O names and dtypes, profile (None: a PyTorch module)
         self.active = False
 
     @property
@@ -36,7 +38,7 @@ class Executor:
 
     def check_shapes(self, shapes: dict[str, tuple]) -> None:
         for name, shape in shapes.items():
-            prof = self.entry["profile"].get(name)
+            prof = self.entry.profile.get(name) if self.entry is not None else None
             if prof is None:
                 continue
             lo, hi = prof["min"], prof["max"]
@@ -67,18 +69,18 @@ class WeightSource:
         self.component, self.folder, self.weight_map, self.lora = component, Path(folder), weight_map, lora
 
     @classmethod
-    def for_component(cls, source, engine_dir: Path, entry: dict, name: str, lora=None):
+    def for_component(cls, source, engine_dir: Path, entry: ComponentEntry, name: str, lora=None):
         import json
 
         if source is None:
-            if entry.get("weightless"):
+            if entry.weightless:
                 raise FluxtrtError(f"{name}: the engine carries no weights (built with --weightless); pass "
                                    "--weights YOUR_FLUX_FOLDER to fill them from your checkpoint")
             return None
-        if not entry.get("weight_map"):
+        if not entry.weight_map:
             raise ManifestError(f"{name}: these engines have no weight map (built before fluxtrt recorded one); "
                                 "rebuild with `fluxtrt build` to use --weights")
-        wmap = json.loads((Path(engine_dir) / entry["weight_map"]).read_text())
+        wmap = json.loads((Path(engine_dir) / entry.weight_map).read_text())
         if not wmap["refittable"]:
             raise FluxtrtError(f"{name} cannot take weights from a checkpoint: {wmap['reason']} "
                                f"(`fluxtrt build --model {source.path}`)")
@@ -87,7 +89,7 @@ class WeightSource:
     def arrays(self) -> dict:
         from .. import weightmap
 
-        get = weightmap.CheckpointReader(self.folder)
+        get = CheckpointReader(self.folder)
         if self.lora is None:
             return weightmap.materialize(self.weight_map, get)
         out = weightmap.materialize(self.weight_map, self.lora.wrap(get))
@@ -98,7 +100,7 @@ class WeightSource:
 class OnnxRuntimeExecutor(Executor):
     kind = "onnxruntime"
 
-    def __init__(self, component: str, entry: dict, onnx_path: Path, providers: list[str] | None = None,
+    def __init__(self, component: str, entry: ComponentEntry, onnx_path: Path, providers: list[str] | None = None,
                  weights: WeightSource | None = None):
         super().__init__(component, entry)
         self.onnx_path = Path(onnx_path)
@@ -113,7 +115,7 @@ class OnnxRuntimeExecutor(Executor):
         if not self.onnx_path.exists():
             raise ManifestError(f"{self.component}: the ONNX file {self.onnx_path} the engine was built from is gone; "
                                 "rebuild with `fluxtrt build`")
-        want = self.entry["weightfree_sha256" if self.weights is not None else "onnx_sha256"]
+        want = self.entry.weightfree_sha256 if self.weights is not None else self.entry.onnx_sha256
         if sha256_file(self.onnx_path) != want:
             raise ManifestError(f"{self.component}: {self.onnx_path} does not match the manifest's sha256; "
                                 "rebuild with `fluxtrt build --force`")
@@ -148,7 +150,6 @@ class OnnxRuntimeExecutor(Executor):
         return {n: torch.from_numpy(np.asarray(o)) for n, o in zip(self.output_names, outs)}
 
 
-_TORCH_DTYPES = {"float": "float32", "half": "float16", "bf16": "bfloat16", "int64": "int64", "int32": "int32"}
 
 
 class TensorRTExecutor(Executor):
@@ -157,7 +158,7 @@ class TensorRTExecutor(Executor):
 
     kind = "tensorrt"
 
-    def __init__(self, component: str, entry: dict, engine_path: Path, backend, stream=None,
+    def __init__(self, component: str, entry: ComponentEntry, engine_path: Path, backend, stream=None,
                  shared_memory=None, weight_streaming_budget: int | None = None, cuda_graph: bool = False,
                  allow_host_code: bool = False, weights: WeightSource | None = None):
         super().__init__(component, entry)
@@ -184,7 +185,7 @@ class TensorRTExecutor(Executor):
 
         trt = self.backend.trt
         data = self.engine_path.read_bytes()
-        if sha256_file(self.engine_path) != self.entry["sha256"]:
+        if sha256_file(self.engine_path) != self.entry.sha256:
             raise ManifestError(f"{self.engine_path} does not match the manifest's sha256 (corrupt or replaced); "
                                 "rebuild with `fluxtrt build --force`")
         validity = self.backend.runtime_validity(self.engine_path)
@@ -202,10 +203,10 @@ class TensorRTExecutor(Executor):
                     else "; it embeds host code: pass --allow-host-code only if you trust where it came from")
             raise FluxtrtError(f"{self.backend.name} could not load {self.engine_path.name}: {detail}{hint}")
         if self.weights is not None:  # weightless engine (or new weights): refit from the user's checkpoint
-            from ..weightmap import refit_engine
+            from ..engine.refit import refit_engine
 
             refit_engine(engine, trt, self.backend.logger, self.weights.arrays())
-        if self.weight_streaming_budget is not None and self.entry.get("weight_streaming"):
+        if self.weight_streaming_budget is not None and self.entry.weight_streaming:
             engine.weight_streaming_budget_v2 = int(self.weight_streaming_budget)
         if hasattr(engine, "create_runtime_config"):
             rc = engine.create_runtime_config()
@@ -258,9 +259,9 @@ class TensorRTExecutor(Executor):
         outs = self._outputs.get(key)
         if outs is None:
             outs = {}
-            for o in self.entry["outputs"]:
+            for o in self.entry.outputs:
                 shape = tuple(ctx.get_tensor_shape(o["name"]))
-                outs[o["name"]] = torch.empty(shape, dtype=getattr(torch, _TORCH_DTYPES[o["dtype"]]), device="cuda")
+                outs[o["name"]] = torch.empty(shape, dtype=torch_dtype_of_engine(o["dtype"]), device="cuda")
             self._outputs[key] = outs
         for name, t in outs.items():
             ctx.set_tensor_address(name, t.data_ptr())
@@ -280,7 +281,7 @@ class TensorRTExecutor(Executor):
 
         bound = {}
         for name, t in feeds.items():
-            want = getattr(torch, _TORCH_DTYPES[_dtype_of(self.entry, name)])
+            want = torch_dtype_of_engine(self.entry.dtype_of(name))
             if t.dtype == want and t.device.type == torch.device(device).type and t.is_contiguous():
                 bound[name] = t
                 continue
@@ -291,13 +292,6 @@ class TensorRTExecutor(Executor):
             buf.copy_(t, non_blocking=True)
             bound[name] = buf
         return bound
-
-
-def _dtype_of(entry: dict, name: str) -> str:
-    for i in entry["inputs"]:
-        if i["name"] == name:
-            return i["dtype"]
-    raise KeyError(name)
 
 
 class SharedActivations:
@@ -320,21 +314,21 @@ class SharedActivations:
 def check_gpu_for(manifest: dict, backend) -> None:
     """Refuse to run engines this GPU/driver/TensorRT cannot: no GPU, another compute capability, another
     TensorRT version."""
-    from ..build.backends import local_gpu_capabilities
+    from ..engine.backends import local_gpu_capabilities
 
     caps = local_gpu_capabilities()
     if not caps:
         raise BackendUnavailableError("the tensorrt executor needs an NVIDIA GPU and this machine has none; "
                                       "run with --backend onnxruntime")
-    cc = manifest["compute_capability"]
+    cc = manifest.compute_capability
     if cc not in caps:
         raise BackendUnavailableError(
-            f"these engines were built for sm{cc.replace('.', '')} ({manifest['gpu_name']}) but this GPU is "
+            f"these engines were built for sm{cc.replace('.', '')} ({manifest.gpu_name}) but this GPU is "
             f"{', '.join('sm' + c.replace('.', '') for c in caps)}; build for it with `fluxtrt build --gpu ...`")
-    if backend.version != manifest["backend_version"]:
+    if backend.version != manifest.backend_version:
         raise BackendUnavailableError(
-            f"these engines were built by {manifest['backend']} {manifest['backend_version']} but "
-            f"{backend.version} is installed; rebuild, or install {manifest['backend']}=={manifest['backend_version']}")
+            f"these engines were built by {manifest.backend} {manifest.backend_version} but "
+            f"{backend.version} is installed; rebuild, or install {manifest.backend}=={manifest.backend_version}")
 
 
 class TorchExecutor(Executor):
@@ -345,7 +339,7 @@ class TorchExecutor(Executor):
 
     def __init__(self, component: str, source, spec, device: str = "cuda", dtype: str = "bf16",
                  compile: bool = False):
-        super().__init__(component, {"profile": {}})
+        super().__init__(component, None)
         self.source, self.spec, self.compile = source, spec, compile
         self._device = device
         self.dtype_name = dtype
@@ -360,9 +354,7 @@ class TorchExecutor(Executor):
 
     @property
     def dtype(self):
-        import torch
-
-        return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[self.dtype_name]
+        return torch_dtype(self.dtype_name)
 
     def activate(self) -> None:
         if self._cpu_copy is not None:  # --low-vram brought it back to the CPU: move, do not reload

@@ -11,16 +11,22 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..build.manifest import ManifestError, component_entry, read_manifest
+from .. import flux_math as fm
 from ..components import Geometry, ShapePoint, specs_for
 from ..errors import FluxtrtError
-from . import flux_math as fm
-from .executors import (OnnxRuntimeExecutor, SharedActivations, TensorRTExecutor, TorchExecutor, WeightSource,
-                        check_gpu_for)
+from ..records import ManifestError, read_manifest
+from .executors import (
+    OnnxRuntimeExecutor,
+    SharedActivations,
+    TensorRTExecutor,
+    TorchExecutor,
+    WeightSource,
+    check_gpu_for,
+)
 
 log = logging.getLogger("fluxtrt")
 ASSETS = "model"  # tokenizers and config files copied beside the engines at build time
-RUN_COMPONENTS = ("clip", "t5", "transformer", "vae_decoder")
+from .choice import RUN_COMPONENTS  # noqa: E402
 
 
 class RequestError(FluxtrtError):
@@ -53,9 +59,14 @@ class Result:
     latents_per_step: list = field(default_factory=list)  # packed latents after each step (when traced)
 
 
-def nearest_multiples(value: int, m: int) -> str:
+def nearest_multiples(value: int, m: int, lo_limit: int = 1, hi_limit: int | None = None) -> str:
+    """The multiples of m around `value` that lie inside [lo_limit, hi_limit] (the engines' range)."""
     lo, hi = (value // m) * m, (value // m + 1) * m
-    return f"{lo} or {hi}" if lo > 0 else str(hi)
+    ok = [v for v in (lo, hi) if v >= max(lo_limit, 1) and (hi_limit is None or v <= hi_limit)]
+    if not ok:  # both neighbours outside the range: the nearest multiple inside it
+        edge = -(-lo_limit // m) * m if value < lo_limit else (hi_limit // m) * m
+        ok = [edge]
+    return " or ".join(map(str, ok))
 
 
 class FluxEngines:
@@ -98,7 +109,7 @@ class FluxEngines:
             if model is None:
                 from ..models.source import resolve_model
 
-                model = resolve_model(self.manifest["model"]["id"])
+                model = resolve_model(self.manifest.model.id)
             device = device or ("cuda" if torch.cuda.is_available() else "cpu")
             specs = specs_for(self.geo, sorted(torch_names))
             for name in torch_names:
@@ -109,7 +120,7 @@ class FluxEngines:
         engine_names = [n for n in RUN_COMPONENTS if n not in torch_names]
         weight_source = self._weight_source(weights) if weights is not None and engine_names else None
         if lora is not None:
-            from ..weightmap import Lora
+            from .lora import Lora
 
             if weight_source is None or "transformer" not in engine_names:
                 raise FluxtrtError("--lora needs --weights (your checkpoint, which the LoRA is applied to) and the "
@@ -117,27 +128,31 @@ class FluxEngines:
             lora = Lora(lora, lora_scale)
         self.stream = None
         if engine_names and backend == "tensorrt":
-            from ..build.backends import get_backend
+            from ..engine.backends import get_backend
 
-            trt_backend = get_backend(self.manifest["backend"])
-            trt_backend.trt  # clear error if the package is missing
+            trt_backend = get_backend(self.manifest.backend)
+            _ = trt_backend.trt  # clear error if the package is missing
             check_gpu_for(self.manifest, trt_backend)
             shared = SharedActivations()
             for name in engine_names:
-                e = component_entry(self.manifest, name)
-                if weight_source is not None and not e.get("weightless"):
+                e = self.manifest.component(name)
+                if weight_source is not None and not e.weightless:
                     raise FluxtrtError(f"{name}: these engines carry their weights and are not refittable; "
                                        "--weights works with engines built with `fluxtrt build --weightless`, or "
                                        "with --backend onnxruntime")
                 self.executors[name] = TensorRTExecutor(
-                    name, e, self.dir / e["engine"], trt_backend, None, shared,
+                    name, e, self.dir / e.engine, trt_backend, None, shared,
                     weight_streaming_budget, cuda_graph and name == "transformer", allow_host_code,
                     weights=WeightSource.for_component(weight_source, self.dir, e, name, lora))
         elif engine_names and backend == "onnxruntime":
             for name in engine_names:
-                e = component_entry(self.manifest, name)
+                e = self.manifest.component(name)
                 ws = WeightSource.for_component(weight_source, self.dir, e, name, lora)
-                onnx_path = self.dir / e["weightfree_onnx"] if ws is not None else self.dir.parent / e["onnx"]
+                onnx_path = self.dir / e.weightfree_onnx if ws is not None else self.dir.parent / e.onnx
+                if ws is None and not onnx_path.exists() and e.weightfree_onnx and (self.dir / e.weightfree_onnx).exists():
+                    raise ManifestError(f"{name}: this engine folder has no ONNX of its build machine (an unpacked "
+                                        "archive?); ONNX Runtime runs its weight-free ONNX with your checkpoint: "
+                                        "--backend onnxruntime --weights YOUR_FLUX_FOLDER")
                 self.executors[name] = OnnxRuntimeExecutor(name, e, onnx_path, providers, weights=ws)
         elif engine_names:
             raise FluxtrtError(f"unknown backend '{backend}'; choose tensorrt, onnxruntime or torch")
@@ -157,9 +172,9 @@ class FluxEngines:
         src = resolve_model(weights)
         if src.random_weights:
             raise FluxtrtError(f"--weights {weights}: an architecture-only model has no weights to read")
-        if src.variant != self.manifest["model"]["variant"]:
+        if src.variant != self.manifest.model.variant:
             raise FluxtrtError(f"--weights {weights} is FLUX.1-{src.variant}, the engines were built for "
-                               f"FLUX.1-{self.manifest['model']['variant']}; pass a matching checkpoint")
+                               f"FLUX.1-{self.manifest.model.variant}; pass a matching checkpoint")
         return src
 
     @property
@@ -197,12 +212,16 @@ class FluxEngines:
         m = self.geo.pixel_multiple
         for what, v in (("height", height), ("width", width)):
             if v <= 0 or v % m:
-                raise RequestError(f"{what} {v} is not a positive multiple of {m}; use {nearest_multiples(max(v, 1), m)}")
+                i = 1 if what == "height" else 2
+                rng = self.manifest.shape_range if self.manifest is not None else None
+                limits = (rng["min"][i], rng["max"][i]) if rng else (1, None)
+                raise RequestError(f"{what} {v} is not a positive multiple of {m}; use "
+                                   f"{nearest_multiples(max(v, 1), m, *limits)}")
         if steps <= 0:
             raise RequestError(f"steps must be at least 1, got {steps}")
         if self.manifest is None:
             return  # PyTorch modules take any size that is a multiple of the pixel multiple
-        lo, _, hi = (self.manifest["shape_range"][k] for k in ("min", "opt", "max"))
+        lo, _, hi = (self.manifest.shape_range[k] for k in ("min", "opt", "max"))
         if not lo[0] <= batch <= hi[0]:
             raise RequestError(f"batch {batch} is outside the engines' profile ({lo[0]}..{hi[0]}); "
                                f"use --batch {hi[0]} or less, or rebuild with a larger profile")
@@ -231,8 +250,9 @@ class FluxEngines:
         ids = tokenizer(prompts, padding="max_length", max_length=length, truncation=True, return_tensors="pt").input_ids
         full = tokenizer(prompts, padding="longest", return_tensors="pt").input_ids
         if full.shape[-1] > length:
-            removed = tokenizer.batch_decode(full[:, length - 1: -1])
-            log.warning("prompt truncated to %d %s tokens; dropped: %s", length, label, removed)
+            dropped = max(len(tokenizer.decode(row[length - 1:-1], skip_special_tokens=True).split()) for row in full)
+            log.warning("prompt truncated to %d %s tokens (it has %d; about %d words dropped)", length, label,
+                        full.shape[-1], dropped)
         return ids
 
     def encode_prompts(self, prompts: list[str]):

@@ -19,6 +19,18 @@ from .. import __version__
 from ..components import specs_for
 from ..errors import FluxtrtError
 from ..fileio import peak_rss_mb, sha256_file
+from ..records import CalibrationSettings
+from .base import (
+    OPTIMIZE_INFO,
+    StageResult,
+    export_inputs,
+    files_bytes,
+    prompts_sha256,
+    record_entry,
+    recorded,
+    validate_against_pytorch,
+    validation_text,
+)
 
 GRAPH_DTYPE = {"bf16": "bf16", "fp16": "fp16", "fp8": "bf16"}  # engine precision -> the zero-copy graph's dtype
 
@@ -36,18 +48,16 @@ def native_refusal(source, component: str, precision: str) -> str | None:
 def _reusable(folder: Path, info_name: str, component: str, inputs: dict, validate: bool) -> dict | None:
     """pipeline.recorded, and every link of the zero-copy graph still reaches its checkpoint file."""
     from ..onnxio import linked_dir
-    from .pipeline import recorded
 
     entry = recorded(folder, info_name, component, inputs, validate)
     links = linked_dir(folder / f"{component}.onnx")
     return entry if entry and links.is_dir() and all(os.path.exists(link) for link in links.iterdir()) else None
 
 
-def ensure_native(source, component: str, precision: str, out_root: Path, force: bool, on_phase, calib: dict,
+def ensure_native(source, component: str, precision: str, out_root: Path, force: bool, on_phase, calib: CalibrationSettings,
                   validate: bool = True):
     """-> (the engine's ONNX, [export, optimize (skipped)(, quantize) results]) on the zero-copy path."""
     from ..export import DEFAULT_OPSET, EXPORT_INFO, export_component, write_export_info
-    from .pipeline import StageResult, export_inputs, validation_text
 
     graph = GRAPH_DTYPE[precision]
     base = Path(out_root) / "onnx" / f"{source.content_hash[:12]}-{graph}-zc"
@@ -70,16 +80,12 @@ def ensure_native(source, component: str, precision: str, out_root: Path, force:
 
 
 def _ensure_fp8(source, component, zc_path, out_root, force, on_phase, calib, validate):
-    from ..quantize.calibration import DEFAULT_PROMPTS
     from ..quantize.native import quantize_linked
-    from .pipeline import (OPTIMIZE_INFO, StageResult, _files_bytes, record_entry, validate_against_pytorch,
-                           validation_text)
 
     folder = Path(out_root) / "onnx" / f"{source.content_hash[:12]}-fp8-zc"
-    prompts = Path(calib.get("prompts_file") or DEFAULT_PROMPTS)
     inputs = {"source_sha256": sha256_file(zc_path), "recipe": "fp8", "fluxtrt": __version__,
-              "calibration": {"prompts_sha256": sha256_file(prompts), "size": calib.get("size", 32),
-                              "steps": calib.get("steps", 4), "opt_resolution": calib.get("opt_resolution", 1024)}}
+              "calibration": {"prompts_sha256": prompts_sha256(calib), "size": calib.size, "steps": calib.steps,
+                              "opt_resolution": calib.opt_resolution}}
     entry = None if force else _reusable(folder, OPTIMIZE_INFO, component, inputs, validate)
     if entry:
         return folder / f"{component}.onnx", StageResult(component, "quantize", "reused", 0.0,
@@ -105,21 +111,21 @@ def _ensure_fp8(source, component, zc_path, out_root, force, on_phase, calib, va
     record_entry(folder, component, {"inputs": inputs, "sha256": sha256_file(q.path), "max_rel_err": max_err,
                                      "quantization": record})
     return q.path, StageResult(component, "quantize", "built", time.perf_counter() - t0,
-                               f"{q.quantized} fp8 layers, {validation_text(max_err)}", _files_bytes(q.path),
+                               f"{q.quantized} fp8 layers, {validation_text(max_err)}", files_bytes(q.path),
                                peak_rss_mb(), record)
 
 
-def calibrate_native(source, out_root: Path, calib: dict, on_prompt=lambda done, total: None):
+def calibrate_native(source, out_root: Path, calib: CalibrationSettings, on_prompt=lambda done, total: None):
     """Module calibration for the zero-copy fp8 path, cached in OUT/calibration/ (`fluxtrt calibrate` and
     `fluxtrt build` both come through here)."""
     import torch
 
     from ..quantize.calibration import calibrate_modules
 
-    device = calib.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = calib.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise FluxtrtError("--device cuda: this machine has no CUDA GPU (or this torch has no CUDA); use --device "
                            "cpu, or calibrate on a GPU machine and copy its OUT/calibration/ here")
-    return calibrate_modules(source, "fp8", Path(out_root) / "calibration", calib.get("prompts_file"),
-                             calib.get("size", 32), calib.get("steps", 4), calib.get("opt_resolution", 1024),
+    return calibrate_modules(source, "fp8", Path(out_root) / "calibration", calib.prompts_file,
+                             calib.size, calib.steps, calib.opt_resolution,
                              GRAPH_DTYPE["fp8"], device, on_prompt)

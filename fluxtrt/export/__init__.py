@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from . import __version__
-from .components import ComponentSpec, Geometry, ShapePoint, specs_for
-from .errors import FluxtrtError, ValidationError
-from .fileio import publish, sha256_file, staging_dir, write_json_atomic
-from .models.source import ModelSource
+from .. import __version__
+from ..components import ComponentSpec, Geometry, ShapePoint, specs_for
+from ..dtypes import torch_dtype
+from ..errors import FluxtrtError, ValidationError
+from ..fileio import publish, sha256_file, staging_dir, write_json_atomic
+from ..models.source import ModelSource
 
-DTYPES = ("fp32", "fp16", "bf16")
 DEFAULT_OPSET = 19
 # Protobuf cannot hold more than 2 GiB; stay clear of it. FLUXTRT_EXTERNAL_DATA_BYTES lowers it (tests).
 EXTERNAL_DATA_BYTES = int(os.environ.get("FLUXTRT_EXTERNAL_DATA_BYTES", 1_800_000_000))
@@ -37,15 +37,6 @@ class ExportResult:
     max_rel_err: float | None
     dtype: str = "fp32"
     zero_copy: dict | None = None  # zerocopy.ZeroCopyRecord.as_json()
-
-
-def torch_dtype(name: str):
-    import torch
-
-    try:
-        return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
-    except KeyError:
-        raise FluxtrtError(f"unknown dtype '{name}'; choose one of {', '.join(DTYPES)}") from None
 
 
 def example_point(geo: Geometry) -> ShapePoint:
@@ -157,7 +148,7 @@ def _has_safetensors(source: ModelSource, spec: ComponentSpec) -> bool:
 
 
 def _index_or_none(source: ModelSource, spec: ComponentSpec):
-    from .zerocopy import checkpoint_index
+    from ..checkpoint import checkpoint_index
 
     return checkpoint_index(source.path / spec.subfolder) if _has_safetensors(source, spec) else None
 
@@ -178,8 +169,9 @@ def record_provenance(ir_model, raw, index) -> dict:
     differs from the stored one). Stored in the model's metadata for the later stages (see weightmap.py)."""
     import json
 
-    from . import weightmap
-    from .zerocopy import SAFETENSORS_DTYPES, parameter_aliases, stored_key
+    from .. import weightmap
+    from ..checkpoint import numpy_name
+    from .zerocopy import parameter_aliases, stored_key
 
     aliases = parameter_aliases(raw)
     params = set(aliases)
@@ -194,7 +186,7 @@ def record_provenance(ir_model, raw, index) -> dict:
             continue
         recipe = {"tensor": key}
         graph_dtype = str(value.dtype.numpy())
-        stored = SAFETENSORS_DTYPES[index[key].dtype][2]
+        stored = numpy_name(index[key])
         if stored != graph_dtype:
             recipe = {"op": "cast", "to": graph_dtype, "of": recipe}
         prov[name] = recipe
@@ -212,8 +204,9 @@ def export_component(source: ModelSource, spec: ComponentSpec, out_dir: Path, dt
                      opset: int = DEFAULT_OPSET, validate: bool = True, external_data_bytes: int | None = None,
                      on_phase: Callable[[str], None] = lambda _: None, zero_copy: bool = False,
                      replicate_blocks: bool = True) -> ExportResult:
+    from ..checkpoint import checkpoint_dtype, checkpoint_index
+    from ..onnxio import linked_dir
     from . import zerocopy
-    from .onnxio import linked_dir
 
     geo = source.geometry
     t0 = time.perf_counter()
@@ -223,13 +216,13 @@ def export_component(source: ModelSource, spec: ComponentSpec, out_dir: Path, dt
         if source.random_weights:
             raise FluxtrtError(f"{source.id} has no weights on disk to point at; write it as a checkpoint first "
                                "(scripts/write_random_checkpoint.py) or export without --zero-copy")
-        index = zerocopy.checkpoint_index(source.path / spec.subfolder)
-        dtype = zerocopy.checkpoint_dtype(index, source.path / spec.subfolder)
+        index = checkpoint_index(source.path / spec.subfolder)
+        dtype = checkpoint_dtype(index, source.path / spec.subfolder)
         module = raw = None  # built at trace time: only as deep as block replication needs
         device = "meta"
     elif replicate_blocks and _replicable(source, spec):
         # traced on meta with replicated blocks like zero-copy, then given the checkpoint's values in `dtype`
-        index = zerocopy.checkpoint_index(source.path / spec.subfolder)
+        index = checkpoint_index(source.path / spec.subfolder)
         module = raw = None
         device = "meta"
     else:
@@ -318,8 +311,9 @@ def _fill_weights(ir_model, prov: dict, index, buffers: dict) -> None:
     import numpy as np
     import onnx_ir as ir
 
-    from .weightmap import evaluate, read_stored
-    from .zerocopy import is_meta, missing_tensor
+    from ..checkpoint import missing_tensor, read_stored
+    from ..weightmap import evaluate
+    from .zerocopy import is_meta
 
     for name, value in ir_model.graph.initializers.items():
         if name in prov:
@@ -366,7 +360,7 @@ def _written_bytes(path: Path) -> int:
 
 
 def validate_onnx(*args, **kwargs):
-    from .validate import validate_onnx as _v
+    from ..validate import validate_onnx as _v
 
     return _v(*args, **kwargs)
 
@@ -394,7 +388,7 @@ def _quiet_exporter():
 def zero_copy_refusal(source: ModelSource, spec: ComponentSpec, dtype: str) -> str | None:
     """Why `spec` cannot be exported zero-copy at `dtype` (None: it can — its folder holds safetensors in exactly
     that dtype, so the graph's weights are the stored tensors byte for byte)."""
-    from .zerocopy import checkpoint_dtype, checkpoint_index
+    from ..checkpoint import checkpoint_dtype, checkpoint_index
 
     folder = source.path / spec.subfolder
     if not _has_safetensors(source, spec):

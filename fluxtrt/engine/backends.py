@@ -21,15 +21,27 @@ class _Log:
             def __init__(self):
                 trt.ILogger.__init__(self)
                 self.file = None
+                self.cpu_note = False
                 self.errors: list[str] = []
 
             def log(self, severity, msg):
                 if severity <= trt.ILogger.Severity.ERROR:
                     self.errors.append(msg)
                 if self.file is not None and severity <= trt.ILogger.Severity.INFO:
+                    if _expected_without_gpu(msg):  # an ahead-of-time build on a machine with no GPU
+                        if not self.cpu_note:
+                            self.cpu_note = True
+                            self.file.write("[NOTE] no usable CUDA driver here: expected for an ahead-of-time build "
+                                            "on a CPU; TensorRT-RTX's CUDA messages are left out of this log\n")
+                        return
                     self.file.write(f"[{severity.name}] {msg}\n")
 
         self.logger = Logger()
+
+
+def _expected_without_gpu(msg: str) -> bool:
+    text = msg.lower()
+    return "cuda driver version is insufficient" in text or "no cuda-capable device" in text
 
 
 class Backend:
@@ -84,7 +96,7 @@ class TensorRTRTX(Backend):
                 f"TensorRT-RTX cannot build for compute capability {compute_capability} (supported: "
                 f"{', '.join(self.capabilities)}); use a config with backend: tensorrt"
             )
-        self.trt  # import now, with the install hint if missing
+        _ = self.trt  # import now, with the install hint if missing
 
     def configure(self, config, compute_capability: str) -> None:
         """Ahead-of-time build for one compute capability: no GPU needed on this machine."""
@@ -111,7 +123,7 @@ class TensorRT(Backend):
                     "or pick a GPU config whose backend is tensorrt-rtx")
 
     def check_target(self, compute_capability: str) -> None:
-        self.trt
+        _ = self.trt  # import now: the install hint if missing
         present = local_gpu_capabilities()
         if compute_capability not in present:
             found = ", ".join(f"sm{c.replace('.', '')}" for c in present) or "no CUDA GPU"

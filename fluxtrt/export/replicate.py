@@ -24,7 +24,7 @@ from __future__ import annotations
 import ast
 import re
 
-from .errors import FluxtrtError
+from ..errors import FluxtrtError
 
 TRACED_BLOCKS = 3  # first, middle (the one copied), last
 SCOPE_KEY = "pkg.torch.onnx.name_scopes"

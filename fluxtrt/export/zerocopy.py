@@ -17,28 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import FluxtrtError
-
-# safetensors dtype -> (our dtype name, ONNX TensorProto enum name, numpy/ml_dtypes name)
-SAFETENSORS_DTYPES = {"F32": ("fp32", "FLOAT", "float32"), "F16": ("fp16", "FLOAT16", "float16"),
-                      "BF16": ("bf16", "BFLOAT16", "bfloat16"), "I64": ("int64", "INT64", "int64"),
-                      "I32": ("int32", "INT32", "int32")}
-
-
-@dataclass(frozen=True)
-class StoredTensor:
-    """One tensor of a safetensors file: where its bytes are."""
-
-    file: Path
-    offset: int  # absolute, from the start of the file
-    length: int
-    dtype: str  # safetensors name, e.g. "BF16"
-    shape: tuple
+from ..checkpoint import StoredTensor, check_stored, link, missing_tensor
 
 
 @dataclass
@@ -54,53 +36,6 @@ class ZeroCopyRecord:
         return {"linked_tensors": self.linked, "linked_bytes": self.linked_bytes,
                 "graph_constants": self.graph_constants, "written": self.written, "graph": self.graph,
                 "replicated_blocks": self.replicated}
-
-
-def read_header(path: Path) -> dict[str, StoredTensor]:
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise FluxtrtError(f"{path} is not a safetensors file (too short)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 100_000_000:
-            raise FluxtrtError(f"{path} is not a safetensors file (header of {n} bytes)")
-        header = json.loads(f.read(n))
-    start = 8 + n
-    out = {}
-    for key, meta in header.items():
-        if key == "__metadata__":
-            continue
-        a, b = meta["data_offsets"]
-        out[key] = StoredTensor(Path(path), start + a, b - a, meta["dtype"], tuple(meta["shape"]))
-    return out
-
-
-def checkpoint_index(folder: Path) -> dict[str, StoredTensor]:
-    """Every tensor of every `*.safetensors` shard in a component folder, by name."""
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise FluxtrtError(f"{folder} holds no .safetensors files; zero-copy export needs safetensors weights "
-                           "(convert the checkpoint, or export without --zero-copy)")
-    index: dict[str, StoredTensor] = {}
-    for f in files:
-        for key, t in read_header(f).items():
-            if key in index:
-                raise FluxtrtError(f"tensor {key} is stored twice ({index[key].file.name}, {f.name})")
-            index[key] = t
-    return index
-
-
-def checkpoint_dtype(index: dict[str, StoredTensor], folder: Path) -> str:
-    """The one float dtype the component is stored in (zero-copy keeps it; mixed checkpoints are refused)."""
-    floats = {t.dtype for t in index.values() if t.dtype in ("F32", "F16", "BF16")}
-    unknown = {t.dtype for t in index.values()} - set(SAFETENSORS_DTYPES)
-    if unknown:
-        raise FluxtrtError(f"{folder} stores dtypes {sorted(unknown)} that zero-copy export does not map to ONNX; "
-                           "export without --zero-copy")
-    if len(floats) != 1:
-        raise FluxtrtError(f"{folder} mixes float dtypes {sorted(floats)}; zero-copy export keeps the stored dtype "
-                           "and needs one; export without --zero-copy")
-    return SAFETENSORS_DTYPES[floats.pop()][0]
 
 
 @contextlib.contextmanager
@@ -129,7 +64,7 @@ def empty_component(folder: Path, subfolder: str, dtype, overrides: dict | None 
     (`overrides` replaces config entries: block replication traces a shallower model)."""
     import torch
 
-    from .models.random_arch import instantiate
+    from ..models.random_arch import instantiate
 
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -157,26 +92,6 @@ def stored_key(name: str, aliases: dict, index) -> str | None:
     return next((a for a in aliases.get(name, []) if a in index), None)
 
 
-def _link(links: Path, stored: StoredTensor) -> str:
-    """The external-data location of `stored` as seen from the ONNX file: a link in `links` to its shard."""
-    link = links / stored.file.name
-    if not link.is_symlink():
-        os.symlink(os.path.realpath(stored.file), link)
-    return f"{links.name}/{stored.file.name}"
-
-
-def _check_stored(key: str, stored: StoredTensor, shape: tuple, onnx_type_name: str) -> None:
-    if tuple(stored.shape) != tuple(shape) or SAFETENSORS_DTYPES[stored.dtype][1] != onnx_type_name:
-        raise FluxtrtError(f"{key}: checkpoint has {stored.dtype}{list(stored.shape)}, the graph wants "
-                           f"{onnx_type_name}{list(shape)}; the model's config does not match its weights")
-
-
-def missing_tensor(index: dict[str, StoredTensor], name: str) -> FluxtrtError:
-    """The error for a graph weight that the checkpoint does not hold."""
-    return FluxtrtError(f"the checkpoint in {next(iter(index.values())).file.parent} has no tensor '{name}'; "
-                        "it does not match the model's config")
-
-
 def is_meta(tensor) -> bool:
     raw = getattr(tensor, "raw", None)
     return getattr(getattr(raw, "device", None), "type", None) == "meta"
@@ -189,7 +104,7 @@ def link_initializers(ir_model, module, index: dict[str, StoredTensor], buffers:
     import numpy as np
     import onnx_ir as ir
 
-    from .onnxio import linked_dir
+    from ..onnxio import linked_dir
 
     links = linked_dir(onnx_path)
     links.mkdir(exist_ok=True)
@@ -200,9 +115,9 @@ def link_initializers(ir_model, module, index: dict[str, StoredTensor], buffers:
         stored = index.get(stored_name) if stored_name else None
         shape = tuple(int(d) for d in value.shape)
         if stored is not None:
-            _check_stored(name, stored, shape, value.dtype.name)
+            check_stored(name, stored, shape, value.dtype.name)
             value.const_value = ir.ExternalTensor(
-                _link(links, stored), stored.offset, stored.length, value.dtype,
+                link(links, stored), stored.offset, stored.length, value.dtype,
                 shape=ir.Shape(shape), name=name, base_dir=str(onnx_path.parent))
             record.linked += 1
             record.linked_bytes += stored.length
@@ -230,8 +145,8 @@ def template_key(folder: Path, spec, geo, opset: int, dtype: str) -> str:
     import onnxscript
     import torch
 
-    from . import __version__
-    from .fileio import sha256_json
+    from .. import __version__
+    from ..fileio import sha256_json
 
     cfg = json.loads((Path(folder) / "config.json").read_text())
     cfg = {k: v for k, v in cfg.items() if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS}
@@ -243,14 +158,14 @@ def template_key(folder: Path, spec, geo, opset: int, dtype: str) -> str:
 
 
 def template_path(key: str) -> Path:
-    from .models.tiny import cache_root
+    from ..models.tiny import cache_root
 
     return cache_root() / "graphs" / f"{key}.onnx"
 
 
 def save_template(onnx_file: Path, record: ZeroCopyRecord, key: str) -> None:
     """Keep a traced zero-copy graph (a few MB at full size, no weights) for the next export of this architecture."""
-    from .fileio import write_bytes_atomic, write_json_atomic
+    from ..fileio import write_bytes_atomic, write_json_atomic
 
     path = template_path(key)
     write_bytes_atomic(path, Path(onnx_file).read_bytes(), check_free=False)
@@ -263,8 +178,8 @@ def relink(key: str, index: dict[str, StoredTensor], onnx_path: Path) -> ZeroCop
     (names, dtypes and shapes checked); None when there is no template yet."""
     import onnx
 
-    from . import weightmap
-    from .onnxio import external_info, linked_dir, set_external
+    from .. import weightmap
+    from ..onnxio import external_info, linked_dir, set_external
 
     template = template_path(key)
     if not template.exists() or not template.with_suffix(".json").exists():
@@ -283,8 +198,8 @@ def relink(key: str, index: dict[str, StoredTensor], onnx_path: Path) -> ZeroCop
         stored = index.get(key_in_ckpt) if key_in_ckpt else None
         if stored is None:
             raise missing_tensor(index, key_in_ckpt or t.name)
-        _check_stored(key_in_ckpt, stored, tuple(t.dims), onnx.TensorProto.DataType.Name(t.data_type))
-        set_external(t, _link(links, stored), stored.offset, stored.length)
+        check_stored(key_in_ckpt, stored, tuple(t.dims), onnx.TensorProto.DataType.Name(t.data_type))
+        set_external(t, link(links, stored), stored.offset, stored.length)
         record.linked += 1
         record.linked_bytes += stored.length
     onnx.save(model, str(onnx_path))

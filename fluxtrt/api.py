@@ -1,0 +1,405 @@
+"""fluxtrt from Python: one function per CLI command, taking the same options and returning typed results that
+the CLI only renders. Every policy the commands apply (which components go zero-copy, which backend runs, how
+`-p fp8` spreads over components, which calibration runs) lives here or below, tested without the CLI.
+
+    from fluxtrt import api
+    built = api.build(gpu="4090", model="tiny", out_dir="engines", precision=["fp8"])
+    done = api.generate(["a red fox in the snow"], engines="engines/4090", steps=4, height=512, width=512,
+                        out="fox.png")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .errors import FluxtrtError
+from .records import CalibrationSettings, Manifest
+
+
+def _split(values) -> list[str]:
+    return [v.strip() for item in (values or []) for v in str(item).split(",") if v.strip()]
+
+
+# -- export ---------------------------------------------------------------------------------------------------
+@dataclass
+class ExportSummary:
+    source: object  # ModelSource
+    out_dir: Path
+    results: list  # export.ExportResult per component
+    copied: list = field(default_factory=list)  # why a component asked zero-copy had its weights copied
+    zero_copy: bool = False
+
+
+def export(model: str, out_dir: Path, components=None, dtype: str = "fp32", opset: int = 19, validate: bool = True,
+           zero_copy: bool = False, progress: Callable[[str, str], None] | None = None) -> ExportSummary:
+    """Standard ONNX (weights in the file or `<name>.onnx.data`) that any ONNX tool opens; `zero_copy` links the
+    weights into the checkpoint's safetensors instead, where they are stored in `dtype` (only fluxtrt and
+    TensorRT's parser read such files); the other components are copied, with the reason."""
+    from .components import specs_for
+    from .dtypes import check_float
+    from .export import export_model, zero_copy_refusal
+    from .models.source import resolve_model
+
+    check_float(dtype)
+    source = resolve_model(model)
+    names = _split(components) or None
+    linked, copied = False, []
+    if zero_copy:
+        refusals = {n: zero_copy_refusal(source, s, dtype) for n, s in specs_for(source.geometry, names).items()}
+        linked = frozenset(n for n, why in refusals.items() if why is None)
+        copied = [why for why in refusals.values() if why is not None]
+    results = export_model(source, Path(out_dir), names, dtype, opset, validate, progress=progress, zero_copy=linked)
+    return ExportSummary(source, Path(out_dir), results, copied, bool(linked))
+
+
+# -- build ----------------------------------------------------------------------------------------------------
+@dataclass
+class BuildSummary:
+    config: object  # gpus.GpuConfig (with -p applied)
+    source: object
+    out_dir: Path
+    manifest: Manifest
+    results: list  # stages.base.StageResult
+    notes: list = field(default_factory=list)
+
+    @property
+    def gpu_dir(self) -> Path:
+        return self.out_dir / self.config.key
+
+    @property
+    def up_to_date(self) -> bool:
+        return all(r.status in ("reused", "skipped") for r in self.results)
+
+
+def resolve_target(gpu: str | None, config: Path | None, precision=None, components=None):
+    """(GpuConfig with `-p` applied, notes): `-p fp8` spreads the recipe over the components that have it."""
+    from .engine.backends import get_backend
+    from .gpus import load_gpu
+    from .precisions import apply_overrides
+
+    if gpu and config is not None:
+        raise FluxtrtError("pass --gpu or --config, not both (--config FILE is a custom GPU config)")
+    cfg = load_gpu(gpu, config)
+    get_backend(cfg.backend).check_target(cfg.compute_capability)  # fail before any work
+    notes: list[str] = []
+    if precision:
+        merged, notes = apply_overrides(cfg.precision, _split(precision), _split(components) or None)
+        cfg = cfg.with_precision({c: p for c, p in merged.items() if cfg.precision.get(c) != p})
+    return cfg, notes
+
+
+def build(gpu: str | None = None, model: str | None = "tiny", out_dir: Path = Path("engines"), components=None,
+          precision=None, config: Path | None = None, static_shape: bool | None = None, force: bool = False,
+          calibration: CalibrationSettings | None = None, weightless: bool = False, zero_copy: bool = True,
+          validate: bool = True, progress: Callable[[str, str], None] = lambda c, p: None) -> BuildSummary:
+    """Export, optimize (and quantize), then build every requested engine for one GPU, reusing unchanged stages."""
+    from .models.source import resolve_model
+    from .stages.build import build_gpu
+
+    cfg, notes = resolve_target(gpu, config, precision, components)
+    if model is None:
+        model = "tiny"
+        notes.append("no --model given: built the embedded random-weight `tiny` model (its images are noise)")
+    source = resolve_model(model)
+    calibration = (calibration or CalibrationSettings()).check()
+    manifest, results = build_gpu(source, cfg, Path(out_dir), _split(components) or None, static_shape, force,
+                                  progress, calibration, weightless, zero_copy, validate)
+    return BuildSummary(cfg, source, Path(out_dir), manifest, results, notes)
+
+
+def calibrate(model: str, out_dir: Path, recipe: str = "fp8", settings: CalibrationSettings | None = None,
+              zero_copy: bool = True, on_prompt: Callable[[int, int], None] = lambda d, n: None):
+    """(source, calibration result): activation ranges for `recipe`, cached in OUT/calibration/ where a later
+    build finds them. From a bf16 checkpoint (zero-copy path): ranges per nn.Linear measured in PyTorch;
+    otherwise ranges of the optimized fp32 graph measured in ONNX Runtime."""
+    from .models.source import resolve_model
+    from .precisions import CALIBRATED
+    from .stages.fp32_plan import calibrate_graph, optimized_fp32_transformer
+    from .stages.zerocopy_plan import calibrate_native, native_refusal
+
+    if recipe not in CALIBRATED:
+        raise FluxtrtError(f"only {', '.join(CALIBRATED)} need calibration (activation ranges); "
+                           f"'{recipe}' is weight-only or unknown")
+    settings = (settings or CalibrationSettings()).check()
+    source = resolve_model(model)
+    if zero_copy and native_refusal(source, "transformer", recipe) is None:
+        return source, calibrate_native(source, Path(out_dir), settings, on_prompt)
+    graph = optimized_fp32_transformer(source, Path(out_dir))
+    return source, calibrate_graph(source, graph, recipe, Path(out_dir), settings)
+
+
+def optimize(in_dir: Path, out_dir: Path, passes=None, dtype: str = "fp32", components=None) -> list:
+    """Graph passes and precision placement on an fp32 export: [(component, OptimizeReport, comparison)]."""
+    import json
+
+    from .components import specs_for
+    from .models.source import resolve_model
+    from .optimize.pipeline import check_passes, optimize_file
+    from .validate import bound_for, compare_onnx
+
+    info_path = Path(in_dir) / "export.json"
+    if not info_path.exists():
+        raise FluxtrtError(f"{in_dir} has no export.json; export first with `fluxtrt export --out {in_dir}`")
+    info = json.loads(info_path.read_text())
+    if info.get("dtype") != "fp32":
+        raise FluxtrtError(f"optimize takes an fp32 export (its precision placement casts); {in_dir} is {info.get('dtype')}")
+    pass_names = check_passes(_split(passes) or None)
+    geo = resolve_model(info["model"]).geometry
+    out = []
+    for name, spec in specs_for(geo, _split(components) or list(info["components"])).items():
+        src = Path(in_dir) / info["components"][name]["file"]
+        rep = optimize_file(src, Path(out_dir) / src.name, name, pass_names, dtype)
+        check = compare_onnx(src, rep.path, spec, geo, bound_for(name, dtype, 1e-5))
+        if not check.ok:
+            raise FluxtrtError(f"optimized {name} disagrees with the export: " + "; ".join(check.failures()))
+        out.append((name, rep, check))
+    return out
+
+
+# -- run ------------------------------------------------------------------------------------------------------
+MAX_STEPS = 1000  # diffusers' schedulers have 1000 training timesteps; more steps than that are a typo
+
+
+@dataclass
+class Generated:
+    paths: list
+    timings: list  # runtime.pipeline.Timings per call
+    backend: str
+    notes: list = field(default_factory=list)
+
+
+def read_prompts(prompt: str | None, prompts_file: Path | None) -> list[str]:
+    if (prompt is None) == (prompts_file is None):
+        raise FluxtrtError("pass exactly one of --prompt TEXT or --prompts-file FILE")
+    if prompts_file is not None:
+        try:
+            text = Path(prompts_file).read_bytes().decode("utf-8")
+        except OSError as e:
+            raise FluxtrtError(f"cannot read {prompts_file}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise FluxtrtError(f"{prompts_file} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+        prompts = [line.strip() for line in text.splitlines() if line.strip()]
+        if not prompts:
+            raise FluxtrtError(f"{prompts_file} has no prompts (one per line)")
+        return prompts
+    if not prompt.strip():
+        raise FluxtrtError("the prompt is empty; describe the image with --prompt TEXT")
+    return [prompt]
+
+
+@dataclass
+class RunOptions:
+    """What `fluxtrt run` takes besides the prompts (defaults as the CLI's)."""
+
+    engines: Path | None = None
+    model: str | None = None
+    backend: str = "auto"
+    fallback: list = field(default_factory=list)
+    torch_dtype: str = "bf16"
+    compile: bool = False
+    steps: int | None = None
+    guidance: float = 3.5
+    height: int | None = None
+    width: int | None = None
+    seed: int = 0
+    batch: int = 1
+    out: Path = Path("fluxtrt.png")
+    low_vram: bool = False
+    weight_streaming_budget: int | None = None  # MB
+    cuda_graph: bool = False
+    allow_host_code: bool = False
+    weights: Path | None = None
+    lora: Path | None = None
+    lora_scale: float = 1.0
+
+    def check(self) -> "RunOptions":
+        from .dtypes import check_float
+
+        self.out = Path(self.out)
+        self.engines = Path(self.engines) if self.engines is not None else None
+        if self.batch < 1:
+            raise FluxtrtError(f"--batch must be at least 1, got {self.batch}")
+        if self.seed < 0 or self.seed >= 2**63:
+            raise FluxtrtError(f"--seed must be in 0..2^63-1, got {self.seed}")
+        for what, v in (("--height", self.height), ("--width", self.width), ("--steps", self.steps)):
+            if v is not None and v < 1:
+                raise FluxtrtError(f"{what} must be at least 1, got {v}")
+        if self.steps is not None and self.steps > MAX_STEPS:
+            raise FluxtrtError(f"--steps {self.steps} is more than {MAX_STEPS}; FLUX.1-dev uses 28-50, schnell 4")
+        if self.weight_streaming_budget is not None and self.weight_streaming_budget < 0:
+            raise FluxtrtError(f"--weight-streaming-budget is MB of weights kept on the GPU, at least 0; got "
+                               f"{self.weight_streaming_budget}")
+        check_float(self.torch_dtype, "--torch-dtype")
+        return self
+
+
+def _gpu_only_flags(opts: RunOptions, backend: str) -> list[str]:
+    """GPU flags that have no effect with this backend: said, not silently dropped."""
+    flags = [f for f, on in (("--cuda-graph", opts.cuda_graph), ("--low-vram", opts.low_vram),
+                             ("--weight-streaming-budget", opts.weight_streaming_budget is not None),
+                             ("--allow-host-code", opts.allow_host_code)) if on]
+    if backend == "onnxruntime":
+        flags += ["--compile"] if opts.compile else []
+        return [f"{', '.join(flags)} ha{'s' if len(flags) == 1 else 've'} no effect with ONNX Runtime (CPU)"] \
+            if flags else []
+    if backend == "torch":
+        ignored = [f for f in flags if f in ("--weight-streaming-budget", "--allow-host-code")]
+        return [f"{', '.join(ignored)}: TensorRT engine options, unused by the PyTorch modules"] if ignored else []
+    return []
+
+
+def open_pipeline(opts: RunOptions):
+    """(FluxEngines, backend choice) for these options: the executor `auto` picks, PyTorch where engines lack."""
+    from .runtime.choice import choose_backend
+    from .runtime.pipeline import FluxEngines
+
+    engines = opts.engines
+    if engines is None and opts.model is None:
+        engines = Path("engines/4090")
+    source = None
+    if engines is None:
+        from .models.source import resolve_model
+
+        source = resolve_model(opts.model)
+    choice = choose_backend(opts.backend, engines)
+    choice.notes += _gpu_only_flags(opts, choice.backend)
+    budget = opts.weight_streaming_budget << 20 if opts.weight_streaming_budget is not None else None
+    pipe = FluxEngines(engines, choice.backend, opts.low_vram, budget, opts.cuda_graph, model=source,
+                       fallback=sorted(set(opts.fallback) | set(choice.fallback)), torch_dtype=opts.torch_dtype,
+                       compile=opts.compile, allow_host_code=opts.allow_host_code, weights=opts.weights,
+                       lora=opts.lora, lora_scale=opts.lora_scale)
+    return pipe, choice
+
+
+def generate(prompts: list[str], opts: RunOptions | None = None, on_step=None, say=lambda line: None,
+             **options) -> Generated:
+    """Images for `prompts` (diffusers' FluxPipeline semantics, seed for seed) written as PNGs with their
+    settings in text chunks. One prompt is repeated `batch` times; several are chunked by `batch`."""
+    from .runtime.images import check_output_path, save_png
+
+    opts = (opts or RunOptions(**options)).check()
+    check_output_path(opts.out)  # before any work: a read-only folder fails now, not after the images
+    pipe, choice = open_pipeline(opts)
+    for note in choice.notes:
+        say(note)
+    opt = pipe.manifest.shape_range["opt"] if pipe.manifest is not None else [1, 1024, 1024]
+    height, width = opts.height or opt[1], opts.width or opt[2]
+    steps = opts.steps if opts.steps is not None else (28 if pipe.geo.variant == "dev" else 4)
+    chunks = ([prompts[i:i + opts.batch] for i in range(0, len(prompts), opts.batch)] if len(prompts) > 1
+              else [prompts * opts.batch])
+    pipe.check_request(max(len(c) for c in chunks), height, width, steps)  # fail before any work
+    many, paths, timings = sum(len(c) for c in chunks) > 1, [], []
+    for k, chunk in enumerate(chunks):
+        res = pipe.generate(chunk, height, width, steps, opts.guidance, opts.seed + k, on_step=on_step)
+        for j, img in enumerate(res.images):
+            idx = sum(len(c) for c in chunks[:k]) + j
+            dest = opts.out.with_name(f"{opts.out.stem}-{idx}{opts.out.suffix}") if many else opts.out
+            save_png(img, dest, _png_metadata(pipe, chunk[j], opts.seed + k, steps, opts.guidance, height, width,
+                                              choice.backend))
+            paths.append(dest)
+        timings.append(res.timings)
+    return Generated(paths, timings, choice.backend, choice.notes)
+
+
+def _png_metadata(pipe, prompt, seed, steps, guidance, height, width, backend) -> dict:
+    meta = {"prompt": prompt, "seed": seed, "steps": steps, "guidance": guidance if pipe.geo.guidance else "n/a",
+            "size": f"{width}x{height}", "backend": backend, "software": "fluxtrt"}
+    if pipe.manifest is not None:
+        meta["model"] = pipe.manifest.model.id
+        meta["model_hash"] = pipe.manifest.model.hash[:12]
+        meta["engines"] = ", ".join(f"{n}:{e.sha256[:12]}" for n, e in pipe.manifest.components.items())
+    return meta
+
+
+def bench(engines: Path | None, model: str | None, backend: str, opts, say=lambda line: None,
+          json_out: Path | None = None, plot_out: Path | None = None):
+    """(rows, meta, files written) of `fluxtrt bench` (see bench.py): the table, and as JSON / a PNG chart."""
+    from .bench import plot, run_bench, to_json
+    from .fileio import write_json_atomic
+    from .models.source import resolve_model
+    from .runtime.choice import choose_backend
+    from .runtime.pipeline import FluxEngines
+
+    opts.check()
+    if plot_out is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise FluxtrtError("--plot needs matplotlib: pip install matplotlib") from None
+    for path in (json_out, plot_out):
+        if path is not None:
+            from .runtime.images import check_writable
+
+            check_writable(Path(path))
+    if engines is None and model is None:
+        raise FluxtrtError("pass --engines DIR, or --backend torch --model MODEL")
+    source = resolve_model(model) if engines is None else None
+    choice = choose_backend(backend, engines)
+    for note in choice.notes:
+        say(note)
+    pipe = FluxEngines(engines, choice.backend, model=source, fallback=choice.fallback, torch_dtype=opts.torch_dtype,
+                       compile=opts.compile, cuda_graph=opts.cuda_graph)
+    rows, meta = run_bench(pipe, source, choice.backend, opts, say)
+    if json_out is not None:
+        write_json_atomic(Path(json_out), to_json(rows, meta))
+    if plot_out is not None:
+        plot(rows, Path(plot_out))
+    return rows, meta, [p for p in (json_out, plot_out) if p is not None]
+
+
+# -- engine folders -------------------------------------------------------------------------------------------
+@dataclass
+class EngineCheck:
+    component: str
+    entry: object  # records.ComponentEntry
+    file: str  # "ok", or what is wrong with the file on disk (size, sha256, missing)
+    runtime: str  # what the installed TensorRT says of it for this machine
+
+
+def inspect(engine_dir: Path) -> tuple[Manifest, list[EngineCheck]]:
+    """The manifest and, per engine, whether the file on disk is the one it lists (size and sha256) and what
+    the installed TensorRT runtime says of it for this machine."""
+    from .engine.backends import get_backend
+    from .errors import BackendUnavailableError
+    from .fileio import sha256_file
+    from .records import read_manifest
+
+    m = read_manifest(engine_dir)
+    backend = get_backend(m.backend)
+    rows = []
+    for name, e in m.components.items():
+        path = Path(engine_dir) / e.engine
+        if not path.exists():
+            state = "MISSING"
+        elif path.stat().st_size != e.bytes:
+            state = f"WRONG SIZE ({path.stat().st_size} bytes, manifest {e.bytes}): rebuild or unpack again"
+        elif sha256_file(path) != e.sha256:
+            state = "SHA256 MISMATCH (corrupt or replaced): rebuild or unpack again"
+        else:
+            state = "ok"
+        try:
+            validity = backend.runtime_validity(path) or "unknown" if state == "ok" else "-"
+        except BackendUnavailableError as err:
+            validity = f"cannot check: {err}"
+        rows.append(EngineCheck(name, e, state, validity))
+    return m, rows
+
+
+def artifacts(gpus: str, model: str, engines: Path, out_dir: Path, precision=None, say=lambda line: None) -> list:
+    """Build (or reuse) each target's engines and pack each into an archive + .sha256: [(config, archive, sha)]."""
+    from .artifacts import pack
+    from .models.source import resolve_model
+    from .stages.build import build_gpu
+
+    targets = [g for g in _split([gpus])]
+    configs = [resolve_target(g, None, precision)[0] for g in targets]  # all checked before any work
+    source = resolve_model(model)
+    out = []
+    for cfg in configs:
+        say(f"building {cfg.key} ({cfg.sm})...")
+        build_gpu(source, cfg, Path(engines))
+        archive, sha = pack(Path(engines) / cfg.key, Path(out_dir))
+        out.append((cfg, archive, sha))
+    return out

@@ -1,0 +1,101 @@
+"""The one registry of engine precisions and quantization recipes: what each means, which components take it,
+what it needs (calibration, a compute capability, a backend). Configs, `--precision`, the build plans,
+quantization and the manifest all read it from here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .components import ALL
+from .errors import ConfigError
+
+COMPONENTS = tuple(ALL)
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    description: str
+    components: tuple = COMPONENTS  # which components an engine of this precision exists for
+    recipe: bool = False  # a quantization recipe (Q/DQ in the graph; other layers in `rest`)
+    calibrated: bool = False  # needs activation ranges (calibration prompts)
+    rest: str | None = None  # the precision of what the recipe leaves unquantized
+    min_cc: tuple = (0, 0)
+    backends: tuple = ("tensorrt-rtx", "tensorrt")
+    zero_copy_graph: str | None = None  # the graph dtype a checkpoint stored in it builds from without a copy
+
+
+_T = ("transformer",)
+REGISTRY = {p.name: p for p in (
+    Precision("fp32", "float32 everywhere"),
+    Precision("fp16", "float16; norms, softmax and outputs stay fp32", zero_copy_graph="fp16"),
+    Precision("bf16", "bfloat16; norms, softmax and outputs stay fp32", zero_copy_graph="bf16"),
+    Precision("fp8", "E4M3 weights and activations of the linear layers (calibrated)", _T, True, True, "bf16",
+              (8, 9), zero_copy_graph="bf16"),
+    Precision("fp8-attn", "fp8, plus E4M3 on both inputs of attention's two MatMuls", _T, True, True, "bf16",
+              (8, 9)),
+    Precision("int8", "W8A8 with SmoothQuant (full TensorRT only)", _T, True, True, "bf16",
+              backends=("tensorrt",)),
+    Precision("int8-wo", "INT8 weights, per-channel scales; activations in bf16", _T, True, False, "bf16"),
+    Precision("int4-wo", "INT4 weights in blocks of 128; activations in bf16", _T, True, False, "bf16"),
+)}
+PLANNED = {"fp4": "FP4 is planned"}
+FLOATS = tuple(n for n, p in REGISTRY.items() if not p.recipe)
+RECIPES = tuple(n for n, p in REGISTRY.items() if p.recipe)
+CALIBRATED = tuple(n for n, p in REGISTRY.items() if p.calibrated)
+
+
+def is_quantized(name: str) -> bool:
+    return REGISTRY[name].recipe
+
+
+def check(component: str, name: str, where: str, compute_capability: str | None = None,
+          backend: str | None = None) -> None:
+    """ConfigError naming `where` unless `component` can be built at precision `name` for the target."""
+    if component not in COMPONENTS:
+        raise ConfigError(f"{where}: precision for unknown component '{component}'; components are "
+                          f"{', '.join(COMPONENTS)}")
+    if name in PLANNED:
+        raise ConfigError(f"{where}: precision '{name}' for {component} is not implemented yet ({PLANNED[name]}); "
+                          f"use one of {', '.join(REGISTRY)}")
+    p = REGISTRY.get(name)
+    if p is None:
+        raise ConfigError(f"{where}: precision '{name}' for {component} is not one of {', '.join(REGISTRY)}")
+    if component not in p.components:
+        raise ConfigError(f"{where}: '{name}' quantizes the {' and '.join(p.components)}'s linear layers only; "
+                          f"{component} takes {', '.join(FLOATS)} (`-p {name}` alone applies it wherever it exists, "
+                          f"or name it: `-p {p.components[0]}={name}`)")
+    if backend is not None and backend not in p.backends:
+        raise ConfigError(f"{where}: {name} (W8A8) needs the full TensorRT backend; TensorRT-RTX runs INT8 only as "
+                          "weight-only GEMMs: use int8-wo")
+    if compute_capability and tuple(map(int, compute_capability.split("."))) < p.min_cc:
+        family = name.split("-")[0]
+        raise ConfigError(f"{where}: {family} needs compute capability {'.'.join(map(str, p.min_cc))} or newer "
+                          f"(this target is {compute_capability}); use int8-wo or int4-wo")
+
+
+def apply_overrides(precision: dict, overrides: list[str], components=None) -> tuple[dict, list[str]]:
+    """`-p` values on top of a config's precision map: `bf16` (every requested component), `fp8` (every
+    component the recipe exists for; the others keep the config's precision) or `transformer=fp16`.
+    Returns (the merged map, notes saying where a recipe did not apply)."""
+    merged, notes = dict(precision), []
+    targets = list(components or COMPONENTS)
+    for item in overrides:
+        if "=" in item:
+            comp, name = (x.strip() for x in item.split("=", 1))
+            merged[comp] = name
+            continue
+        p = REGISTRY.get(item)
+        if p is None or not p.recipe:
+            merged.update({c: item for c in targets})
+            continue
+        applies = [c for c in targets if c in p.components]
+        if not applies:
+            raise ConfigError(f"-p {item}: none of the components built ({', '.join(targets)}) has the {item} "
+                              f"recipe (it exists for {', '.join(p.components)})")
+        merged.update({c: item for c in applies})
+        others = [c for c in targets if c not in p.components]
+        if others:
+            notes.append(f"{item} applies to {', '.join(applies)}; "
+                         + ", ".join(f"{c} stays {merged[c]}" for c in others) + " (the config's precision)")
+    return merged, notes

@@ -1,0 +1,195 @@
+"""Typed records fluxtrt writes beside its outputs and reads back: the engine folder's `manifest.json`
+(`Manifest`, one `ComponentEntry` per engine) and the calibration settings a quantized build depends on.
+Each has `to_json` / `from_json`; the manifest carries a schema version, and one written by another schema
+is refused with one line saying to rebuild. The runtime trusts an engine only if its sha256 matches its entry."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import FluxtrtError
+
+MANIFEST = "manifest.json"
+SCHEMA = 2  # 2: typed records (fluxtrt 0.2); 1: the dict manifest of fluxtrt 0.1 (same fields)
+READABLE_SCHEMAS = (1, 2)  # schema 1 has the same fields: read as is
+DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "prompts.txt"  # in the wheel; calibration/ links to it
+
+
+class ManifestError(FluxtrtError):
+    """A manifest is missing, unreadable or does not match its engines."""
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    """What a calibrated recipe's activation ranges depend on (the defaults live here and nowhere else)."""
+
+    size: int = 32  # prompts taken from the file
+    steps: int = 4  # denoising steps per prompt
+    prompts_file: Path | None = None  # None: the prompts shipped with fluxtrt
+    alpha: float = 0.5  # int8 SmoothQuant migration strength
+    opt_resolution: int = 1024  # the profile's opt size (a smaller non-square size is added)
+    device: str | None = None  # zero-copy path: where PyTorch runs (None: cuda if present)
+
+    def prompts_path(self) -> Path:
+        return Path(self.prompts_file or DEFAULT_PROMPTS)
+
+    def check(self) -> "CalibrationSettings":
+        if self.size < 1 or self.steps < 1:
+            raise FluxtrtError("--calibration-size and --calibration-steps must be at least 1")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise FluxtrtError(f"--smoothquant-alpha must be in 0..1, got {self.alpha}")
+        if self.device not in (None, "cpu", "cuda"):
+            raise FluxtrtError(f"--device {self.device}: choose cpu or cuda")
+        if self.prompts_file is not None and not Path(self.prompts_file).is_file():
+            raise FluxtrtError(f"calibration prompts {self.prompts_file} not found; pass an existing file with "
+                               "--calibration-prompts (one prompt per line)")
+        return self
+
+    def replace(self, **changes) -> "CalibrationSettings":
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> dict:
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self).items()}
+
+
+@dataclass
+class ComponentEntry:
+    """One engine of a GPU folder: the file, what built it from what, its I/O and profile."""
+
+    engine: str
+    sha256: str
+    bytes: int
+    precision: str
+    onnx: str  # relative to the build root (OUT/)
+    onnx_sha256: str
+    build_key: str
+    layers: int
+    inputs: list
+    outputs: list
+    profile: dict
+    weight_streaming: bool = False
+    weightless: bool = False
+    build_seconds: float = 0.0
+    peak_rss_mb: float = 0.0
+    stages: dict = field(default_factory=dict)  # stage -> {status, seconds, bytes_written, peak_rss_mb}
+    quantization: dict | None = None
+    weight_map: str | None = None
+    refittable: bool = False
+    weightfree_onnx: str | None = None
+    weightfree_sha256: str | None = None
+
+    def dtype_of(self, tensor: str) -> str:
+        for t in self.inputs + self.outputs:
+            if t["name"] == tensor:
+                return t["dtype"]
+        raise KeyError(tensor)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ComponentEntry":
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+
+
+@dataclass
+class ModelRef:
+    id: str
+    hash: str
+    variant: str
+
+
+@dataclass
+class Manifest:
+    """`manifest.json` of one GPU folder."""
+
+    fluxtrt: str
+    backend: str
+    backend_version: str
+    gpu: str
+    gpu_name: str
+    compute_capability: str
+    config_hash: str
+    vram_gb: float
+    model: ModelRef
+    static_shape: bool
+    shape_range: dict  # min / opt / max -> [batch, height, width]
+    pixel_multiple: int
+    components: dict[str, ComponentEntry] = field(default_factory=dict)
+    schema: int = SCHEMA
+
+    @property
+    def sm(self) -> str:
+        return "sm" + self.compute_capability.replace(".", "")
+
+    def component(self, name: str) -> ComponentEntry:
+        try:
+            return self.components[name]
+        except KeyError:
+            have = ", ".join(self.components) or "none"
+            raise ManifestError(f"the manifest has no {name} engine (it has {have}); "
+                                f"build it with `fluxtrt build --components {name}`") from None
+
+    def to_json(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["components"] = {n: e.to_json() for n, e in self.components.items()}
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Manifest":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in fields}
+        kwargs["model"] = ModelRef(**data["model"])
+        kwargs["components"] = {n: ComponentEntry.from_json(e) for n, e in data["components"].items()}
+        kwargs["schema"] = SCHEMA
+        return cls(**kwargs)
+
+    def write(self, folder: Path) -> None:
+        from .fileio import write_json_atomic
+
+        write_json_atomic(Path(folder) / MANIFEST, self.to_json())
+
+
+def read_manifest(engine_dir: Path, required: bool = True) -> Manifest | None:
+    path = Path(engine_dir) / MANIFEST
+    if not path.exists():
+        if required:
+            hint = _subfolders_hint(Path(engine_dir))
+            raise ManifestError(f"no {MANIFEST} in {engine_dir}; {hint or 'build engines first with `fluxtrt build`'}")
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        if required:
+            raise ManifestError(f"{path} is unreadable ({e}); rebuild with `fluxtrt build --force`") from None
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("components"), dict):
+        if required:
+            raise ManifestError(f"{path} is not a fluxtrt manifest; rebuild with `fluxtrt build`")
+        return None
+    if data.get("schema") not in READABLE_SCHEMAS:
+        if required:
+            raise ManifestError(f"{path} was written by another fluxtrt (manifest schema {data.get('schema')}, this "
+                                f"one reads {', '.join(map(str, READABLE_SCHEMAS))}); rebuild with `fluxtrt build`")
+        return None
+    try:
+        return Manifest.from_json(data)
+    except (KeyError, TypeError) as e:
+        if required:
+            raise ManifestError(f"{path} lacks {e} (written by an older fluxtrt?); rebuild with `fluxtrt build`") from None
+        return None
+
+
+def _subfolders_hint(folder: Path) -> str:
+    """For a build root (OUT/) instead of OUT/<gpu>: name the GPU folders it holds."""
+    try:
+        gpus = sorted(p.name for p in folder.iterdir() if (p / MANIFEST).is_file())
+    except OSError:
+        return ""
+    if not gpus:
+        return ""
+    return (f"it is a build root holding {', '.join(gpus)}: pass one of them, e.g. "
+            f"--engines {folder / gpus[0]}")

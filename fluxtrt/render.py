@@ -1,0 +1,172 @@
+"""What the CLI shows: tables, progress and one-line notes, built from the library's typed results. Rendering
+only: nothing here decides anything."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+# Tables are wide: when writing to a file or pipe (logs, CI), do not cut them at 80 columns.
+console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+out = Console(width=None if sys.stdout.isatty() else 200)
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def error(text: str) -> None:
+    console.print(f"[bold red]error:[/] {escape(text)}", highlight=False, soft_wrap=True)
+
+
+def note(text: str) -> None:
+    console.print(f"[yellow]note:[/] {escape(text)}", highlight=False, soft_wrap=True)
+
+
+def warning(text: str) -> None:
+    console.print(f"[yellow]warning:[/] {escape(text)}", highlight=False, soft_wrap=True)
+
+
+def table(title: str, columns, rows) -> Table:
+    t = Table(title=title)
+    for col in columns:
+        t.add_column(col)
+    for row in rows:
+        t.add_row(*row)
+    return t
+
+
+@contextlib.contextmanager
+def phases(names, with_bar: bool = False, total: int | None = None):
+    """A progress row per component: rich's live display on a terminal, plain timestamped lines otherwise
+    (logs and CI keep every phase, not a spinner's last frame). Yields update(component, phase)."""
+    import time
+
+    if not console.is_terminal:
+        t0 = time.perf_counter()
+
+        def plain(name, phase):
+            console.print(f"[{time.perf_counter() - t0:7.1f}s] {name}: {phase}", highlight=False)
+
+        yield plain
+        return
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    cols = [SpinnerColumn(), TextColumn("{task.description:<12}"), *([BarColumn()] if with_bar else []),
+            TextColumn("{task.fields[phase]}"), TimeElapsedColumn()]
+    with Progress(*cols, console=console) as bar:
+        tasks = {n: bar.add_task(n, phase="waiting", total=total) for n in names}
+        steps = dict.fromkeys(names, 0)
+
+        def update(name, phase):
+            if name not in tasks:  # components appear as the build reaches them
+                tasks[name], steps[name] = bar.add_task(name, phase=phase, total=total), 0
+            steps[name] += 1
+            bar.update(tasks[name], phase=phase, completed=steps[name] if with_bar else None)
+
+        yield update
+
+
+def export_summary(s) -> None:
+    title = "zero-copy " if s.results and all(r.zero_copy for r in s.results) else ""
+    rows = []
+    for r in s.results:
+        name = r.path.name + (" (+ .data)" if r.external_data else "")
+        if r.zero_copy:
+            name += f" -> {r.zero_copy['linked_tensors']} tensors, {human(r.zero_copy['linked_bytes'])} in the checkpoint"
+            name += " (graph from cache)" if r.zero_copy["graph"] == "from cache" else ""
+        err = f"{r.max_rel_err:.1e}" if r.max_rel_err is not None else "not validated"
+        rows.append((r.component, name, r.dtype, human(r.bytes), f"{r.seconds:.1f}", err))
+    out.print(table(f"ONNX {title}export of {s.source.id} ({s.source.variant}) -> {s.out_dir}",
+                    ("component", "file", "dtype", "written", "seconds", "max rel err vs PyTorch"), rows))
+    if s.zero_copy:
+        out.print("zero-copy ONNX: its weights are links into the checkpoint; only fluxtrt and TensorRT's parser "
+                  "read it (drop --zero-copy for standard ONNX)")
+    if s.copied:
+        out.print("weights copied, not zero-copy: " + "; ".join(s.copied))
+
+
+STAGES = ("export", "optimize", "quantize", "build")
+
+
+def build_summary(b) -> None:
+    m, cfg = b.manifest, b.config
+    by = {(r.component, r.stage): r for r in b.results}
+    rows = []
+    for name in dict.fromkeys(r.component for r in b.results):
+        e = m.components[name]
+        stages = [by[(name, s)] for s in STAGES if (name, s) in by]
+        cells = {r.stage: f"{r.status} {r.seconds:.1f}s" if r.status == "built" else r.status for r in stages}
+        rows.append((name, e.precision, *(cells.get(s, "-") for s in STAGES), str(e.layers), human(e.bytes),
+                     f"{sum(r.seconds for r in stages):.1f}", human(sum(r.bytes_written for r in stages)),
+                     f"{max(r.peak_rss_mb for r in stages):.0f} MB"))
+    out.print(table(f"{cfg.key}: {m.backend} {m.backend_version} for {cfg.sm}, model {b.source.id} "
+                    f"({b.source.variant}) -> {b.gpu_dir}",
+                    ("component", "precision", *STAGES, "layers", "engine size", "seconds", "bytes written",
+                     "peak RSS"), rows))
+    for n in b.notes:
+        note(n)
+    if b.up_to_date:
+        out.print("Nothing to do: every engine is up to date (use --force to rebuild).")
+    out.print(f"manifest: {b.gpu_dir / 'manifest.json'}; log: {b.gpu_dir / 'build.log'}")
+
+
+def timings(generated) -> None:
+    rows = []
+    for k, t in enumerate(generated.timings):
+        st = t.steps or [0.0]
+        mem = f"{t.peak_memory_gb:.2f}" if t.peak_memory_gb is not None else "-"
+        rows.append((str(k), f"{t.text_encoders:.3f}", f"{sum(st) / len(st):.3f}", f"{min(st):.3f}",
+                     f"{max(st):.3f}", f"{t.vae:.3f}", f"{t.total:.3f}", mem))
+    out.print(table("timings (seconds)", ("call", "text encoders", "step mean", "step min", "step max",
+                                          "VAE decode", "total", "peak GPU GB"), rows))
+    for p in generated.paths:
+        out.print(f"wrote {p}")
+
+
+def bench_rows(rows, meta) -> None:
+    def fmt(m):
+        return f"{m.median:.3f} [{m.min:.3f}-{m.max:.3f}]"
+
+    body = []
+    for r in rows:
+        speed = f"{r.ratios['end_to_end_s']:.2f}x (step {r.ratios['transformer_step_s']:.2f}x)" if r.ratios else ""
+        body.append((r.system, f"{r.width}x{r.height}", str(r.batch), fmt(r.text_encoders_s),
+                     fmt(r.transformer_step_s), fmt(r.vae_decode_s), fmt(r.end_to_end_s), f"{r.seconds_per_image:.3f}",
+                     f"{r.images_per_minute:.1f}", f"{100 * r.outside_transformer_share:.1f}%",
+                     "-" if r.peak_memory_gb is None else f"{r.peak_memory_gb:.1f}", speed))
+    out.print(table(f"fluxtrt bench: {meta['variant']}, {meta['steps']} steps, {meta['runs']} runs (median "
+                    "\\[min-max])", ("system", "size", "batch", "text enc s", "step s", "VAE s", "end-to-end s",
+                                     "s/image", "img/min", "outside transformer", "peak GB",
+                                     "speedup vs diffusers"), body))
+
+
+def inspection(m, checks) -> None:
+    out.print(f"[bold]{escape(m.gpu_name)}[/] ({m.gpu}, {m.sm}) built by {m.backend} {m.backend_version}, fluxtrt "
+              f"{m.fluxtrt}; model {escape(m.model.id)} ({m.model.variant}, {m.model.hash[:12]}); shapes "
+              f"{m.shape_range}")
+    rows = []
+    for c in checks:
+        prof = ", ".join(f"{k} {v['min']}..{v['max']}" for k, v in c.entry.profile.items())
+        rows.append((c.component, c.entry.precision, human(c.entry.bytes), str(c.entry.layers), prof, c.file,
+                     c.runtime))
+    out.print(table("", ("component", "precision", "size", "layers", "inputs (min..max)", "file", "this machine"),
+                    rows))
+    if any(c.file != "ok" for c in checks):
+        warning("some engine files do not match the manifest (see the file column)")
+
+
+def optimize_reports(reports, out_dir) -> None:
+    for name, rep, check in reports:
+        out.print(table(f"{name}: TensorRT layers {rep.trt_layers_before} -> {rep.trt_layers_after}; max rel err vs "
+                        f"export {check.max_rel_err:.1e}", ("pass", "nodes before", "nodes after", "seconds"),
+                        [(p, str(b), str(a), f"{sec:.2f}") for p, b, a, sec in rep.rows]))
+    out.print(f"wrote {out_dir}")

@@ -1,0 +1,57 @@
+"""Which executor runs a set of engines on this machine (`--backend auto`), and what falls back to PyTorch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import FluxtrtError
+from ..records import Manifest, read_manifest
+
+RUN_COMPONENTS = ("clip", "t5", "transformer", "vae_decoder")
+BACKENDS = ("auto", "tensorrt", "onnxruntime", "torch")
+
+
+@dataclass
+class BackendChoice:
+    backend: str
+    fallback: list = field(default_factory=list)  # components run by PyTorch ("name@cpu": on the CPU)
+    notes: list = field(default_factory=list)  # each choice said once, for the user
+
+
+def choose_backend(requested: str, engines: Path | None) -> BackendChoice:
+    """`auto`: the TensorRT executor where this GPU can run the engines; else PyTorch on a CUDA GPU (e.g.
+    TensorRT-RTX engines on Hopper); else ONNX Runtime. Components the manifest lacks fall back to PyTorch;
+    engines larger than the free GPU memory (weight streaming excepted) run in PyTorch on the CPU."""
+    if requested not in BACKENDS:
+        raise FluxtrtError(f"--backend {requested}: choose {', '.join(BACKENDS)}")
+    if engines is None:
+        return BackendChoice("torch")
+    manifest = read_manifest(engines)
+    missing = [c for c in RUN_COMPONENTS if c not in manifest.components]
+    notes = [f"no engine for {', '.join(missing)}: running PyTorch for it"] if missing else []
+    if requested != "auto":
+        return BackendChoice(requested, missing, notes)
+    from ..engine.backends import get_backend, local_gpu_capabilities
+    from .executors import check_gpu_for
+
+    try:
+        check_gpu_for(manifest, get_backend(manifest.backend))
+    except FluxtrtError as e:
+        if local_gpu_capabilities():
+            return BackendChoice("torch", missing, notes + [f"running the PyTorch modules on this GPU instead ({e})"])
+        return BackendChoice("onnxruntime", missing, notes + [f"using ONNX Runtime on the engines' source ONNX ({e})"])
+    too_big = engines_that_do_not_fit(manifest, missing)
+    if too_big:
+        notes.append(f"{', '.join(too_big)} engine(s) do not fit the free GPU memory and were not built with weight "
+                     "streaming: running them with PyTorch on the CPU")
+    return BackendChoice("tensorrt", missing + [f"{c}@cpu" for c in too_big], notes)
+
+
+def engines_that_do_not_fit(manifest: Manifest, skip=()) -> list[str]:
+    """Components whose engine is larger than the GPU's free memory (weight-streaming engines excepted)."""
+    import torch
+
+    free = torch.cuda.mem_get_info()[0]
+    return [c for c, e in manifest.components.items()
+            if c not in skip and c != "vae_encoder" and not e.weight_streaming and e.bytes > free]

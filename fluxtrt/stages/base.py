@@ -1,0 +1,96 @@
+"""What every stage shares: its result row, its record (`export.json` / `optimize.json` beside the outputs),
+the one reuse check, and the check of a stage's ONNX against PyTorch."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import __version__
+from ..components import specs_for
+from ..errors import FluxtrtError
+from ..export import DEFAULT_OPSET
+from ..fileio import sha256_file, write_json_atomic
+
+OPTIMIZE_INFO = "optimize.json"
+
+
+@dataclass
+class StageResult:
+    component: str
+    stage: str  # "export", "optimize", "quantize" (quantized precisions) or "build"
+    status: str  # "built", "reused", "skipped" (no graph passes on the zero-copy path)
+    seconds: float
+    detail: str = ""
+    bytes_written: int = 0
+    peak_rss_mb: float = 0.0  # the process's peak RSS when the stage ended (a running maximum)
+    info: dict | None = None  # quantize: the quantization record (recipe, calibration, kept layers)
+
+    def footprint(self) -> dict:
+        return {"status": self.status, "seconds": round(self.seconds, 3), "bytes_written": self.bytes_written,
+                "peak_rss_mb": round(self.peak_rss_mb, 1)}
+
+
+def files_bytes(onnx_path: Path) -> int:
+    """Bytes of an ONNX file and its external data."""
+    data = Path(f"{onnx_path}.data")
+    return onnx_path.stat().st_size + (data.stat().st_size if data.exists() else 0)
+
+
+def recorded(folder: Path, info_name: str, component: str, inputs: dict, validate: bool = False) -> dict | None:
+    """The entry recorded for `component` in `folder/info_name` if the stage can be reused: the inputs match
+    (an optimize.json entry's own `inputs`, or export.json's top-level fields), its file still has the recorded
+    hash, and — when `validate` asks for it — it was validated against PyTorch."""
+    info_path = folder / info_name
+    info = json.loads(info_path.read_text()) if info_path.exists() else {}
+    entry = info.get("components", {}).get(component)
+    path = folder / f"{component}.onnx"
+    if not entry or not path.exists() or sha256_file(path) != entry["sha256"]:
+        return None
+    if any(entry.get("inputs", info).get(k) != v for k, v in inputs.items()):
+        return None
+    return None if validate and entry.get("max_rel_err") is None else entry
+
+
+def export_inputs(model_hash: str) -> dict:
+    """What an export depends on, as export.json records it (recorded() compares them)."""
+    return {"model_hash": model_hash, "fluxtrt": __version__, "opset": DEFAULT_OPSET}
+
+
+def validation_text(max_err: float | None) -> str:
+    return f"max rel err {max_err:.1e}" if max_err is not None else "not validated"
+
+
+def record_entry(folder: Path, component: str, entry: dict) -> None:
+    """Set `component`'s entry in `folder/optimize.json` (written atomically)."""
+    info_path = folder / OPTIMIZE_INFO
+    info = json.loads(info_path.read_text()) if info_path.exists() else {"components": {}}
+    info["components"][component] = entry
+    write_json_atomic(info_path, info)
+
+
+def prompts_sha256(calib) -> str:
+    """The calibration prompts' hash (a calibrated stage's input); a missing file is one clear line."""
+    path = calib.prompts_path()
+    try:
+        return sha256_file(path)
+    except OSError as e:
+        raise FluxtrtError(f"cannot read the calibration prompts {path}: {e.strerror}; pass a prompt file with "
+                           "--calibration-prompts (one prompt per line)") from None
+
+
+def validate_against_pytorch(source, component: str, onnx_path: Path, dtype: str, what: str) -> float:
+    """ONNX Runtime on `onnx_path` vs the fp32 PyTorch module loaded from the checkpoint, at `dtype`'s bound;
+    returns the max relative error or raises."""
+    from ..export import export_patches
+    from ..validate import validate_onnx
+
+    spec = specs_for(source.geometry, [component])[component]
+    module = spec.wrap(source.load_component(spec.subfolder)).eval()
+    with export_patches(module):
+        check = validate_onnx(onnx_path, module, spec, source.geometry, dtype)
+    if not check.ok:
+        raise FluxtrtError(f"{what} {component} ({dtype}) disagrees with PyTorch: " + "; ".join(check.failures()))
+    return check.max_rel_err
+

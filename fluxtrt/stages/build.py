@@ -1,0 +1,170 @@
+"""`fluxtrt build`: export -> optimize -> build per component for one GPU config, incremental by content hashes.
+
+Layout under the output root:
+  onnx/<model hash[:12]>-fp32/<component>.onnx + export.json     the validated fp32 export
+  onnx/<model hash[:12]>-<dtype>-opt/<component>.onnx + optimize.json   optimized, precision placed; both
+                                                                  shared by every GPU built from this model
+  <gpu>/<component>.engine, manifest.json, build.log, timing.cache
+A stage is skipped when its inputs' hashes match what the previous run recorded and its output file still
+has the recorded sha256. Engines are written to a temp name and renamed; the manifest is updated after
+each engine, so an interrupted build resumes with the remaining components."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+from .. import __version__
+from ..components import specs_for
+from ..engine.backends import get_backend
+from ..engine.build import build_engine
+from ..fileio import exclusive_lock, peak_rss_mb, remove_stale_staging, sha256_file, sha256_json, write_json_atomic
+from ..gpus import GpuConfig
+from ..models.source import ModelSource
+from ..precisions import is_quantized
+from ..records import CalibrationSettings, ComponentEntry, Manifest, ModelRef, read_manifest
+from .base import StageResult
+from .fp32_plan import ensure_fp32_plan
+from .zerocopy_plan import ensure_native, native_refusal
+
+
+def ensure_onnx(source: ModelSource, component: str, dtype: str, out_root: Path, force: bool = False,
+                on_phase: Callable[[str], None] = lambda _: None, calib=None, zero_copy: bool = True,
+                validate: bool = True) -> tuple[Path, list[StageResult]]:
+    """The component's ONNX for the engine. From a checkpoint stored in the engine's dtype (and `zero_copy`):
+    the zero-copy plan (stages/zerocopy_plan.py). Otherwise the fp32 export, then the optimize stage at `dtype`. Each
+    step is validated against PyTorch (unless `validate` is off) and reused when its inputs are unchanged."""
+    if zero_copy and native_refusal(source, component, dtype) is None:
+        return ensure_native(source, component, dtype, out_root, force, on_phase, calib, validate)
+    return ensure_fp32_plan(source, component, dtype, out_root, force, on_phase, calib, validate)
+
+
+ASSET_DIRS = ("tokenizer", "tokenizer_2", "scheduler")
+ASSET_CONFIGS = ("text_encoder", "text_encoder_2", "transformer", "vae")
+
+
+def copy_model_assets(source: ModelSource, gpu_dir: Path) -> None:
+    """Tokenizers, scheduler and component configs (no weights) beside the engines: `fluxtrt run` needs
+    nothing else from the model folder."""
+    import shutil
+
+    from ..fileio import staging_dir
+
+    with staging_dir(gpu_dir, "model") as tmp:
+        for d in ASSET_DIRS:
+            shutil.copytree(source.path / d, tmp / d)
+        for c in ASSET_CONFIGS:
+            (tmp / c).mkdir()
+            shutil.copy2(source.path / c / "config.json", tmp / c / "config.json")
+        shutil.copy2(source.path / "model_index.json", tmp / "model_index.json")
+        final = gpu_dir / "model"
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        tmp.mkdir()  # staging_dir removes it again
+
+
+def build_key(onnx_sha: str, backend: str, backend_version: str, cfg: GpuConfig, profile: dict,
+              weight_streaming: bool, weightless: bool = False) -> str:
+    return sha256_json({
+        "onnx": onnx_sha, "backend": backend, "backend_version": backend_version, "cc": cfg.compute_capability,
+        "profile": profile, "weight_streaming": weight_streaming, "level": cfg.builder_optimization_level,
+        "fluxtrt": __version__, "weightless": weightless,
+    })
+
+
+def write_weight_files(onnx_path: Path, gpu_dir: Path, name: str, subfolder: str, quantized: bool) -> dict:
+    """The component's weight map (engine weight -> checkpoint tensors) and, when every weight can come from
+    a checkpoint, the weight-free ONNX that ONNX Runtime fills from the user's checkpoint at load."""
+    from .. import weightmap
+    from ..onnxio import load_onnx
+
+    wmap = weightmap.build_map(load_onnx(onnx_path, load_data=False), name, subfolder, quantized)
+    write_json_atomic(gpu_dir / f"{name}.weights.json", wmap)
+    out = {"weight_map": f"{name}.weights.json", "refittable": wmap["refittable"]}
+    if wmap["refittable"]:
+        weightmap.write_weightfree(onnx_path, wmap, gpu_dir / f"{name}.weightfree.onnx")
+        out["weightfree_onnx"] = f"{name}.weightfree.onnx"
+        out["weightfree_sha256"] = sha256_file(gpu_dir / out["weightfree_onnx"])
+    return out
+
+
+def build_gpu(source: ModelSource, cfg: GpuConfig, out_root: Path, components=None, static: bool | None = None,
+              force: bool = False, progress: Callable[[str, str], None] = lambda c, p: None,
+              calibration: CalibrationSettings | None = None, weightless: bool = False, zero_copy: bool = True,
+              validate: bool = True) -> tuple[Manifest, list[StageResult]]:
+    """Build (or reuse) every requested component's engine for one GPU config. Returns (manifest, stage results).
+    `zero_copy`: build from the checkpoint's own bytes where it is stored in the engine's dtype (zerocopy_plan);
+    `validate`: check every ONNX against PyTorch (off for models whose fp32 copy does not fit in memory)."""
+    backend = get_backend(cfg.backend)
+    backend.check_target(cfg.compute_capability)
+    specs = specs_for(source.geometry, components)
+    rng = cfg.shape_range(static)
+    gpu_dir = Path(out_root) / cfg.key
+    gpu_dir.mkdir(parents=True, exist_ok=True)
+    with exclusive_lock(Path(out_root)):
+        remove_stale_staging(Path(out_root))
+        calib = (calibration or CalibrationSettings()).replace(opt_resolution=rng.opt.height)
+        manifest = _new_manifest(source, cfg, backend, rng, gpu_dir)
+        results = []
+        copy_model_assets(source, gpu_dir)
+        with open(gpu_dir / "build.log", "a") as log:
+            log.write(f"== fluxtrt {__version__} build {cfg.key} ({backend.name} {backend.version}) "
+                      f"model {source.id} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            for name, spec in specs.items():
+                on_phase = lambda p, n=name: progress(n, p)  # noqa: E731
+                onnx_path, res = ensure_onnx(source, name, cfg.precision[name], out_root, force, on_phase, calib,
+                                             zero_copy, validate)
+                results.extend(res)
+                results.append(_engine_stage(source, cfg, backend, spec, rng, onnx_path, res, manifest, gpu_dir, log,
+                                             force, weightless, on_phase))
+        manifest.write(gpu_dir)
+        return manifest, results
+
+
+def _new_manifest(source, cfg, backend, rng, gpu_dir) -> Manifest:
+    """The manifest to fill, keeping the entries of an earlier build of the same model in this folder."""
+    old = read_manifest(gpu_dir, required=False)
+    keep = old.components if old is not None and old.model.hash == source.content_hash else {}
+    return Manifest(
+        fluxtrt=__version__, backend=backend.name, backend_version=backend.version, gpu=cfg.key, gpu_name=cfg.name,
+        compute_capability=cfg.compute_capability, config_hash=cfg.config_hash, vram_gb=cfg.vram_gb,
+        model=ModelRef(source.id, source.content_hash, source.variant), static_shape=rng.min == rng.max,
+        shape_range={k: [p.batch, p.height, p.width] for k, p in zip(("min", "opt", "max"), (rng.min, rng.opt, rng.max))},
+        pixel_multiple=source.geometry.pixel_multiple, components=dict(keep))
+
+
+def _engine_stage(source, cfg, backend, spec, rng, onnx_path, res, manifest, gpu_dir, log, force, weightless,
+                  on_phase) -> StageResult:
+    """The engine build stage: its inputs are the ONNX's hash, the target, the profile and the backend version
+    (build_key); reused when they match the manifest's entry and the engine file still has its sha256."""
+    name, geo, dtype = spec.name, source.geometry, cfg.precision[spec.name]
+    onnx_sha = sha256_file(onnx_path)
+    ws = name in cfg.weight_streaming
+    profile = spec.profile(rng, geo)
+    key = build_key(onnx_sha, backend.name, backend.version, cfg, profile, ws, weightless)
+    engine_path = gpu_dir / f"{name}.engine"
+    prev = manifest.components.get(name)
+    if (not force and prev is not None and prev.build_key == key and engine_path.exists()
+            and sha256_file(engine_path) == prev.sha256):
+        on_phase("reused")
+        return StageResult(name, "build", "reused", 0.0, "same ONNX, config and backend")
+    on_phase("build")
+    t0 = time.perf_counter()
+    built = build_engine(backend, onnx_path, spec, geo, rng, cfg.compute_capability, engine_path, ws,
+                         cfg.builder_optimization_level, gpu_dir / "timing.cache", log, weightless)
+    seconds = time.perf_counter() - t0
+    result = StageResult(name, "build", "built", seconds, f"{built.layers} layers", built.bytes, peak_rss_mb())
+    manifest.components[name] = ComponentEntry(
+        engine=engine_path.name, sha256=built.sha256, bytes=built.bytes, precision=dtype,
+        onnx=str(onnx_path.relative_to(Path(gpu_dir).parent)), onnx_sha256=onnx_sha, build_key=key,
+        weight_streaming=ws, layers=built.layers, inputs=built.inputs, outputs=built.outputs, profile=built.profile,
+        build_seconds=round(seconds, 3), peak_rss_mb=round(peak_rss_mb(), 1),
+        stages={r.stage: r.footprint() for r in [*res, result]},
+        quantization=next((r.info for r in res if r.info), None), weightless=weightless,
+        **write_weight_files(onnx_path, gpu_dir, name, spec.subfolder, is_quantized(dtype)))
+    manifest.write(gpu_dir)  # after each engine: an interrupted build resumes with the rest
+    log.write(f"built {name}: {built.layers} layers, {built.bytes} bytes, {seconds:.1f} s\n")
+    on_phase("done")
+    return result

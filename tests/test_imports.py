@@ -1,0 +1,137 @@
+"""The package's shape: every folder of modules is a package, imports flow one way (cli -> stages / runtime ->
+specs, checkpoint, backends, files), there is no import cycle (module level or inside functions), and the CLI
+imports no heavy library until a command runs."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "fluxtrt"
+
+# Lower layers never import higher ones. A module not listed fails the test (place it when adding it).
+LAYERS = {
+    0: ["fluxtrt", "fluxtrt.errors", "fluxtrt.fileio", "fluxtrt.dtypes"],
+    1: ["fluxtrt.precisions", "fluxtrt.flux_math", "fluxtrt.components", "fluxtrt.checkpoint", "fluxtrt.onnxio",
+        "fluxtrt.records", "fluxtrt.gpus", "fluxtrt.data"],
+    2: ["fluxtrt.weightmap", "fluxtrt.validate", "fluxtrt.models", "fluxtrt.engine.backends", "fluxtrt.engine"],
+    3: ["fluxtrt.export", "fluxtrt.optimize", "fluxtrt.quantize", "fluxtrt.engine.build", "fluxtrt.engine.refit"],
+    4: ["fluxtrt.stages"],
+    5: ["fluxtrt.runtime"],
+    6: ["fluxtrt.bench", "fluxtrt.artifacts", "fluxtrt.api", "fluxtrt.render"],
+    7: ["fluxtrt.cli"],
+}
+# The runtime runs engines and ONNX; it never reaches into the tools that make them.
+FORBIDDEN = [("fluxtrt.runtime", p) for p in ("fluxtrt.export", "fluxtrt.optimize", "fluxtrt.quantize",
+                                              "fluxtrt.stages", "fluxtrt.engine.build")]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def all_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in ROOT.rglob("*.py")}
+
+
+def imports_of(name: str, path: Path, modules: dict) -> set[str]:
+    """fluxtrt modules that `name` imports, anywhere in the file (functions included)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in modules:
+                t = t.rsplit(".", 1)[0] if "." in t else ""
+            if t.startswith("fluxtrt") and t != name:
+                out.add(t)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    mods = all_modules()
+    return {n: imports_of(n, p, mods) for n, p in mods.items()}
+
+
+def layer_of(name: str) -> int:
+    best = None
+    for layer, prefixes in LAYERS.items():
+        for p in prefixes:
+            if (name == p or name.startswith(p + ".")) and (best is None or len(p) > len(best[1])):
+                best = (layer, p)
+    assert best is not None, f"{name} is in no layer of tests/test_imports.py: place it"
+    return best[0]
+
+
+def test_every_module_folder_is_a_package():
+    for folder in {p.parent for p in ROOT.rglob("*.py")}:
+        assert (folder / "__init__.py").exists(), f"{folder} has modules but no __init__.py"
+
+
+def test_no_import_cycles():
+    g = graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n):
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(g[n]):
+            if state.get(m) == 1:
+                cycle = stack[stack.index(m):] + [m]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if m not in state:
+                visit(m)
+        stack.pop()
+        state[n] = 2
+
+    for n in sorted(g):
+        if n not in state:
+            visit(n)
+    assert len(g) > 40  # the walk saw the whole package
+
+
+def test_imports_flow_down_the_layers():
+    bad = []
+    for n, deps in graph().items():
+        for d in deps:
+            if layer_of(d) > layer_of(n):
+                bad.append(f"{n} (layer {layer_of(n)}) imports {d} (layer {layer_of(d)})")
+            for a, b in FORBIDDEN:
+                if (n == a or n.startswith(a + ".")) and (d == b or d.startswith(b + ".")):
+                    bad.append(f"{n} imports {d}")
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_the_walk_sees_function_level_imports(tmp_path):
+    """The checker itself: an import inside a function body counts as an edge."""
+    mods = all_modules()
+    f = tmp_path / "x.py"
+    f.write_text("def f():\n    from .records import read_manifest\n    from .. import fluxtrt\n")
+    assert "fluxtrt.records" in imports_of("fluxtrt.x", f, mods)
+
+
+def test_cli_import_is_light():
+    code = ("import sys, fluxtrt.cli; heavy = [m for m in ('torch', 'onnx', 'onnxruntime', 'tensorrt_rtx', 'numpy',"
+            " 'diffusers', 'transformers') if m in sys.modules]; print(','.join(heavy))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "", f"import fluxtrt.cli pulled in {out}"
+
+
+def test_cli_functions_are_short():
+    """The CLI parses options, calls the library once and renders: no function there reaches 45 lines."""
+    tree = ast.parse((ROOT / "cli.py").read_text())
+    lengths = {n.name: n.end_lineno - n.lineno + 1 for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    assert max(lengths.values()) < 45, sorted(lengths.items(), key=lambda kv: -kv[1])[:3]
