@@ -93,47 +93,35 @@ def test_out_of_memory_is_one_line_with_the_fixes(fake_engines, monkeypatch):
 
 
 def test_host_code_engines_are_refused_unless_allowed(tmp_path):
+    pytest.importorskip("tensorrt_rtx")
     from fluxtrt.errors import FluxtrtError
     from fluxtrt.fileio import sha256_file
-    from fluxtrt.runtime.executors import TensorRTExecutor
+    from fluxtrt.runtime.tensorrt import TensorRTExecutor
 
-    engine = tmp_path / "x.engine"
-    engine.write_bytes(b"engine bytes")
-    seen = {}
-
-    class Logger:
-        errors = []
-
+    from . import fake_trt
     from .helpers import entry as make_entry
 
-    class Runtime:
-        def __init__(self, logger):
-            self.logger = logger
+    engine = fake_trt.write_plan(tmp_path / "x.engine", [], [], {})
+    seen = {}
 
+    class Runtime(fake_trt.Runtime):
         def __setattr__(self, k, v):
             seen[k] = v
             object.__setattr__(self, k, v)
 
-        engine_host_code_allowed = False
-
-        def deserialize_cuda_engine(self, data):
+        def deserialize_cuda_engine(self, reader):
             self.logger.errors.append("engine contains host code and host code is not allowed")
             return None
 
-    class Backend:
-        name = "tensorrt-rtx"
-        logger = Logger()
-        trt = type("T", (), {"Runtime": Runtime})
-
-        def runtime_validity(self, path):
-            return None
-
-    entry = make_entry(sha256=sha256_file(engine))
+    backend = fake_trt.Backend()
+    backend.trt.Runtime = Runtime
+    entry = make_entry(sha256=sha256_file(engine), bytes=engine.stat().st_size)
+    streams = fake_trt.Streams()
     with pytest.raises(FluxtrtError, match="embeds host code: pass --allow-host-code only if you trust"):
-        TensorRTExecutor("transformer", entry, engine, Backend()).activate()
+        TensorRTExecutor("transformer", entry, engine, backend, streams=streams).activate()
     assert seen["engine_host_code_allowed"] is False
     with pytest.raises(FluxtrtError):
-        TensorRTExecutor("transformer", entry, engine, Backend(), allow_host_code=True).activate()
+        TensorRTExecutor("transformer", entry, engine, backend, allow_host_code=True, streams=streams).activate()
     assert seen["engine_host_code_allowed"] is True
 
 

@@ -177,7 +177,18 @@ def test_cli_build_and_inspect(tmp_path):
     assert res.exit_code == 0 and "Nothing to do" in res.output
     res = CliRunner().invoke(app, ["inspect", str(tmp_path / "4090")])
     assert res.exit_code == 0, res.output
-    assert "tensorrt-rtx" in res.output and "clip" in res.output
+    assert "tensorrt-rtx" in res.output and "clip" in res.output and "ok" in res.output
+    assert "WRONG SIZE" not in res.output and "MISMATCH" not in res.output
+    assert not (tmp_path / "4090" / "timing.cache").exists()  # TensorRT-RTX: no timing cache (no effect there)
+    assert not (tmp_path / ".fluxtrt.lock").exists()  # the build's lock is not left behind
+    engine = tmp_path / "4090" / "clip.engine"
+    data = engine.read_bytes()
+    engine.write_bytes(data[: len(data) // 2])  # truncated: inspect says so without a GPU
+    res = CliRunner().invoke(app, ["inspect", str(tmp_path / "4090")])
+    assert res.exit_code == 0 and "WRONG SIZE" in res.output and "do not match the manifest" in res.output
+    engine.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one flipped bit, same size
+    res = CliRunner().invoke(app, ["inspect", str(tmp_path / "4090")])
+    assert "SHA256 MISMATCH" in res.output
 
 
 def test_plan_is_streamed_to_disk_and_a_failed_write_leaves_nothing(built, tmp_path, monkeypatch):

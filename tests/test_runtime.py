@@ -96,7 +96,7 @@ def test_prompt_embeddings_are_reused(fp32_engines):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(height=250), "height 250 is not a positive multiple of 16; use 240 or 256"),
+    (dict(height=250), "height 250 is not a positive multiple of 16; use 256$"),
     (dict(width=1000), "width 1000 is not a positive multiple of 16; use 992 or 1008"),
     (dict(height=2048), "outside the engines' range 256..1536 px"),
     (dict(steps=0), "steps must be at least 1"),
@@ -175,6 +175,9 @@ def test_cli_run_writes_png(fp32_engines, tmp_path):
     for i in range(2):
         img = Image.open(tmp_path / f"img-{i}.png")
         assert img.size == (384, 256)
+        meta = img.text  # the settings travel with the image
+        assert meta["prompt"] == "a cat" and meta["seed"] == "0" and meta["steps"] == "4" and meta["size"] == "384x256"
+        assert meta["model"] == "tiny-schnell" and "transformer:" in meta["engines"] and meta["backend"] == "onnxruntime"
     assert "timings" in res.output and "step mean" in res.output
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
@@ -214,7 +217,7 @@ def test_tensorrt_executor_checks_engine_validity_before_loading(fp32_engines):
     the executor refuses before deserializing."""
     from fluxtrt.engine.backends import TensorRTRTX
     from fluxtrt.records import read_manifest
-    from fluxtrt.runtime.executors import TensorRTExecutor
+    from fluxtrt.runtime.tensorrt import TensorRTExecutor
 
     _, engines = fp32_engines("tiny-schnell")
     entry = read_manifest(engines).components["clip"]
@@ -222,7 +225,7 @@ def test_tensorrt_executor_checks_engine_validity_before_loading(fp32_engines):
     with pytest.raises(BackendUnavailableError, match="says clip.engine cannot run on this machine \\(INVALID"):
         ex.activate()
     (engines / "bad.engine").write_bytes(b"x" * 100)
-    with pytest.raises(ManifestError, match="does not match the manifest's sha256"):
+    with pytest.raises(ManifestError, match="does not match the manifest's size and sha256"):
         TensorRTExecutor("clip", entry, engines / "bad.engine", TensorRTRTX()).activate()
 
 
@@ -334,7 +337,7 @@ def test_engine_that_does_not_fit_falls_back_to_cpu(fp32_engines, monkeypatch):
 
 def test_shared_activation_buffer_grows_to_the_largest_engine():
     """Buffer planning of the TensorRT executor (the logic runs on any device; on a GPU it is CUDA memory)."""
-    from fluxtrt.runtime.executors import SharedActivations
+    from fluxtrt.runtime.tensorrt import SharedActivations
 
     shared = SharedActivations(device="cpu")
     p1 = shared.pointer(1000)
@@ -354,23 +357,3 @@ def test_nan_from_a_component_is_reported_by_name(fp32_engines):
     ex.infer = lambda feeds: {k: v * float("nan") for k, v in orig(feeds).items()}
     with pytest.raises(NonFiniteError, match="t5 produced NaN/Inf .*--precision t5=bf16"):
         pipe.generate(["a cat"], 256, 256, 2)
-
-
-def test_tensorrt_executor_input_buffers_are_made_once_per_shape(fp32_engines):
-    """Buffer planning: inputs needing a cast are copied into buffers allocated once per (name, shape)."""
-    from fluxtrt.engine.backends import TensorRTRTX
-    from fluxtrt.runtime.executors import TensorRTExecutor
-
-    _, engines = fp32_engines("tiny-schnell")
-    from .helpers import entry as make_entry
-
-    entry = make_entry(inputs=[{"name": "x", "dtype": "bf16"}, {"name": "ids", "dtype": "int64"}])
-    ex = TensorRTExecutor("transformer", entry, engines / "transformer.engine", TensorRTRTX())
-    ids = torch.arange(6)
-    feeds = {"x": torch.randn(2, 3), "ids": ids}
-    a = ex.stage_inputs(feeds, "cpu")
-    b = ex.stage_inputs({"x": torch.randn(2, 3), "ids": ids}, "cpu")
-    assert a["x"].dtype == torch.bfloat16 and a["x"].data_ptr() == b["x"].data_ptr()  # reused, refilled
-    assert b["ids"] is ids and feeds["x"].dtype == torch.float32  # right dtype: bound as is; caller untouched
-    c = ex.stage_inputs({"x": torch.randn(4, 3), "ids": ids}, "cpu")
-    assert c["x"].data_ptr() != a["x"].data_ptr() and len(ex._inputs) == 2  # a new shape gets its own

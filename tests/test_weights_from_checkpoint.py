@@ -106,50 +106,28 @@ def test_weightless_build_on_cpu_is_refused_clearly(tmp_path):
         build_gpu(resolve_model("tiny"), load_gpu("4090"), tmp_path, ["vae_decoder"], weightless=True)
 
 
-class _StandInTrt:
-    """Records what refit_engine asks of TensorRT's Refitter (no GPU can run the real one here)."""
-
-    class DataType:
-        BF16 = "bf16"
-
-    class Weights:
-        def __init__(self, *args):
-            self.args = args
-
-    def __init__(self, wanted):
-        self.wanted, self.set = wanted, {}
-        trt = self
-
-        class Refitter:
-            def __init__(self, engine, logger):
-                pass
-
-            def get_all_weights(self):
-                return list(trt.wanted)
-
-            def set_named_weights(self, name, w):
-                trt.set[name] = w.args
-                return True
-
-            def refit_cuda_engine(self):
-                return True
-
-        self.Refitter = Refitter
-
-
 def test_refit_sets_every_engine_weight_from_the_map(built):
+    """refit_engine against the strict stand-in of TensorRT's Refitter (tests/fake_trt.py): every weight the
+    stripped engine lists comes from the map in the prototype's dtype (bf16 as bf16); one the map lacks is named."""
+    pytest.importorskip("tensorrt_rtx")
+    from . import fake_trt
+
     src, gpu_dir, manifest = built
     e = manifest.components["transformer"]
     wmap = json.loads((gpu_dir / e.weight_map).read_text())
     arrays = weightmap.materialize(wmap, CheckpointReader(src.path / "transformer"))
-    trt = _StandInTrt(list(arrays))
-    refit_engine(object(), trt, None, arrays)
-    assert set(trt.set) == set(arrays)
-    bf16 = [n for n, a in arrays.items() if a.dtype == np_dtype("bfloat16")]
-    assert bf16 and all(trt.set[n][0] == "bf16" and trt.set[n][2] == arrays[n].size for n in bf16)
-    trt_missing = _StandInTrt(list(arrays) + ["not_in_the_map"])
-    with pytest.raises(FluxtrtError, match="does not provide: not_in_the_map"):
-        refit_engine(object(), trt_missing, None, arrays)
+    kinds = {"float32": "FLOAT", "float16": "HALF", "bfloat16": "BF16"}
+    refittable = {n: [kinds[str(a.dtype)], int(a.size)] for n, a in arrays.items()}
+    assert "BF16" in {k for k, _ in refittable.values()}
+    trt = fake_trt.module()
+    engine = fake_trt.RTXCudaEngine({"refit": "refit", "refittable": refittable, "stripped": True,
+                                     "device_memory": 0, "inputs": [], "outputs": []}, None)
+    refit_engine(engine, trt, fake_trt.Logger(), arrays)
+    assert engine.refitted and set(engine.current) == set(arrays)
+    engine = fake_trt.RTXCudaEngine({"refit": "refit", "refittable": dict(refittable, not_in_the_map=["FLOAT", 3]),
+                                     "stripped": True, "device_memory": 0, "inputs": [], "outputs": []}, None)
+    with pytest.raises(FluxtrtError, match="still needs weights the weight map does not provide: not_in_the_map"):
+        refit_engine(engine, trt, fake_trt.Logger(), arrays)
 
 
 LORA_MODULES = ("transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_v",

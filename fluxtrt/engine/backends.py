@@ -48,6 +48,7 @@ class Backend:
     name = ""
     module = ""
     install_hint = ""
+    uses_timing_cache = True  # full TensorRT times tactics at build time and can reuse the timings
 
     def __init__(self):
         self._trt = None
@@ -87,6 +88,9 @@ class Backend:
 class TensorRTRTX(Backend):
     name = "tensorrt-rtx"
     module = "tensorrt_rtx"
+    # "ITimingCache ... does not affect engines built by TensorRT-RTX. Using them forces a GPU query during
+    # ahead-of-time compilation" (TensorRT-RTX docs, Timing Cache Migration): never set one
+    uses_timing_cache = False
     install_hint = "pip install 'fluxtrt[rtx]' (tensorrt-rtx-cu12)"
     capabilities = {"8.0": "SM80", "8.6": "SM86", "8.9": "SM89", "12.0": "SM120", "12.1": "SM121"}
 

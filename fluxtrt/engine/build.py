@@ -47,6 +47,17 @@ def apply_profile(network, profile, shapes: dict, component: str) -> None:
         profile.set_shape(name, lo, opt, hi)
 
 
+def builder_flags(trt, weight_streaming: bool, weightless: bool) -> list:
+    """Builder flags beyond the defaults. Weightless engines are stripped and refitted at load with the user's
+    weights, which differ from the build's: REFIT, not REFIT_IDENTICAL ("Different weights during refits yield
+    unpredictable behavior", BuilderFlag docstring of TensorRT-RTX 1.7; NVIDIA's sample pairs STRIP_PLAN with
+    REFIT)."""
+    flags = [trt.BuilderFlag.WEIGHT_STREAMING] if weight_streaming else []
+    if weightless:
+        flags += [trt.BuilderFlag.STRIP_PLAN, trt.BuilderFlag.REFIT]
+    return flags
+
+
 def _plan_writer(trt, f):
     """A TensorRT stream writer that appends each chunk of the plan to `f` and hashes it on the way."""
     import hashlib
@@ -167,13 +178,10 @@ def build_engine(backend: Backend, onnx_path: Path, spec: ComponentSpec, geo: Ge
     config = builder.create_builder_config()
     backend.configure(config, compute_capability)
     config.builder_optimization_level = optimization_level
-    if weight_streaming:
-        config.set_flag(trt.BuilderFlag.WEIGHT_STREAMING)
-    if weightless:  # weights stripped from the plan; refitted at load from the user's checkpoint
-        config.set_flag(trt.BuilderFlag.STRIP_PLAN)
-        config.set_flag(trt.BuilderFlag.REFIT_IDENTICAL)
+    for flag in builder_flags(trt, weight_streaming, weightless):
+        config.set_flag(flag)
     cache = None
-    if timing_cache is not None and hasattr(config, "create_timing_cache"):
+    if timing_cache is not None and backend.uses_timing_cache and hasattr(config, "create_timing_cache"):
         blob = timing_cache.read_bytes() if timing_cache.exists() else b""
         cache = config.create_timing_cache(blob)
         config.set_timing_cache(cache, ignore_mismatch=True)

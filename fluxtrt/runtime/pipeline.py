@@ -17,12 +17,11 @@ from ..errors import FluxtrtError
 from ..records import ManifestError, read_manifest
 from .executors import (
     OnnxRuntimeExecutor,
-    SharedActivations,
-    TensorRTExecutor,
     TorchExecutor,
     WeightSource,
     check_gpu_for,
 )
+from .tensorrt import SharedActivations, TensorRTExecutor
 
 log = logging.getLogger("fluxtrt")
 ASSETS = "model"  # tokenizers and config files copied beside the engines at build time
@@ -77,7 +76,7 @@ class FluxEngines:
                  weight_streaming_budget: int | None = None, cuda_graph: bool = False, providers=None,
                  model=None, fallback=(), torch_dtype: str = "bf16", device: str | None = None,
                  compile: bool = False, allow_host_code: bool = False, weights: Path | None = None,
-                 lora: Path | None = None, lora_scale: float = 1.0):
+                 lora: Path | None = None, lora_scale: float = 1.0, kernel_specialization: str = "eager"):
         import torch
 
         self.low_vram, self.cuda_graph = low_vram, cuda_graph
@@ -143,7 +142,8 @@ class FluxEngines:
                 self.executors[name] = TensorRTExecutor(
                     name, e, self.dir / e.engine, trt_backend, None, shared,
                     weight_streaming_budget, cuda_graph and name == "transformer", allow_host_code,
-                    weights=WeightSource.for_component(weight_source, self.dir, e, name, lora))
+                    weights=WeightSource.for_component(weight_source, self.dir, e, name, lora),
+                    kernel_specialization=kernel_specialization, low_vram=low_vram)
         elif engine_names and backend == "onnxruntime":
             for name in engine_names:
                 e = self.manifest.component(name)
@@ -164,6 +164,13 @@ class FluxEngines:
         self._tokenizers = None
         self._embeds: dict[str, tuple] = {}  # prompt -> (pooled [D], t5 [T, D']) reused within a run
         self._graphs: dict[tuple, CudaGraphStep] = {}
+
+    def _release(self, *names) -> None:
+        """--low-vram: free these stages' executors (a TensorRT executor may say its cache was not saved)."""
+        for name in names:
+            note = self.executors[name].deactivate()
+            if note:
+                log.warning(note)
 
     def _weight_source(self, weights: Path):
         """The user's checkpoint folder, checked against what the engines were built for."""
@@ -193,7 +200,9 @@ class FluxEngines:
     def _step_function(self, feeds: dict):
         """step(latents, timestep) -> noise_pred: eager, or a CUDA graph captured once per shape."""
         ex = self.executors["transformer"]
-        if self.cuda_graph and isinstance(ex, TorchExecutor) and self.device.type == "cuda":
+        if isinstance(ex, TensorRTExecutor) and not ex.active:
+            ex.activate()  # whether TensorRT captures the graph itself is known once the context exists
+        if self.cuda_graph and captures_step_itself(ex) and self.device.type == "cuda":
             key = tuple((k, tuple(v.shape)) for k, v in sorted(feeds.items()))
             if key not in self._graphs:
                 self._graphs[key] = CudaGraphStep(ex, feeds, self.stream)
@@ -282,18 +291,18 @@ class FluxEngines:
         self.check_request(batch, height, width, steps)
         geo, dev = self.geo, self.device
         timings = Timings()
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+        memory = MemoryWatch() if dev.type == "cuda" else None
         t_start = time.perf_counter()
 
         with self._on_stream():
             pooled, text = self.encode_prompts(prompts)
         timings.text_encoders = _elapsed(t_start, dev)  # synchronizes: the encoders are done with their weights
+        if memory is not None:
+            memory.sample()
         _check_finite(pooled, "clip")
         _check_finite(text, "t5")
         if self.low_vram:
-            self.executors["clip"].deactivate()
-            self.executors["t5"].deactivate()
+            self._release("clip", "t5")
 
         generator = torch.Generator("cpu").manual_seed(seed)
         latents = fm.initial_noise(batch, geo.latent_channels, height, width, geo.vae_scale_factor, generator)
@@ -323,8 +332,10 @@ class FluxEngines:
                         trace_latents.append(latents.detach().to("cpu", copy=True))
         timings.steps = _intervals(step_marks, dev)
         _check_finite(latents, "transformer")  # after the loop: the loop itself never reads the device
+        if memory is not None:
+            memory.sample()
         if self.low_vram:
-            self.executors["transformer"].deactivate()
+            self._release("transformer")
 
         t_vae = time.perf_counter()
         with self._on_stream():  # all device work, including unpacking, on the one stream
@@ -333,18 +344,57 @@ class FluxEngines:
             image = self.executors["vae_decoder"].infer({"latent": lat})["image"].float()
             images = fm.to_uint8(image)  # the copy to the host is ordered after the decode on our stream
             finite = bool(image.isfinite().all())
+        if memory is not None:
+            memory.sample()
         if self.low_vram:  # finite/uint8 above waited for the decode
-            self.executors["vae_decoder"].deactivate()
+            self._release("vae_decoder")
         timings.vae = time.perf_counter() - t_vae
         timings.total = time.perf_counter() - t_start
-        if dev.type == "cuda":
-            timings.peak_memory_gb = torch.cuda.max_memory_allocated() / 2**30
+        if memory is not None:
+            timings.peak_memory_gb = memory.peak_gb()
         for ex in self.executors.values():  # persist TensorRT-RTX's JIT kernel cache for the next run
             if isinstance(ex, TensorRTExecutor) and ex.active:
-                ex.save_runtime_cache()
+                note = ex.save_runtime_cache()  # never fatal: the images are done
+                if note:
+                    log.warning(note)
         if not (images.size and finite):
             raise NonFiniteError("vae_decoder produced NaN/Inf; build it in fp32 (`--precision vae_decoder=fp32`)")
         return Result(images, timings, trace_latents)
+
+
+def captures_step_itself(ex) -> bool:
+    """--cuda-graph: the pipeline captures the transformer step (CudaGraphStep, after warm-up calls) for the
+    PyTorch module and for full TensorRT, whose runtime config has no graph strategy; TensorRT-RTX captures the
+    whole graph itself (cuda_graph_strategy = WHOLE_GRAPH_CAPTURE)."""
+    if isinstance(ex, TorchExecutor):
+        return True
+    return isinstance(ex, TensorRTExecutor) and not ex.native_cuda_graph
+
+
+class MemoryWatch:
+    """Peak device memory of a generation: torch's own peak, and the device's used memory sampled between
+    stages (TensorRT's weights and workspaces are allocated outside torch, so max_memory_allocated misses
+    them), less what was in use before the call. Sampled outside the denoising loop: no query inside it."""
+
+    def __init__(self, mem_get_info=None, max_allocated=None, reset=None):
+        import torch
+
+        self.mem_get_info = mem_get_info or torch.cuda.mem_get_info
+        self.max_allocated = max_allocated or torch.cuda.max_memory_allocated
+        (reset or torch.cuda.reset_peak_memory_stats)()
+        free, total = self.mem_get_info()
+        self.baseline = total - free
+        self.torch_baseline = self.max_allocated()
+        self.used = self.baseline
+
+    def sample(self) -> None:
+        free, total = self.mem_get_info()
+        self.used = max(self.used, total - free)
+
+    def peak_gb(self) -> float:
+        self.sample()
+        device = self.used - self.baseline  # everything this process added, TensorRT's allocations included
+        return max(device, self.max_allocated() - self.torch_baseline, 0) / 2**30
 
 
 class CudaGraphStep:

@@ -4,7 +4,7 @@ Layout under the output root:
   onnx/<model hash[:12]>-fp32/<component>.onnx + export.json     the validated fp32 export
   onnx/<model hash[:12]>-<dtype>-opt/<component>.onnx + optimize.json   optimized, precision placed; both
                                                                   shared by every GPU built from this model
-  <gpu>/<component>.engine, manifest.json, build.log, timing.cache
+  <gpu>/<component>.engine, manifest.json, build.log (+ timing.cache with full TensorRT)
 A stage is skipped when its inputs' hashes match what the previous run recorded and its output file still
 has the recorded sha256. Engines are written to a temp name and renamed; the manifest is updated after
 each engine, so an interrupted build resumes with the remaining components."""
@@ -70,7 +70,7 @@ def build_key(onnx_sha: str, backend: str, backend_version: str, cfg: GpuConfig,
     return sha256_json({
         "onnx": onnx_sha, "backend": backend, "backend_version": backend_version, "cc": cfg.compute_capability,
         "profile": profile, "weight_streaming": weight_streaming, "level": cfg.builder_optimization_level,
-        "fluxtrt": __version__, "weightless": weightless,
+        "fluxtrt": __version__, "weightless": weightless and "strip+refit",
     })
 
 
