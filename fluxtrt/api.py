@@ -4,7 +4,7 @@ the CLI only renders. Every policy the commands apply (which components go zero-
 
     from fluxtrt import api
     built = api.build(gpu="4090", model="tiny", out_dir="engines", precision=["fp8"])
-    done = api.generate(["a red fox in the snow"], engines="engines/4090", steps=4, height=512, width=512,
+    done = api.generate(["a red fox in the snow"], engines=built.gpu_dir, steps=4, height=512, width=512,
                         out="fox.png")
 """
 
@@ -74,7 +74,11 @@ class BuildSummary:
 
 
 def resolve_target(gpu: str | None, config: Path | None, precision=None, components=None):
-    """(GpuConfig with `-p` applied, notes): `-p fp8` spreads the recipe over the components that have it."""
+    """(GpuConfig with `-p` applied, notes): `-p fp8` spreads the recipe over the components that have it. A
+    precision other than the config's gets its own engine folder (`4090-fp8`), so a build with `-p` never
+    replaces the engines of another precision (a changed config file still rebuilds its folder in place)."""
+    import dataclasses
+
     from .engine.backends import get_backend
     from .gpus import load_gpu
     from .precisions import apply_overrides
@@ -86,7 +90,12 @@ def resolve_target(gpu: str | None, config: Path | None, precision=None, compone
     notes: list[str] = []
     if precision:
         merged, notes = apply_overrides(cfg.precision, _split(precision), _split(components) or None)
-        cfg = cfg.with_precision({c: p for c, p in merged.items() if cfg.precision.get(c) != p})
+        changed = {c: p for c, p in merged.items() if cfg.precision.get(c) != p}
+        if changed:
+            kinds = sorted(set(changed.values()))
+            tag = kinds[0] if len(kinds) == 1 else "-".join(f"{c}-{p}" for c, p in sorted(changed.items()))
+            notes.append(f"engines of these precisions go to {cfg.key}-{tag}/; {cfg.key}/ keeps the config's")
+            cfg = dataclasses.replace(cfg.with_precision(changed), key=f"{cfg.key}-{tag}")
     return cfg, notes
 
 
@@ -213,6 +222,8 @@ class RunOptions:
     weights: Path | None = None
     lora: Path | None = None
     lora_scale: float = 1.0
+    negative_prompt: str | None = None  # true CFG (diffusers' negative_prompt / true_cfg_scale)
+    true_cfg: float = 1.0
 
     def check(self) -> "RunOptions":
         from .dtypes import check_float
@@ -232,6 +243,11 @@ class RunOptions:
             raise FluxtrtError(f"--weight-streaming-budget is MB of weights kept on the GPU, at least 0; got "
                                f"{self.weight_streaming_budget}")
         check_float(self.torch_dtype, "--torch-dtype")
+        if self.true_cfg < 1:
+            raise FluxtrtError(f"--true-cfg is a scale of at least 1 (1: off), got {self.true_cfg}")
+        if self.true_cfg > 1 and self.negative_prompt is None:
+            raise FluxtrtError(f"--true-cfg {self.true_cfg} needs --negative-prompt TEXT (what to steer away from; "
+                               "\"\" is allowed)")
         return self
 
 
@@ -265,6 +281,8 @@ def open_pipeline(opts: RunOptions):
         source = resolve_model(opts.model)
     choice = choose_backend(opts.backend, engines)
     choice.notes += _gpu_only_flags(opts, choice.backend)
+    if opts.negative_prompt is not None and opts.true_cfg <= 1:
+        choice.notes.append("--negative-prompt has no effect without --true-cfg > 1 (as in diffusers' FluxPipeline)")
     budget = opts.weight_streaming_budget << 20 if opts.weight_streaming_budget is not None else None
     pipe = FluxEngines(engines, choice.backend, opts.low_vram, budget, opts.cuda_graph, model=source,
                        fallback=sorted(set(opts.fallback) | set(choice.fallback)), torch_dtype=opts.torch_dtype,
@@ -292,12 +310,16 @@ def generate(prompts: list[str], opts: RunOptions | None = None, on_step=None, s
     pipe.check_request(max(len(c) for c in chunks), height, width, steps)  # fail before any work
     many, paths, timings = sum(len(c) for c in chunks) > 1, [], []
     for k, chunk in enumerate(chunks):
-        res = pipe.generate(chunk, height, width, steps, opts.guidance, opts.seed + k, on_step=on_step)
+        negatives = [opts.negative_prompt] * len(chunk) if opts.negative_prompt is not None else None
+        res = pipe.generate(chunk, height, width, steps, opts.guidance, opts.seed + k, on_step=on_step,
+                            negative_prompts=negatives, true_cfg=opts.true_cfg)
         for j, img in enumerate(res.images):
             idx = sum(len(c) for c in chunks[:k]) + j
             dest = opts.out.with_name(f"{opts.out.stem}-{idx}{opts.out.suffix}") if many else opts.out
-            save_png(img, dest, _png_metadata(pipe, chunk[j], opts.seed + k, steps, opts.guidance, height, width,
-                                              choice.backend))
+            meta = _png_metadata(pipe, chunk[j], opts.seed + k, steps, opts.guidance, height, width, choice.backend)
+            if opts.true_cfg > 1:
+                meta.update(negative_prompt=opts.negative_prompt, true_cfg=opts.true_cfg)
+            save_png(img, dest, meta)
             paths.append(dest)
         timings.append(res.timings)
     return Generated(paths, timings, choice.backend, choice.notes)

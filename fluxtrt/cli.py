@@ -284,6 +284,9 @@ def run(
                                    "build's weight map (weightless engines are refitted; ONNX Runtime fills them)."),
     lora: Optional[Path] = _opt(None, "--lora", help="A transformer LoRA (diffusers/peft) merged into --weights."),
     lora_scale: float = _opt(1.0, "--lora-scale", help="Strength of --lora."),
+    negative_prompt: Optional[str] = _opt(None, "--negative-prompt", help="What to steer away from (with --true-cfg)."),
+    true_cfg: float = _opt(1.0, "--true-cfg", help="True classifier-free guidance scale, > 1 to use --negative-prompt "
+                           "(diffusers' true_cfg_scale; two transformer calls per step)."),
 ):
     """Generate images from built engines (diffusers' FluxPipeline semantics, seed for seed)."""
     _quiet_libraries()
@@ -293,7 +296,7 @@ def run(
 
     opts = api.RunOptions(engines, model, backend, _list(fallback), torch_dtype, compile, steps, guidance, height,
                           width, seed, batch, out_path, low_vram, weight_streaming_budget, cuda_graph,
-                          allow_host_code, weights, lora, lora_scale)
+                          allow_host_code, weights, lora, lora_scale, negative_prompt, true_cfg)
     logging.getLogger("fluxtrt").addHandler(_WarningLine())
     prompts = api.read_prompts(prompt, prompts_file)
     with r.phases(["denoise"]) as update:

@@ -18,6 +18,10 @@ READABLE_SCHEMAS = (1, 2)  # schema 1 has the same fields: read as is
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "prompts.txt"  # in the wheel; calibration/ links to it
 
 
+LOW_VRAM_STAGES = (("clip", "t5"), ("transformer",), ("vae_decoder",))  # engines resident together with --low-vram
+LOW_VRAM_STAGES_FLAT = tuple(c for stage in LOW_VRAM_STAGES for c in stage)
+
+
 class ManifestError(FluxtrtError):
     """A manifest is missing, unreadable or does not match its engines."""
 
@@ -80,6 +84,7 @@ class ComponentEntry:
     refittable: bool = False
     weightfree_onnx: str | None = None
     weightfree_sha256: str | None = None
+    memory: dict | None = None  # device memory the builder reported: activations (profile max), weights, persistent
 
     def dtype_of(self, tensor: str) -> str:
         for t in self.inputs + self.outputs:
@@ -146,6 +151,23 @@ class Manifest:
         kwargs["components"] = {n: ComponentEntry.from_json(e) for n, e in data["components"].items()}
         kwargs["schema"] = SCHEMA
         return cls(**kwargs)
+
+    def memory_needed(self, low_vram: bool = False) -> int | None:
+        """Device bytes the run pipeline's engines need (None when an engine lacks the builder's report):
+        weights and persistent memory of the engines resident at once (all of them; with --low-vram the largest
+        stage: CLIP+T5, the transformer, the VAE decoder), plus one activation buffer shared by all engines,
+        sized for the largest engine at the profile's max shapes (TensorRT reserves the max, so a request at
+        the opt shape needs the same)."""
+        run = [self.components[c] for c in LOW_VRAM_STAGES_FLAT if c in self.components]
+        if not run or any(not e.memory for e in run):
+            return None
+
+        def resident(entries):
+            return sum(e.memory.get("weights", 0) + e.memory.get("persistent", 0) for e in entries)
+
+        stages = [[self.components[c] for c in stage if c in self.components] for stage in LOW_VRAM_STAGES]
+        weights = max(resident(s) for s in stages) if low_vram else resident(run)
+        return weights + max(e.memory.get("activations", 0) for e in run)
 
     def write(self, folder: Path) -> None:
         from .fileio import write_json_atomic

@@ -114,9 +114,22 @@ def build_summary(b) -> None:
                      "peak RSS"), rows))
     for n in b.notes:
         note(n)
+    out.print(memory_line(m))
     if b.up_to_date:
         out.print("Nothing to do: every engine is up to date (use --force to rebuild).")
     out.print(f"manifest: {b.gpu_dir / 'manifest.json'}; log: {b.gpu_dir / 'build.log'}")
+
+
+def memory_line(m) -> str:
+    """Device memory the engines need, from the builder's own report (see Manifest.memory_needed)."""
+    full, low = m.memory_needed(), m.memory_needed(low_vram=True)
+    if full is None:
+        return "device memory needed: unknown (an engine lacks the builder's memory report: built by an older fluxtrt)"
+    streamed = [n for n, e in m.components.items() if e.weight_streaming]
+    tail = f"; {', '.join(streamed)} can stream weights (--weight-streaming-budget)" if streamed else ""
+    return (f"device memory needed: {human(full)} with every engine resident, {human(low)} with --low-vram "
+            f"(weights + one activation buffer for the profile's max shapes; opt-size requests reserve the same)"
+            f"{tail}")
 
 
 def timings(generated) -> None:
@@ -160,6 +173,7 @@ def inspection(m, checks) -> None:
                      c.runtime))
     out.print(table("", ("component", "precision", "size", "layers", "inputs (min..max)", "file", "this machine"),
                     rows))
+    out.print(memory_line(m))
     if any(c.file != "ok" for c in checks):
         warning("some engine files do not match the manifest (see the file column)")
 

@@ -20,5 +20,5 @@ assert "site-packages" in p.parts, f"fluxtrt imported from {p}, not the installe
 print("fluxtrt from", p.parent)
 PY
 fluxtrt build --gpu 4090 --model tiny -p fp8 --out engines
-fluxtrt run --engines engines/4090 --prompt "a red fox in the snow" --steps 4 --height 512 --width 512 --out fox.png
+fluxtrt run --engines engines/4090-fp8 --prompt "a red fox in the snow" --steps 4 --height 512 --width 512 --out fox.png
 python -c "from PIL import Image; im = Image.open('fox.png'); assert im.size == (512, 512), im.size; print('fox.png', im.size)"

@@ -41,6 +41,10 @@ def test_registry_is_the_one_list_of_recipes():
 def test_resolve_target_spreads_fp8_and_refuses_gpu_with_config(tmp_path):
     cfg, notes = api.resolve_target("4090", None, ["fp8"])
     assert cfg.precision["transformer"] == "fp8" and cfg.precision["clip"] == "fp16" and notes
+    assert cfg.key == "4090-fp8" and any("4090/ keeps the config's" in n for n in notes)  # side by side
+    assert api.resolve_target("4090", None, ["bf16"])[0].key == "4090-bf16"
+    assert api.resolve_target("4090", None, ["transformer=fp8", "t5=fp32"])[0].key == "4090-t5-fp32-transformer-fp8"
+    assert api.resolve_target("4090", None, ["transformer=bf16"])[0].key == "4090"  # the config's own: same folder
     with pytest.raises(ConfigError, match="quantizes the transformer's linear layers only.*-p transformer=fp8"):
         api.resolve_target("4090", None, ["clip=fp8"])
     with pytest.raises(ConfigError, match="fp8 needs compute capability 8.9"):
@@ -208,3 +212,15 @@ def test_png_carries_its_settings(tmp_path):
         assert im.text == {"prompt": "a fox", "seed": "7", "steps": "4"} and im.size == (24, 16)
         assert (np.asarray(im) == img).all()
     assert [p.name for p in tmp_path.iterdir()] == ["a.png"]  # no temp file left
+
+
+def test_memory_needed_from_the_builders_report():
+    m = _manifest()
+    base = m.components["clip"]
+    assert m.memory_needed() is None  # no report (an older fluxtrt): unknown, not a guess
+    sizes = {"clip": (100, 10), "t5": (900, 50), "transformer": (5000, 400), "vae_decoder": (200, 800)}
+    m.components = {n: ComponentEntry(**{**base.to_json(), "memory": {"weights": w, "activations": a,
+                                                                      "persistent": 1}})
+                    for n, (w, a) in sizes.items()}
+    assert m.memory_needed() == (100 + 900 + 5000 + 200 + 4) + 800  # all resident + one shared activation buffer
+    assert m.memory_needed(low_vram=True) == (5000 + 1) + 800  # the largest stage (the transformer) + the buffer

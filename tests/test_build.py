@@ -1,5 +1,6 @@
 """Engine builder: real TensorRT-RTX engines for the tiny models, ahead of time on this CPU-only machine."""
 
+import re
 import sys
 import types
 
@@ -178,6 +179,12 @@ def test_cli_build_and_inspect(tmp_path):
     res = CliRunner().invoke(app, ["inspect", str(tmp_path / "4090")])
     assert res.exit_code == 0, res.output
     assert "tensorrt-rtx" in res.output and "clip" in res.output and "ok" in res.output
+    assert re.search(r"device memory needed: [\d.]+ [KMG]B with every engine resident, [\d.]+ [KMG]B with --low-vram",
+                     " ".join(res.output.split()))
+    m = read_manifest(tmp_path / "4090")
+    for e in m.components.values():  # the builder's own report, kept in the manifest
+        assert e.memory["activations"] > 0 and e.memory["weights"] > 0
+    assert m.memory_needed(low_vram=True) <= m.memory_needed()
     assert "WRONG SIZE" not in res.output and "MISMATCH" not in res.output
     assert not (tmp_path / "4090" / "timing.cache").exists()  # TensorRT-RTX: no timing cache (no effect there)
     assert not (tmp_path / ".fluxtrt.lock").exists()  # the build's lock is not left behind

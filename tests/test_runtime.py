@@ -36,7 +36,7 @@ def fp32_engines(tmp_path_factory):
     return get
 
 
-def reference(src, prompts, h, w, steps, guidance, seed):
+def reference(src, prompts, h, w, steps, guidance, seed, **extra):
     pipe = src.load_pipeline()
     latents = []
 
@@ -47,8 +47,50 @@ def reference(src, prompts, h, w, steps, guidance, seed):
     # schnell runs T5 at 256 tokens, as its model card's example passes max_sequence_length=256
     img = pipe(prompts, height=h, width=w, num_inference_steps=steps, guidance_scale=guidance,
                max_sequence_length=src.geometry.t5_length, generator=torch.Generator().manual_seed(seed), output_type="np",
-               callback_on_step_end=keep).images
+               callback_on_step_end=keep, **extra).images
     return (img * 255).round().astype("uint8"), latents
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-schnell"])
+def test_true_cfg_matches_diffusers(fp32_engines, model):
+    """--negative-prompt / --true-cfg: diffusers' FluxPipeline with negative_prompt and true_cfg_scale, step for
+    step (latents < 1e-3, images within MAX_UINT8_DIFF/255), and it changes the image."""
+    src, engines = fp32_engines(model)
+    seed = int(np.random.default_rng().integers(0, 2**31))
+    prompts, negative, steps = ["a red fox in the snow", "a bowl of ramen"], "blurry, low quality", 3
+    ref, ref_latents = reference(src, prompts, 256, 256, steps, 3.5, seed, negative_prompt=negative,
+                                 true_cfg_scale=4.0)
+    pipe = FluxEngines(engines, "onnxruntime")
+    res = pipe.generate(prompts, 256, 256, steps, 3.5, seed, trace=True, negative_prompts=[negative] * 2,
+                        true_cfg=4.0)
+    for i, (a, b) in enumerate(zip(res.latents_per_step, ref_latents)):
+        err = float((a - b).abs().max())
+        assert err < 1e-3, f"latents diverge from diffusers at step {i}: {err:.2e}"
+    assert int(np.abs(res.images.astype(int) - ref.astype(int)).max()) <= MAX_UINT8_DIFF
+    plain = pipe.generate(prompts, 256, 256, steps, 3.5, seed).images
+    assert int(np.abs(plain.astype(int) - res.images.astype(int)).max()) > 10  # guidance did something
+    with pytest.raises(RequestError, match="1 negative prompts for 2 prompts"):
+        pipe.generate(prompts, 256, 256, steps, negative_prompts=["x"], true_cfg=2.0)
+
+
+def test_cli_true_cfg_needs_a_negative_prompt(fp32_engines, tmp_path):
+    from PIL import Image
+    from typer.testing import CliRunner
+
+    from fluxtrt.cli import app
+
+    _, engines = fp32_engines("tiny-schnell")
+    res = CliRunner().invoke(app, ["run", "--engines", str(engines), "--prompt", "x", "--true-cfg", "3"])
+    assert res.exit_code == 2 and "needs --negative-prompt" in res.output
+    res = CliRunner().invoke(app, ["run", "--engines", str(engines), "--prompt", "a cat", "--true-cfg", "3",
+                                   "--negative-prompt", "", "--height", "256", "--width", "256",
+                                   "--out", str(tmp_path / "c.png")])
+    assert res.exit_code == 0, res.output
+    meta = Image.open(tmp_path / "c.png").text
+    assert meta["negative_prompt"] == "" and meta["true_cfg"] == "3.0"
+    res = CliRunner().invoke(app, ["run", "--engines", str(engines), "--prompt", "a cat", "--negative-prompt", "dog",
+                                   "--height", "256", "--width", "256", "--out", str(tmp_path / "d.png")])
+    assert res.exit_code == 0 and "no effect without --true-cfg" in " ".join(res.output.split())
 
 
 @pytest.mark.slow

@@ -23,11 +23,14 @@ class _Log:
                 self.file = None
                 self.cpu_note = False
                 self.errors: list[str] = []
+                self.memory: dict[str, int] = {}  # what the builder reports (build_memory_report)
 
             def log(self, severity, msg):
-                if severity <= trt.ILogger.Severity.ERROR:
+                building = self.file is not None
+                if severity <= trt.ILogger.Severity.ERROR and not (building and _expected_without_gpu(msg)):
                     self.errors.append(msg)
-                if self.file is not None and severity <= trt.ILogger.Severity.INFO:
+                record_memory(self.memory, msg)
+                if building and severity <= trt.ILogger.Severity.INFO:
                     if _expected_without_gpu(msg):  # an ahead-of-time build on a machine with no GPU
                         if not self.cpu_note:
                             self.cpu_note = True
@@ -37,6 +40,21 @@ class _Log:
                     self.file.write(f"[{severity.name}] {msg}\n")
 
         self.logger = Logger()
+
+
+MEMORY_LINES = {"activations": "Total Activation Memory:", "weights": "Total Weights Memory:",
+                "persistent": "Total Device Persistent Memory:"}
+
+
+def record_memory(memory: dict, msg: str) -> None:
+    """The builder's own report of an engine's device memory (INFO lines, TensorRT and TensorRT-RTX alike):
+    activations (sized for the profile's max shapes), weights, persistent memory; bytes."""
+    for key, prefix in MEMORY_LINES.items():
+        if msg.startswith(prefix):
+            try:
+                memory[key] = int(msg[len(prefix):].split()[0])
+            except (IndexError, ValueError):
+                pass
 
 
 def _expected_without_gpu(msg: str) -> bool:

@@ -24,6 +24,7 @@ class BuiltEngine:
     inputs: list[dict]
     outputs: list[dict]
     profile: dict  # input name -> {"min": [...], "opt": [...], "max": [...]} as read back from TensorRT
+    memory: dict | None = None  # the builder's report: activations (profile max), weights, persistent; bytes
 
 
 def _dims(shape) -> list[int]:
@@ -167,7 +168,7 @@ def build_engine(backend: Backend, onnx_path: Path, spec: ComponentSpec, geo: Ge
 
     trt = backend.trt
     logger = backend.logger
-    logger.file, logger.errors = log_file, []
+    logger.file, logger.errors, logger.memory = log_file, [], {}
     builder = trt.Builder(logger)
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, logger)
@@ -216,7 +217,8 @@ def build_engine(backend: Backend, onnx_path: Path, spec: ComponentSpec, geo: Ge
         for i in inputs
     }
     logger.file = None
-    built = BuiltEngine(writer.bytes, writer.sha.hexdigest(), network.num_layers, inputs, outputs, read_back)
+    built = BuiltEngine(writer.bytes, writer.sha.hexdigest(), network.num_layers, inputs, outputs, read_back,
+                        dict(logger.memory) or None)
     del parser, network  # before the memory maps their weights point into
     del weights
     return built

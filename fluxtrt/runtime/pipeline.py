@@ -197,8 +197,9 @@ class FluxEngines:
 
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
-    def _step_function(self, feeds: dict):
-        """step(latents, timestep) -> noise_pred: eager, or a CUDA graph captured once per shape."""
+    def _step_function(self, feeds: dict, refresh: bool = False):
+        """step(latents, timestep) -> noise_pred: eager, or a CUDA graph captured once per shape. `refresh`: the
+        graph is shared with another set of feeds of the same shapes (true CFG), so copy these in every call."""
         ex = self.executors["transformer"]
         if isinstance(ex, TensorRTExecutor) and not ex.active:
             ex.activate()  # whether TensorRT captures the graph itself is known once the context exists
@@ -207,6 +208,12 @@ class FluxEngines:
             if key not in self._graphs:
                 self._graphs[key] = CudaGraphStep(ex, feeds, self.stream)
             graph = self._graphs[key]
+            if refresh:
+                def replay(latents, timestep):
+                    graph.set_call_inputs(feeds)
+                    return graph(latents, timestep)
+
+                return replay
             graph.set_call_inputs(feeds)
             return graph
 
@@ -282,12 +289,19 @@ class FluxEngines:
         return pooled, text
 
     def generate(self, prompts: list[str], height: int, width: int, steps: int, guidance: float = 3.5,
-                 seed: int = 0, trace: bool = False, on_step=None) -> Result:
+                 seed: int = 0, trace: bool = False, on_step=None, negative_prompts: list[str] | None = None,
+                 true_cfg: float = 1.0) -> Result:
+        """Images for `prompts`. True classifier-free guidance as diffusers' FluxPipeline `true_cfg_scale`: with
+        `true_cfg` > 1 and `negative_prompts`, each step also runs the transformer on the negative prompts and
+        uses neg + true_cfg * (pos - neg) (in the transformer's output dtype, as diffusers does)."""
         import torch
 
         batch = len(prompts)
         if batch == 0 or any(not isinstance(p, str) for p in prompts):
             raise RequestError("give at least one prompt (text)")
+        cfg = true_cfg > 1 and negative_prompts is not None
+        if cfg and len(negative_prompts) != batch:
+            raise RequestError(f"{len(negative_prompts)} negative prompts for {batch} prompts; give one per prompt")
         self.check_request(batch, height, width, steps)
         geo, dev = self.geo, self.device
         timings = Timings()
@@ -296,6 +310,8 @@ class FluxEngines:
 
         with self._on_stream():
             pooled, text = self.encode_prompts(prompts)
+            if cfg:
+                neg_pooled, neg_text = self.encode_prompts(negative_prompts)
         timings.text_encoders = _elapsed(t_start, dev)  # synchronizes: the encoders are done with their weights
         if memory is not None:
             memory.sample()
@@ -318,12 +334,19 @@ class FluxEngines:
                      "txt_ids": fm.text_ids(geo.t5_length).to(dev), "timestep": t_in[0].expand(batch)}
             if geo.guidance:
                 feeds["guidance"] = torch.full([batch], guidance, dtype=torch.float32).to(dev)
-            step = self._step_function(feeds)
+            step = self._step_function(feeds, refresh=cfg)
+            if cfg:  # the same call with the negative prompts' embeddings
+                neg_feeds = dict(feeds, encoder_hidden_states=neg_text.to(dev), pooled_projections=neg_pooled.to(dev))
+                step_neg = self._step_function(neg_feeds, refresh=True)
             trace_latents = []
             step_marks = [_mark(dev)]
             with _sync_guard(dev, self.sync_check):
                 for i in range(steps):
                     noise_pred = step(latents, t_in[i].expand(batch))
+                    if cfg:  # the executor reuses its output buffer on the next call: keep this one
+                        pos = noise_pred.clone()
+                        neg = step_neg(latents, t_in[i].expand(batch))
+                        noise_pred = neg + true_cfg * (pos - neg)
                     latents = fm.euler_step(latents, noise_pred.float(), dts[i])
                     step_marks.append(_mark(dev))
                     if on_step is not None:

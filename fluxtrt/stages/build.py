@@ -160,6 +160,7 @@ def _engine_stage(source, cfg, backend, spec, rng, onnx_path, res, manifest, gpu
         engine=engine_path.name, sha256=built.sha256, bytes=built.bytes, precision=dtype,
         onnx=str(onnx_path.relative_to(Path(gpu_dir).parent)), onnx_sha256=onnx_sha, build_key=key,
         weight_streaming=ws, layers=built.layers, inputs=built.inputs, outputs=built.outputs, profile=built.profile,
+        memory=built.memory,
         build_seconds=round(seconds, 3), peak_rss_mb=round(peak_rss_mb(), 1),
         stages={r.stage: r.footprint() for r in [*res, result]},
         quantization=next((r.info for r in res if r.info), None), weightless=weightless,
