@@ -99,7 +99,7 @@ def resolve_target(gpu: str | None, config: Path | None, precision=None, compone
     return cfg, notes
 
 
-def build(gpu: str | None = None, model: str | None = "tiny", out_dir: Path = Path("engines"), components=None,
+def build(gpu: str | None = None, model: str | None = None, out_dir: Path = Path("engines"), components=None,
           precision=None, config: Path | None = None, static_shape: bool | None = None, force: bool = False,
           calibration: CalibrationSettings | None = None, weightless: bool = False, zero_copy: bool = True,
           validate: bool = True, progress: Callable[[str, str], None] = lambda c, p: None) -> BuildSummary:
@@ -141,24 +141,24 @@ def calibrate(model: str, out_dir: Path, recipe: str = "fp8", settings: Calibrat
 
 def optimize(in_dir: Path, out_dir: Path, passes=None, dtype: str = "fp32", components=None) -> list:
     """Graph passes and precision placement on an fp32 export: [(component, OptimizeReport, comparison)]."""
-    import json
-
     from .components import specs_for
     from .models.source import resolve_model
     from .optimize.pipeline import check_passes, optimize_file
+    from .records import StageInfo
     from .validate import bound_for, compare_onnx
 
-    info_path = Path(in_dir) / "export.json"
-    if not info_path.exists():
-        raise FluxtrtError(f"{in_dir} has no export.json; export first with `fluxtrt export --out {in_dir}`")
-    info = json.loads(info_path.read_text())
-    if info.get("dtype") != "fp32":
-        raise FluxtrtError(f"optimize takes an fp32 export (its precision placement casts); {in_dir} is {info.get('dtype')}")
+    info = StageInfo.read(Path(in_dir) / "export.json")
+    if not info.components:
+        raise FluxtrtError(f"{in_dir} has no export.json of this fluxtrt; export first with `fluxtrt export --out "
+                           f"{in_dir}`")
+    dtype_in = info.header.get("dtype")
+    if dtype_in != "fp32":
+        raise FluxtrtError(f"optimize takes an fp32 export (its precision placement casts); {in_dir} is {dtype_in}")
     pass_names = check_passes(_split(passes) or None)
-    geo = resolve_model(info["model"]).geometry
+    geo = resolve_model(info.header["model"]).geometry
     out = []
-    for name, spec in specs_for(geo, _split(components) or list(info["components"])).items():
-        src = Path(in_dir) / info["components"][name]["file"]
+    for name, spec in specs_for(geo, _split(components) or list(info.components)).items():
+        src = Path(in_dir) / info.components[name].file
         rep = optimize_file(src, Path(out_dir) / src.name, name, pass_names, dtype)
         check = compare_onnx(src, rep.path, spec, geo, bound_for(name, dtype, 1e-5))
         if not check.ok:
@@ -413,10 +413,13 @@ def artifacts(gpus: str, model: str, engines: Path, out_dir: Path, precision=Non
     """Build (or reuse) each target's engines and pack each into an archive + .sha256: [(config, archive, sha)]."""
     from .artifacts import pack
     from .models.source import resolve_model
+    from .runtime.images import check_writable
     from .stages.build import build_gpu
 
     targets = [g for g in _split([gpus])]
     configs = [resolve_target(g, None, precision)[0] for g in targets]  # all checked before any work
+    check_writable(Path(out_dir) / "archive.tar.gz")
+    check_writable(Path(engines) / "manifest.json")
     source = resolve_model(model)
     out = []
     for cfg in configs:

@@ -56,7 +56,7 @@ def _one_line(e: BaseException) -> str | None:
     if isinstance(e, OSError) and e.errno == errno.ENOSPC:
         return (f"no space left on the device while writing {e.filename or 'a file'}; free some space or use --out "
                 "on another disk (nothing half-written was kept)")
-    if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+    if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR):
         return (f"cannot write {e.filename or 'a file'}: {e.strerror}; pass --out in a writable folder "
                 "(nothing half-written was kept)")
     return None

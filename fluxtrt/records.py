@@ -175,6 +175,60 @@ class Manifest:
         write_json_atomic(Path(folder) / MANIFEST, self.to_json())
 
 
+STAGE_SCHEMA = 1
+
+
+@dataclass
+class StageRecord:
+    """One component's entry in a stage's record beside its outputs (export.json, optimize.json): the output's
+    hash, its check against PyTorch, and (optimize / quantize) the inputs it depends on."""
+
+    sha256: str
+    max_rel_err: float | None = None  # ONNX Runtime vs PyTorch; None: not validated
+    inputs: dict | None = None  # optimize.json: what the output depends on (export.json keeps them at the top)
+    quantization: dict | None = None
+    nodes: list | None = None  # [before, after] the graph passes
+    file: str | None = None
+    bytes: int | None = None
+    external_data: bool = False
+    seconds: float | None = None
+    dtype: str | None = None
+    zero_copy: dict | None = None  # export: what a linked export points at
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "StageRecord":
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+
+
+@dataclass
+class StageInfo:
+    """A stage's record file: header fields (export.json: model, model_hash, dtype, opset, ...) and one
+    StageRecord per component. A file of another schema or an unreadable one reads as empty (nothing reused)."""
+
+    header: dict = field(default_factory=dict)
+    components: dict[str, StageRecord] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, path: Path) -> "StageInfo":
+        try:
+            data = json.loads(Path(path).read_text())
+            if data.get("schema") != STAGE_SCHEMA:
+                return cls()
+            comps = {n: StageRecord.from_json(e) for n, e in data.get("components", {}).items()}
+        except (OSError, ValueError, TypeError, AttributeError):
+            return cls()
+        return cls({k: v for k, v in data.items() if k not in ("components", "schema")}, comps)
+
+    def write(self, path: Path) -> None:
+        from .fileio import write_json_atomic
+
+        write_json_atomic(Path(path), {**self.header, "schema": STAGE_SCHEMA,
+                                       "components": {n: r.to_json() for n, r in self.components.items()}})
+
+
 def read_manifest(engine_dir: Path, required: bool = True) -> Manifest | None:
     path = Path(engine_dir) / MANIFEST
     if not path.exists():

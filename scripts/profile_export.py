@@ -24,7 +24,8 @@ def main() -> None:
     import torch
 
     from fluxtrt.components import specs_for
-    from fluxtrt.export import _quiet_exporter, dynamic_shapes, example_point, export_patches, torch_dtype
+    from fluxtrt.dtypes import torch_dtype
+    from fluxtrt.export.trace import dynamic_shapes, example_point, export_patches, quiet_exporter
     from fluxtrt.export.zerocopy import empty_component
     from fluxtrt.models.source import resolve_model
 
@@ -41,7 +42,7 @@ def main() -> None:
     example = spec.sample_inputs(example_point(src.geometry), src.geometry, seed=0)
     argv = tuple((v.to(dt) if v.is_floating_point() else v).to("meta") for v in example.values())
     phase("build meta module", t0)
-    with export_patches(module), torch.no_grad(), _quiet_exporter():
+    with export_patches(module), torch.no_grad(), quiet_exporter():
         t0 = time.perf_counter()
         ep = torch.export.export(module, argv, dynamic_shapes=dynamic_shapes(spec), strict=False)
         phase("torch.export.export", t0, nodes=len(ep.graph.nodes))

@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--layout-only", action="store_true", help="headers + sparse zero data (see above)")
     args = ap.parse_args()
 
-    from fluxtrt.export import torch_dtype
+    from fluxtrt.dtypes import torch_dtype
     from fluxtrt.models.random_arch import MARKER
     from fluxtrt.models.source import resolve_model
 
@@ -59,7 +59,7 @@ def write_layout(folder: Path, sub: str, out: Path, dtype: str, shard_bytes: int
     import json
     import struct
 
-    from fluxtrt.export import torch_dtype
+    from fluxtrt.dtypes import torch_dtype
     from fluxtrt.export.zerocopy import empty_component
 
     model, _ = empty_component(folder, sub, torch_dtype(dtype))

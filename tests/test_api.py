@@ -224,3 +224,46 @@ def test_memory_needed_from_the_builders_report():
                     for n, (w, a) in sizes.items()}
     assert m.memory_needed() == (100 + 900 + 5000 + 200 + 4) + 800  # all resident + one shared activation buffer
     assert m.memory_needed(low_vram=True) == (5000 + 1) + 800  # the largest stage (the transformer) + the buffer
+
+
+@pytest.mark.parametrize("command", [
+    ["export", "--model", "tiny-schnell", "-c", "clip", "--out", "{bad}"],
+    ["build", "--gpu", "4090", "--model", "tiny-schnell", "-c", "clip", "--out", "{bad}"],
+    ["artifacts", "--gpus", "4090", "--model", "tiny-schnell", "--engines", "{tmp}/e", "--out", "{bad}"],
+    ["bench", "--engines", "{tmp}/none", "--json", "{bad}/b.json"],
+    ["run", "--model", "tiny-schnell", "--backend", "torch", "--prompt", "x", "--out", "{bad}/x.png"],
+], ids=["export", "build", "artifacts", "bench", "run"])
+def test_unwritable_output_folder_is_one_line_everywhere(tmp_path, command):
+    """An --out where no folder can be made (a file sits in the way): one line naming the fix, exit 2, no
+    traceback, no half-written file."""
+    from typer.testing import CliRunner
+
+    from fluxtrt.cli import app
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    args = [a.format(bad=blocker / "sub", tmp=tmp_path) for a in command]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2, res.output
+    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in res.output and len(errors) == 1, res.output
+    text = " ".join(res.output.split())
+    assert "cannot write" in text and "a-file" in text, text
+    assert blocker.read_text() == "not a folder"
+
+
+def test_stage_records_are_typed_and_versioned(tmp_path):
+    from fluxtrt.records import StageInfo, StageRecord
+
+    info = StageInfo({"model_hash": "abc", "dtype": "fp32"},
+                     {"clip": StageRecord(sha256="0" * 64, max_rel_err=2e-7, file="clip.onnx", zero_copy=None)})
+    info.write(tmp_path / "export.json")
+    data = json.loads((tmp_path / "export.json").read_text())
+    assert data["schema"] == 1 and data["model_hash"] == "abc" and data["components"]["clip"]["zero_copy"] is None
+    back = StageInfo.read(tmp_path / "export.json")
+    assert back == info and back.components["clip"].max_rel_err == 2e-7
+    data["schema"] = 0  # written by an older fluxtrt: nothing of it is reused
+    (tmp_path / "export.json").write_text(json.dumps(data))
+    assert StageInfo.read(tmp_path / "export.json").components == {}
+    (tmp_path / "export.json").write_text("{not json")
+    assert StageInfo.read(tmp_path / "export.json") == StageInfo()

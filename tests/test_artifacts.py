@@ -109,6 +109,19 @@ def test_cli_unpack(packed, tmp_path):
     assert res.exit_code == 0 and (tmp_path / "4090.previous-2" / "manifest.json").is_file()
 
 
+def test_unpack_into_an_unwritable_place_is_one_line(packed, tmp_path):
+    from typer.testing import CliRunner
+
+    from fluxtrt.cli import app
+
+    _, archive, _ = packed
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    res = CliRunner().invoke(app, ["unpack", str(archive), "--out", str(blocker / "engines")])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert "cannot write" in res.output and "writable folder" in " ".join(res.output.split())
+
+
 def test_run_on_unpacked_archive_without_onnx_names_the_working_path(packed, tmp_path):
     """An unpacked archive carries no ONNX of the build machine: ONNX Runtime needs the user's weights, and the
     error says so instead of 'rebuild'."""

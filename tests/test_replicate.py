@@ -66,7 +66,7 @@ def test_replicated_graph_equals_full_trace(deep_tiny, tmp_path, monkeypatch):
     for blocks, depth in DEPTHS.items():  # every block's weights are present, the last one included
         assert any(n.startswith(f"{blocks}.{depth - 1}.") for n, _, _ in weights(a))
     spec = specs_for(deep_tiny.geometry, ["transformer"])["transformer"]
-    from fluxtrt.export import example_point
+    from fluxtrt.export.trace import example_point
 
     seed = int.from_bytes(os.urandom(2), "little")
     feed = {k: v.numpy() for k, v in spec.sample_inputs(example_point(deep_tiny.geometry), deep_tiny.geometry,
@@ -98,7 +98,7 @@ def test_t5_blocks_are_replicated_too(tmp_path, monkeypatch):
     the others share. A 5-block tiny T5 replicated from 3 equals its full trace and validates against PyTorch."""
     import torch
 
-    from fluxtrt.export import example_point
+    from fluxtrt.export.trace import example_point
     from fluxtrt.models.random_arch import random_component
     from fluxtrt.onnxio import ort_session
 

@@ -81,8 +81,37 @@ class FluxEngines:
 
         self.low_vram, self.cuda_graph = low_vram, cuda_graph
         self.backend_name = backend
-        self.executors = {}
-        self.manifest = None
+        self.executors: dict = {}
+        self.manifest, self.stream = None, None
+        self._open_assets(engine_dir, model, backend)
+        # "name@cpu" runs that component's PyTorch module on the CPU (an engine that does not fit the GPU)
+        torch_names = set(RUN_COMPONENTS) if backend == "torch" else {f.split("@")[0] for f in fallback}
+        unknown = torch_names - set(RUN_COMPONENTS)
+        if unknown:
+            raise FluxtrtError(f"--fallback takes {', '.join(RUN_COMPONENTS)}; got {', '.join(sorted(unknown))}")
+        if torch_names:
+            on_cpu = {f.split("@")[0] for f in fallback if f.endswith("@cpu")}
+            self._torch_executors(sorted(torch_names), on_cpu, model, device, torch_dtype, compile)
+        engine_names = [n for n in RUN_COMPONENTS if n not in torch_names]
+        sources = self._weight_sources(engine_names, weights, lora, lora_scale)
+        if engine_names and backend == "tensorrt":
+            self._tensorrt_executors(engine_names, sources, weight_streaming_budget, cuda_graph, allow_host_code,
+                                     kernel_specialization)
+        elif engine_names and backend == "onnxruntime":
+            self._onnxruntime_executors(engine_names, sources, providers)
+        elif engine_names:
+            raise FluxtrtError(f"unknown backend '{backend}'; choose tensorrt, onnxruntime or torch")
+        if self.device.type == "cuda":
+            self.stream = torch.cuda.Stream()  # the one stream everything runs on
+            for ex in self.executors.values():
+                if isinstance(ex, TensorRTExecutor):
+                    ex.stream = self.stream
+        self._tokenizers = None
+        self._embeds: dict[str, tuple] = {}  # prompt -> (pooled [D], t5 [T, D']) reused within a run
+        self._graphs: dict[tuple, CudaGraphStep] = {}
+
+    def _open_assets(self, engine_dir, model, backend) -> None:
+        """Tokenizers and configs: copied beside the engines at build time, or the model folder (torch only)."""
         if engine_dir is not None:
             self.dir = Path(engine_dir)
             self.manifest = read_manifest(self.dir)
@@ -98,25 +127,23 @@ class FluxEngines:
         self.scheduler_config = _json(assets / "scheduler" / "scheduler_config.json")
         vae = _json(assets / "vae" / "config.json")
         self.scaling_factor, self.shift_factor = vae["scaling_factor"], vae.get("shift_factor") or 0.0
-        # "name@cpu" runs that component's PyTorch module on the CPU (an engine that does not fit the GPU)
-        on_cpu = {f.split("@")[0] for f in fallback if f.endswith("@cpu")}
-        torch_names = set(RUN_COMPONENTS) if backend == "torch" else {f.split("@")[0] for f in fallback}
-        unknown = torch_names - set(RUN_COMPONENTS)
-        if unknown:
-            raise FluxtrtError(f"--fallback takes {', '.join(RUN_COMPONENTS)}; got {', '.join(sorted(unknown))}")
-        if torch_names:
-            if model is None:
-                from ..models.source import resolve_model
 
-                model = resolve_model(self.manifest.model.id)
-            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-            specs = specs_for(self.geo, sorted(torch_names))
-            for name in torch_names:
-                dev_name = "cpu" if name in on_cpu else device
-                self.executors[name] = TorchExecutor(name, model, specs[name], dev_name,
-                                                     "fp32" if dev_name == "cpu" and name in on_cpu else torch_dtype,
-                                                     compile)
-        engine_names = [n for n in RUN_COMPONENTS if n not in torch_names]
+    def _torch_executors(self, names, on_cpu, model, device, torch_dtype, compile) -> None:
+        import torch
+
+        if model is None:
+            from ..models.source import resolve_model
+
+            model = resolve_model(self.manifest.model.id)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        specs = specs_for(self.geo, names)
+        for name in names:
+            dev_name = "cpu" if name in on_cpu else device
+            dtype = "fp32" if dev_name == "cpu" and name in on_cpu else torch_dtype
+            self.executors[name] = TorchExecutor(name, model, specs[name], dev_name, dtype, compile)
+
+    def _weight_sources(self, engine_names, weights, lora, lora_scale) -> dict:
+        """name -> WeightSource (or None): the user's checkpoint through the build's weight maps, LoRA merged."""
         weight_source = self._weight_source(weights) if weights is not None and engine_names else None
         if lora is not None:
             from .lora import Lora
@@ -125,45 +152,36 @@ class FluxEngines:
                 raise FluxtrtError("--lora needs --weights (your checkpoint, which the LoRA is applied to) and the "
                                    "transformer running from engines or ONNX")
             lora = Lora(lora, lora_scale)
-        self.stream = None
-        if engine_names and backend == "tensorrt":
-            from ..engine.backends import get_backend
+        return {n: WeightSource.for_component(weight_source, self.dir, self.manifest.component(n), n, lora)
+                for n in engine_names}
 
-            trt_backend = get_backend(self.manifest.backend)
-            _ = trt_backend.trt  # clear error if the package is missing
-            check_gpu_for(self.manifest, trt_backend)
-            shared = SharedActivations()
-            for name in engine_names:
-                e = self.manifest.component(name)
-                if weight_source is not None and not e.weightless:
-                    raise FluxtrtError(f"{name}: these engines carry their weights and are not refittable; "
-                                       "--weights works with engines built with `fluxtrt build --weightless`, or "
-                                       "with --backend onnxruntime")
-                self.executors[name] = TensorRTExecutor(
-                    name, e, self.dir / e.engine, trt_backend, None, shared,
-                    weight_streaming_budget, cuda_graph and name == "transformer", allow_host_code,
-                    weights=WeightSource.for_component(weight_source, self.dir, e, name, lora),
-                    kernel_specialization=kernel_specialization, low_vram=low_vram)
-        elif engine_names and backend == "onnxruntime":
-            for name in engine_names:
-                e = self.manifest.component(name)
-                ws = WeightSource.for_component(weight_source, self.dir, e, name, lora)
-                onnx_path = self.dir / e.weightfree_onnx if ws is not None else self.dir.parent / e.onnx
-                if ws is None and not onnx_path.exists() and e.weightfree_onnx and (self.dir / e.weightfree_onnx).exists():
-                    raise ManifestError(f"{name}: this engine folder has no ONNX of its build machine (an unpacked "
-                                        "archive?); ONNX Runtime runs its weight-free ONNX with your checkpoint: "
-                                        "--backend onnxruntime --weights YOUR_FLUX_FOLDER")
-                self.executors[name] = OnnxRuntimeExecutor(name, e, onnx_path, providers, weights=ws)
-        elif engine_names:
-            raise FluxtrtError(f"unknown backend '{backend}'; choose tensorrt, onnxruntime or torch")
-        if self.device.type == "cuda":
-            self.stream = torch.cuda.Stream()  # the one stream everything runs on
-            for ex in self.executors.values():
-                if isinstance(ex, TensorRTExecutor):
-                    ex.stream = self.stream
-        self._tokenizers = None
-        self._embeds: dict[str, tuple] = {}  # prompt -> (pooled [D], t5 [T, D']) reused within a run
-        self._graphs: dict[tuple, CudaGraphStep] = {}
+    def _tensorrt_executors(self, names, sources, budget, cuda_graph, allow_host_code, kernel_specialization):
+        from ..engine.backends import get_backend
+
+        trt_backend = get_backend(self.manifest.backend)
+        _ = trt_backend.trt  # clear error if the package is missing
+        check_gpu_for(self.manifest, trt_backend)
+        shared = SharedActivations()
+        for name in names:
+            e = self.manifest.component(name)
+            if sources[name] is not None and not e.weightless:
+                raise FluxtrtError(f"{name}: these engines carry their weights and are not refittable; --weights "
+                                   "works with engines built with `fluxtrt build --weightless`, or with --backend "
+                                   "onnxruntime")
+            self.executors[name] = TensorRTExecutor(
+                name, e, self.dir / e.engine, trt_backend, None, shared, budget, cuda_graph and name == "transformer",
+                allow_host_code, weights=sources[name], kernel_specialization=kernel_specialization,
+                low_vram=self.low_vram)
+
+    def _onnxruntime_executors(self, names, sources, providers) -> None:
+        for name in names:
+            e, ws = self.manifest.component(name), sources[name]
+            onnx_path = self.dir / e.weightfree_onnx if ws is not None else self.dir.parent / e.onnx
+            if ws is None and not onnx_path.exists() and e.weightfree_onnx and (self.dir / e.weightfree_onnx).exists():
+                raise ManifestError(f"{name}: this engine folder has no ONNX of its build machine (an unpacked "
+                                    "archive?); ONNX Runtime runs its weight-free ONNX with your checkpoint: "
+                                    "--backend onnxruntime --weights YOUR_FLUX_FOLDER")
+            self.executors[name] = OnnxRuntimeExecutor(name, e, onnx_path, providers, weights=ws)
 
     def _release(self, *names) -> None:
         """--low-vram: free these stages' executors (a TensorRT executor may say its cache was not saved)."""

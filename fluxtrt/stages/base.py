@@ -3,7 +3,6 @@ the one reuse check, and the check of a stage's ONNX against PyTorch."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,7 +10,8 @@ from .. import __version__
 from ..components import specs_for
 from ..errors import FluxtrtError
 from ..export import DEFAULT_OPSET
-from ..fileio import sha256_file, write_json_atomic
+from ..fileio import sha256_file
+from ..records import StageInfo, StageRecord
 
 OPTIMIZE_INFO = "optimize.json"
 
@@ -38,19 +38,19 @@ def files_bytes(onnx_path: Path) -> int:
     return onnx_path.stat().st_size + (data.stat().st_size if data.exists() else 0)
 
 
-def recorded(folder: Path, info_name: str, component: str, inputs: dict, validate: bool = False) -> dict | None:
-    """The entry recorded for `component` in `folder/info_name` if the stage can be reused: the inputs match
-    (an optimize.json entry's own `inputs`, or export.json's top-level fields), its file still has the recorded
-    hash, and — when `validate` asks for it — it was validated against PyTorch."""
-    info_path = folder / info_name
-    info = json.loads(info_path.read_text()) if info_path.exists() else {}
-    entry = info.get("components", {}).get(component)
+def recorded(folder: Path, info_name: str, component: str, inputs: dict, validate: bool = False) -> StageRecord | None:
+    """The one reuse check of every stage: the record of `component` in `folder/info_name` if the stage can be
+    reused: the inputs match (an optimize.json entry's own `inputs`, or export.json's header), its file still
+    has the recorded hash, and — when `validate` asks for it — it was validated against PyTorch."""
+    info = StageInfo.read(folder / info_name)
+    entry = info.components.get(component)
     path = folder / f"{component}.onnx"
-    if not entry or not path.exists() or sha256_file(path) != entry["sha256"]:
+    if entry is None or not path.exists() or sha256_file(path) != entry.sha256:
         return None
-    if any(entry.get("inputs", info).get(k) != v for k, v in inputs.items()):
+    depends = entry.inputs if entry.inputs is not None else info.header
+    if any(depends.get(k) != v for k, v in inputs.items()):
         return None
-    return None if validate and entry.get("max_rel_err") is None else entry
+    return None if validate and entry.max_rel_err is None else entry
 
 
 def export_inputs(model_hash: str) -> dict:
@@ -62,12 +62,11 @@ def validation_text(max_err: float | None) -> str:
     return f"max rel err {max_err:.1e}" if max_err is not None else "not validated"
 
 
-def record_entry(folder: Path, component: str, entry: dict) -> None:
-    """Set `component`'s entry in `folder/optimize.json` (written atomically)."""
-    info_path = folder / OPTIMIZE_INFO
-    info = json.loads(info_path.read_text()) if info_path.exists() else {"components": {}}
-    info["components"][component] = entry
-    write_json_atomic(info_path, info)
+def record_entry(folder: Path, component: str, entry: StageRecord) -> None:
+    """Set `component`'s record in `folder/optimize.json` (written atomically)."""
+    info = StageInfo.read(folder / OPTIMIZE_INFO)
+    info.components[component] = entry
+    info.write(folder / OPTIMIZE_INFO)
 
 
 def prompts_sha256(calib) -> str:
@@ -83,7 +82,7 @@ def prompts_sha256(calib) -> str:
 def validate_against_pytorch(source, component: str, onnx_path: Path, dtype: str, what: str) -> float:
     """ONNX Runtime on `onnx_path` vs the fp32 PyTorch module loaded from the checkpoint, at `dtype`'s bound;
     returns the max relative error or raises."""
-    from ..export import export_patches
+    from ..export.trace import export_patches
     from ..validate import validate_onnx
 
     spec = specs_for(source.geometry, [component])[component]

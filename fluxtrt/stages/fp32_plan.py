@@ -13,6 +13,7 @@ from ..errors import FluxtrtError
 from ..export import DEFAULT_OPSET, EXPORT_INFO, export_component, write_export_info
 from ..fileio import peak_rss_mb, sha256_file
 from ..precisions import REGISTRY, is_quantized
+from ..records import StageRecord
 from .base import (
     OPTIMIZE_INFO,
     StageResult,
@@ -70,7 +71,7 @@ def _ensure_optimized(source, component, dtype, fp32_path, out_root, force, on_p
         res = [StageResult(component, "optimize", "reused", 0.0, "unchanged ONNX")]
         if is_quantized(dtype):
             res.append(StageResult(component, "quantize", "reused", 0.0, "unchanged ONNX and calibration",
-                                   info=entry.get("quantization")))
+                                   info=entry.quantization))
         return folder / f"{component}.onnx", res
     on_phase("optimize")
     t0 = time.perf_counter()
@@ -84,8 +85,8 @@ def _ensure_optimized(source, component, dtype, fp32_path, out_root, force, on_p
         except FluxtrtError:
             out_path.unlink()
             raise
-    record_entry(folder, component, {"inputs": inputs, "sha256": sha256_file(out_path), "max_rel_err": max_err,
-                                     "nodes": [report.rows[0][1], report.rows[-1][2]], "quantization": quant})
+    record_entry(folder, component, StageRecord(inputs=inputs, sha256=sha256_file(out_path), max_rel_err=max_err,
+                                                nodes=[report.rows[0][1], report.rows[-1][2]], quantization=quant))
     seconds = time.perf_counter() - t0 - quant_seconds
     res = [StageResult(component, "optimize", "built", seconds,
                        f"{report.rows[0][1]} -> {report.rows[-1][2]} nodes, {validation_text(max_err)}",

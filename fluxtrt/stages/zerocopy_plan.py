@@ -19,7 +19,7 @@ from .. import __version__
 from ..components import specs_for
 from ..errors import FluxtrtError
 from ..fileio import peak_rss_mb, sha256_file
-from ..records import CalibrationSettings
+from ..records import CalibrationSettings, StageRecord
 from .base import (
     OPTIMIZE_INFO,
     StageResult,
@@ -90,7 +90,7 @@ def _ensure_fp8(source, component, zc_path, out_root, force, on_phase, calib, va
     if entry:
         return folder / f"{component}.onnx", StageResult(component, "quantize", "reused", 0.0,
                                                          "unchanged zero-copy graph and calibration",
-                                                         info=entry.get("quantization"))
+                                                         info=entry.quantization)
     t0 = time.perf_counter()
     on_phase("calibrate")
     cal = calibrate_native(source, out_root, calib, lambda d, n: on_phase(f"calibrate {d}/{n} prompts"))
@@ -108,8 +108,8 @@ def _ensure_fp8(source, component, zc_path, out_root, force, on_phase, calib, va
               "calibration_samples": cal.samples, "calibration_file": str(cal.path.relative_to(Path(out_root))),
               "quantized_layers": q.quantized, "kept_in_high_precision": q.kept, "other_layers": "bf16",
               "fp8_weight_bytes": q.fp8_bytes, "linked_weight_bytes": q.linked_bytes}
-    record_entry(folder, component, {"inputs": inputs, "sha256": sha256_file(q.path), "max_rel_err": max_err,
-                                     "quantization": record})
+    record_entry(folder, component, StageRecord(inputs=inputs, sha256=sha256_file(q.path), max_rel_err=max_err,
+                                                quantization=record))
     return q.path, StageResult(component, "quantize", "built", time.perf_counter() - t0,
                                f"{q.quantized} fp8 layers, {validation_text(max_err)}", files_bytes(q.path),
                                peak_rss_mb(), record)
