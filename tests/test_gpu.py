@@ -85,3 +85,40 @@ def test_low_vram_frees_each_stage(tiny_gpu):
     assert all(not ex.active and ex.module is None for ex in pipe.executors.values())
     res2 = pipe.generate(["a cat"], 256, 256, 2, seed=0)  # stages come back from the CPU copy
     assert np.array_equal(res.images, res2.images)
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "cuda-graph"])
+def test_true_cfg_on_gpu_matches_diffusers(tiny_gpu, cuda_graph):
+    """--negative-prompt / --true-cfg on the GPU: two transformer calls per step (with a CUDA graph, one graph
+    shared by both, refilled per call) equal diffusers' true_cfg_scale; no host sync inside the loop."""
+    prompts, negative = ["a red fox in the snow"], "blurry"
+    pipe = _pipe(tiny_gpu, torch_dtype="fp32", cuda_graph=cuda_graph)
+    pipe.generate(prompts, 256, 256, 2, seed=0, negative_prompts=[negative], true_cfg=4.0)  # capture, warm-up
+    pipe.sync_check = True
+    ours = pipe.generate(prompts, 256, 256, 6, 3.5, seed=11, negative_prompts=[negative], true_cfg=4.0)
+    dpipe = tiny_gpu.load_pipeline(torch.float32, "cuda")
+    ref = dpipe(prompts, height=256, width=256, num_inference_steps=6, guidance_scale=3.5, negative_prompt=negative,
+                true_cfg_scale=4.0, generator=torch.Generator().manual_seed(11), output_type="np").images
+    ref = (ref * 255).round().astype("uint8")
+    diff = int(np.abs(ours.images.astype(int) - ref.astype(int)).max())
+    print(f"true CFG ({'graph' if cuda_graph else 'eager'}): max |ours - diffusers| = {diff}/255")
+    assert diff <= MAX_UINT8_DIFF
+
+
+def test_peak_memory_is_at_least_what_torch_saw(tiny_gpu):
+    """MemoryWatch samples the device's used memory between stages (TensorRT allocates outside torch): never less
+    than torch's own peak for the call."""
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    pipe = _pipe(tiny_gpu, torch_dtype="fp32")
+    torch.cuda.reset_peak_memory_stats()
+    res = pipe.generate(["a cat"], 512, 512, 2, seed=0)
+    torch_peak = (torch.cuda.max_memory_allocated() - before) / 2**30
+    again = pipe.generate(["a cat"], 512, 512, 2, seed=0)  # weights already loaded: still counted
+    print(f"peak GPU GB: reported {res.timings.peak_memory_gb:.3f} / {again.timings.peak_memory_gb:.3f}, "
+          f"torch's {torch_peak:.3f}")
+    assert res.timings.peak_memory_gb >= 0.99 * torch_peak > 0
+    assert again.timings.peak_memory_gb >= 0.99 * torch_peak

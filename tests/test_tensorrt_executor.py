@@ -244,7 +244,7 @@ def test_peak_memory_counts_what_tensorrt_allocates_outside_torch():
 
     state = {"free": 80 << 30, "torch": 1 << 30}
     watch = MemoryWatch(mem_get_info=lambda: (state["free"], 80 << 30), max_allocated=lambda: state["torch"],
-                        reset=lambda: None)
+                        reset=lambda: None, allocated=lambda: state["torch"])
     state["free"] -= 20 << 30  # an engine's weights: TensorRT's own allocation, invisible to torch
     watch.sample()
     state["free"] += 20 << 30  # --low-vram freed it again

@@ -101,7 +101,10 @@ class FluxEngines:
             self._onnxruntime_executors(engine_names, sources, providers)
         elif engine_names:
             raise FluxtrtError(f"unknown backend '{backend}'; choose tensorrt, onnxruntime or torch")
+        self._memory_base = None
         if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info()
+            self._memory_base = (total - free, torch.cuda.memory_allocated())  # before any executor loads
             self.stream = torch.cuda.Stream()  # the one stream everything runs on
             for ex in self.executors.values():
                 if isinstance(ex, TensorRTExecutor):
@@ -323,7 +326,7 @@ class FluxEngines:
         self.check_request(batch, height, width, steps)
         geo, dev = self.geo, self.device
         timings = Timings()
-        memory = MemoryWatch() if dev.type == "cuda" else None
+        memory = MemoryWatch(self._memory_base) if dev.type == "cuda" else None
         t_start = time.perf_counter()
 
         with self._on_stream():
@@ -413,20 +416,21 @@ def captures_step_itself(ex) -> bool:
 
 
 class MemoryWatch:
-    """Peak device memory of a generation: torch's own peak, and the device's used memory sampled between
-    stages (TensorRT's weights and workspaces are allocated outside torch, so max_memory_allocated misses
-    them), less what was in use before the call. Sampled outside the denoising loop: no query inside it."""
+    """Peak device memory of the pipeline during a generation: torch's own peak, and the device's used memory
+    sampled between stages (TensorRT's weights and workspaces are allocated outside torch, so
+    max_memory_allocated misses them), less what was in use before the pipeline loaded anything (`baseline`:
+    (device used, torch allocated) when it was made). Sampled outside the denoising loop: no query inside it."""
 
-    def __init__(self, mem_get_info=None, max_allocated=None, reset=None):
+    def __init__(self, baseline: tuple | None = None, mem_get_info=None, max_allocated=None, reset=None,
+                 allocated=None):
         import torch
 
         self.mem_get_info = mem_get_info or torch.cuda.mem_get_info
         self.max_allocated = max_allocated or torch.cuda.max_memory_allocated
         (reset or torch.cuda.reset_peak_memory_stats)()
         free, total = self.mem_get_info()
-        self.baseline = total - free
-        self.torch_baseline = self.max_allocated()
-        self.used = self.baseline
+        self.baseline, self.torch_baseline = baseline or (total - free, (allocated or torch.cuda.memory_allocated)())
+        self.used = total - free
 
     def sample(self) -> None:
         free, total = self.mem_get_info()
