@@ -147,24 +147,31 @@ def to_json(rows: list[Row], meta: dict) -> dict:
 
 def plot(rows: list[Row], path) -> None:
     """A PNG bar chart: end-to-end seconds per image and transformer step, per system and size."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(rows)
+    fig.savefig(path, format="png", dpi=100)
+    plt.close(fig)
+
+
+def figure(rows: list[Row]):
+    """Horizontal bars, one row per measurement: the labels stack down the y axis with room for each (two lines:
+    system, then size and batch), however many rows there are."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     labels = [f"{r.system}\n{r.width}x{r.height} b{r.batch}" for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(max(6, 1.6 * len(rows)), 4))
-    axes[0].bar(labels, [r.seconds_per_image for r in rows], color="tab:blue")
+    y = list(range(len(rows)))[::-1]  # first row on top
+    fig, axes = plt.subplots(1, 2, figsize=(10, 1.0 + 0.5 * len(rows)), sharey=True)
+    axes[0].barh(y, [r.seconds_per_image for r in rows], color="tab:blue")
     axes[0].set_title("seconds per image (end to end)")
-    axes[1].bar(labels, [r.transformer_step_s.median * 1000 for r in rows], color="tab:orange")
+    axes[1].barh(y, [r.transformer_step_s.median * 1000 for r in rows], color="tab:orange")
     axes[1].set_title("transformer step (ms)")
-    for ax in axes:  # labels are two lines each: rotate them so neighbours never overlap
-        ax.tick_params(axis="x", labelsize=7, labelrotation=35)
-        for label in ax.get_xticklabels():
-            label.set_horizontalalignment("right")
+    axes[0].set_yticks(y, labels, fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, format="png", dpi=100)
-    plt.close(fig)
+    return fig
 
 
 @dataclass

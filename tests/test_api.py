@@ -6,6 +6,7 @@ import errno
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 from fluxtrt import api
@@ -267,3 +268,69 @@ def test_stage_records_are_typed_and_versioned(tmp_path):
     assert StageInfo.read(tmp_path / "export.json").components == {}
     (tmp_path / "export.json").write_text("{not json")
     assert StageInfo.read(tmp_path / "export.json") == StageInfo()
+
+
+@pytest.mark.parametrize("n", [2, 4, 12])
+def test_bench_plot_labels_do_not_overlap(n):
+    """`bench --plot`: every row's label is drawn, and no two labels' boxes overlap (they did on the x axis)."""
+    import itertools
+
+    import matplotlib.pyplot as plt
+
+    from fluxtrt.bench import Measure, Row, figure
+
+    rng = np.random.default_rng()
+    rows = []
+    for i in range(n):
+        lo, mid, hi = sorted(rng.uniform(0.05, 2.0, 3))
+        m = Measure(mid, lo, hi)
+        rows.append(Row("fluxtrt (onnxruntime)" if i % 2 == 0 else "diffusers", 256 * (1 + i // 2),
+                        256 * (1 + i // 2), 1 + i % 3, 4, m, m, m, m, float(rng.uniform(0.1, 3)), 60.0, 0.5, None))
+    fig = figure(rows)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    labels = [t for t in fig.axes[0].get_yticklabels() if t.get_text()]
+    assert len(labels) == n
+    for ax in fig.axes:
+        for ticks in (ax.get_xticklabels(), labels):
+            boxes = [t.get_window_extent(renderer) for t in ticks if t.get_text() and t.get_visible()]
+            assert not any(a.overlaps(b) for a, b in itertools.combinations(boxes, 2))
+    plt.close(fig)
+
+
+def test_build_without_model_says_it_built_tiny(monkeypatch, tmp_path):
+    seen = {}
+
+    def fake_build_gpu(source, cfg, out_root, *args, **kwargs):
+        seen["model"] = source.id
+        return _manifest(), []
+
+    monkeypatch.setattr("fluxtrt.stages.build.build_gpu", fake_build_gpu)
+    summary = api.build(gpu="4090", out_dir=tmp_path)
+    assert seen["model"] == "tiny" and any("no --model given" in n for n in summary.notes)
+    summary = api.build(gpu="4090", model="tiny", out_dir=tmp_path)
+    assert not any("no --model" in n for n in summary.notes)
+
+
+def test_cpu_build_log_keeps_out_expected_cuda_driver_errors():
+    """An ahead-of-time build on a machine without a GPU: TensorRT-RTX's CUDA-driver complaints become one note
+    in build.log and are not build errors; other errors are kept."""
+    import io
+
+    trt = pytest.importorskip("tensorrt_rtx")
+    from fluxtrt.engine.backends import TensorRTRTX
+
+    logger = TensorRTRTX().logger
+    log = io.StringIO()
+    logger.file, logger.errors, logger.cpu_note = log, [], False
+    try:
+        for _ in range(3):
+            logger.log(trt.ILogger.Severity.ERROR, "CUDA driver version is insufficient for CUDA runtime version")
+        logger.log(trt.ILogger.Severity.ERROR, "a real problem")
+        logger.log(trt.ILogger.Severity.INFO, "Total Activation Memory: 8551936 bytes")
+    finally:
+        logger.file = None
+    text = log.getvalue()
+    assert "insufficient" not in text and text.count("[NOTE] no usable CUDA driver") == 1
+    assert logger.errors == ["a real problem"] and "[ERROR] a real problem" in text
+    assert logger.memory["activations"] == 8551936

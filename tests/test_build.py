@@ -173,6 +173,10 @@ def test_cli_build_and_inspect(tmp_path):
     args = ["build", "--gpu", "4090", "--model", "tiny-schnell", "--out", str(tmp_path), "-c", "clip,vae_decoder"]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
+    # not a terminal: every phase of every component is a plain line with the elapsed time, in order
+    phases = re.findall(r"\[\s*(\d+\.\d)s\] (clip|vae_decoder): (\w+)", res.output)
+    assert ("clip", "build") in [(c, p) for _, c, p in phases] and ("vae_decoder", "done") in [(c, p) for _, c, p in phases]
+    assert [float(t) for t, _, _ in phases] == sorted(float(t) for t, _, _ in phases)
     assert "vae_decoder" in res.output and "built" in res.output
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0 and "Nothing to do" in res.output

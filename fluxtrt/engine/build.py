@@ -168,7 +168,7 @@ def build_engine(backend: Backend, onnx_path: Path, spec: ComponentSpec, geo: Ge
 
     trt = backend.trt
     logger = backend.logger
-    logger.file, logger.errors, logger.memory = log_file, [], {}
+    logger.file, logger.errors, logger.memory, logger.cpu_note = log_file, [], {}, False
     builder = trt.Builder(logger)
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, logger)
