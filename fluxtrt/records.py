@@ -59,8 +59,19 @@ class CalibrationSettings:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self).items()}
 
 
+class JsonRecord:
+    """to_json / from_json of a flat dataclass record (unknown keys of a newer writer are ignored)."""
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict):
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+
+
 @dataclass
-class ComponentEntry:
+class ComponentEntry(JsonRecord):
     """One engine of a GPU folder: the file, what built it from what, its I/O and profile."""
 
     engine: str
@@ -92,12 +103,6 @@ class ComponentEntry:
                 return t["dtype"]
         raise KeyError(tensor)
 
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict) -> "ComponentEntry":
-        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
 
 
 @dataclass
@@ -179,7 +184,7 @@ STAGE_SCHEMA = 1
 
 
 @dataclass
-class StageRecord:
+class StageRecord(JsonRecord):
     """One component's entry in a stage's record beside its outputs (export.json, optimize.json): the output's
     hash, its check against PyTorch, and (optimize / quantize) the inputs it depends on."""
 
@@ -195,12 +200,6 @@ class StageRecord:
     dtype: str | None = None
     zero_copy: dict | None = None  # export: what a linked export points at
 
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict) -> "StageRecord":
-        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
 
 
 @dataclass

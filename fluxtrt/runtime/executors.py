@@ -168,7 +168,7 @@ class OnnxRuntimeExecutor(Executor):
 
 
 
-def check_gpu_for(manifest: dict, backend) -> None:
+def check_gpu_for(manifest, backend) -> None:
     """Refuse to run engines this GPU/driver/TensorRT cannot: no GPU, another compute capability, another
     TensorRT version."""
     from ..engine.backends import local_gpu_capabilities

@@ -7,7 +7,7 @@ at bf16, or at fp8 whose other layers are bf16), `fluxtrt build` never makes an 
             fp8: calibrate by module (cached), then quantize.native writes the E4M3 weights one at a time,
             every other weight stays a link                          OUT/onnx/<hash>-fp8-zc/
 Memory stays near one weight tensor until TensorRT's builder. `--copy-weights` takes the fp32 path instead
-(graph passes, every recipe). Each stage is reused when its recorded inputs are unchanged, as in pipeline.py."""
+(graph passes, every recipe). Each stage is reused when its recorded inputs are unchanged (stages/base.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from .. import __version__
 from ..components import specs_for
 from ..errors import FluxtrtError
 from ..fileio import peak_rss_mb, sha256_file
+from ..precisions import REGISTRY
 from ..records import CalibrationSettings, StageRecord
 from .base import (
     OPTIMIZE_INFO,
@@ -32,21 +33,25 @@ from .base import (
     validation_text,
 )
 
-GRAPH_DTYPE = {"bf16": "bf16", "fp16": "fp16", "fp8": "bf16"}  # engine precision -> the zero-copy graph's dtype
+
+def graph_dtype(precision: str) -> str | None:
+    """The zero-copy graph's dtype for an engine precision (the registry's), None where there is none."""
+    p = REGISTRY.get(precision)
+    return p.zero_copy_graph if p is not None else None
 
 
 def native_refusal(source, component: str, precision: str) -> str | None:
     """None when `component` at `precision` builds from its zero-copy graph; otherwise why not."""
     from ..export import zero_copy_refusal
 
-    graph = GRAPH_DTYPE.get(precision)
+    graph = graph_dtype(precision)
     if graph is None:
         return f"{component} at {precision} is built from the fp32 graph"
     return zero_copy_refusal(source, specs_for(source.geometry, [component])[component], graph)
 
 
 def _reusable(folder: Path, info_name: str, component: str, inputs: dict, validate: bool) -> dict | None:
-    """pipeline.recorded, and every link of the zero-copy graph still reaches its checkpoint file."""
+    """base.recorded, and every link of the zero-copy graph still reaches its checkpoint file."""
     from ..onnxio import linked_dir
 
     entry = recorded(folder, info_name, component, inputs, validate)
@@ -59,7 +64,7 @@ def ensure_native(source, component: str, precision: str, out_root: Path, force:
     """-> (the engine's ONNX, [export, optimize (skipped)(, quantize) results]) on the zero-copy path."""
     from ..export import DEFAULT_OPSET, EXPORT_INFO, export_component, write_export_info
 
-    graph = GRAPH_DTYPE[precision]
+    graph = graph_dtype(precision)
     base = Path(out_root) / "onnx" / f"{source.content_hash[:12]}-{graph}-zc"
     spec = specs_for(source.geometry, [component])[component]
     if not force and _reusable(base, EXPORT_INFO, component, export_inputs(source.layout_hash), validate):
@@ -128,4 +133,4 @@ def calibrate_native(source, out_root: Path, calib: CalibrationSettings, on_prom
                            "cpu, or calibrate on a GPU machine and copy its OUT/calibration/ here")
     return calibrate_modules(source, "fp8", Path(out_root) / "calibration", calib.prompts_file,
                              calib.size, calib.steps, calib.opt_resolution,
-                             GRAPH_DTYPE["fp8"], device, on_prompt)
+                             graph_dtype("fp8"), device, on_prompt)
