@@ -18,7 +18,8 @@ from .errors import FluxtrtError
 from .records import CalibrationSettings, Manifest
 
 
-def _split(values) -> list[str]:
+def split_list(values) -> list[str]:
+    """Repeated and comma-separated option values as one list (`-c clip,t5 -c vae_decoder`)."""
     return [v.strip() for item in (values or []) for v in str(item).split(",") if v.strip()]
 
 
@@ -44,7 +45,7 @@ def export(model: str, out_dir: Path, components=None, dtype: str = "fp32", opse
 
     check_float(dtype)
     source = resolve_model(model)
-    names = _split(components) or None
+    names = split_list(components) or None
     linked, copied = False, []
     if zero_copy:
         refusals = {n: zero_copy_refusal(source, s, dtype) for n, s in specs_for(source.geometry, names).items()}
@@ -89,7 +90,7 @@ def resolve_target(gpu: str | None, config: Path | None, precision=None, compone
     get_backend(cfg.backend).check_target(cfg.compute_capability)  # fail before any work
     notes: list[str] = []
     if precision:
-        merged, notes = apply_overrides(cfg.precision, _split(precision), _split(components) or None)
+        merged, notes = apply_overrides(cfg.precision, split_list(precision), split_list(components) or None)
         changed = {c: p for c, p in merged.items() if cfg.precision.get(c) != p}
         if changed:
             kinds = sorted(set(changed.values()))
@@ -113,7 +114,7 @@ def build(gpu: str | None = None, model: str | None = None, out_dir: Path = Path
         notes.append("no --model given: built the embedded random-weight `tiny` model (its images are noise)")
     source = resolve_model(model)
     calibration = (calibration or CalibrationSettings()).check()
-    manifest, results = build_gpu(source, cfg, Path(out_dir), _split(components) or None, static_shape, force,
+    manifest, results = build_gpu(source, cfg, Path(out_dir), split_list(components) or None, static_shape, force,
                                   progress, calibration, weightless, zero_copy, validate)
     return BuildSummary(cfg, source, Path(out_dir), manifest, results, notes)
 
@@ -154,10 +155,10 @@ def optimize(in_dir: Path, out_dir: Path, passes=None, dtype: str = "fp32", comp
     dtype_in = info.header.get("dtype")
     if dtype_in != "fp32":
         raise FluxtrtError(f"optimize takes an fp32 export (its precision placement casts); {in_dir} is {dtype_in}")
-    pass_names = check_passes(_split(passes) or None)
+    pass_names = check_passes(split_list(passes) or None)
     geo = resolve_model(info.header["model"]).geometry
     out = []
-    for name, spec in specs_for(geo, _split(components) or list(info.components)).items():
+    for name, spec in specs_for(geo, split_list(components) or list(info.components)).items():
         src = Path(in_dir) / info.components[name].file
         rep = optimize_file(src, Path(out_dir) / src.name, name, pass_names, dtype)
         check = compare_onnx(src, rep.path, spec, geo, bound_for(name, dtype, 1e-5))
@@ -243,6 +244,7 @@ class RunOptions:
             raise FluxtrtError(f"--weight-streaming-budget is MB of weights kept on the GPU, at least 0; got "
                                f"{self.weight_streaming_budget}")
         check_float(self.torch_dtype, "--torch-dtype")
+        self.fallback = split_list(self.fallback)
         if self.true_cfg < 1:
             raise FluxtrtError(f"--true-cfg is a scale of at least 1 (1: off), got {self.true_cfg}")
         if self.true_cfg > 1 and self.negative_prompt is None:
@@ -416,7 +418,7 @@ def artifacts(gpus: str, model: str, engines: Path, out_dir: Path, precision=Non
     from .runtime.images import check_writable
     from .stages.build import build_gpu
 
-    targets = [g for g in _split([gpus])]
+    targets = split_list([gpus])
     configs = [resolve_target(g, None, precision)[0] for g in targets]  # all checked before any work
     check_writable(Path(out_dir) / "archive.tar.gz")
     check_writable(Path(engines) / "manifest.json")

@@ -92,10 +92,6 @@ def _quiet_libraries():
     warnings.filterwarnings("ignore")
 
 
-def _list(values: Optional[list[str]]) -> list[str]:
-    return [v.strip() for item in values or [] for v in item.split(",") if v.strip()]
-
-
 def _opt(default, *names, help: str):
     return typer.Option(default, *names, help=help)
 
@@ -140,9 +136,9 @@ def export(
     from .components import specs_for
     from .models.source import resolve_model
 
-    names = list(specs_for(resolve_model(model).geometry, _list(components) or None))
+    names = list(specs_for(resolve_model(model).geometry, api.split_list(components) or None))
     with r.phases(names, with_bar=True, total=5 if validate else 4) as update:
-        summary = api.export(model, out_dir, _list(components), dtype, opset, validate, zero_copy, update)
+        summary = api.export(model, out_dir, components, dtype, opset, validate, zero_copy, update)
     r.export_summary(summary)
 
 
@@ -175,7 +171,7 @@ def build(
 
     calib = CalibrationSettings(calibration_size, calibration_steps, calibration_prompts, smoothquant_alpha)
     with r.phases([]) as update:
-        summary = api.build(gpu, model, out_dir, _list(components), _list(precision), config, static_shape, force,
+        summary = api.build(gpu, model, out_dir, components, precision, config, static_shape, force,
                             calib, weightless, zero_copy, validate, update)
     r.build_summary(summary)
 
@@ -218,7 +214,7 @@ def artifacts(
     _quiet_libraries()
     from . import api
 
-    for cfg, archive, sha in api.artifacts(gpus, model, engines, out_dir, _list(precision), r.console.print):
+    for cfg, archive, sha in api.artifacts(gpus, model, engines, out_dir, precision, r.console.print):
         r.out.print(f"{cfg.key}: {archive} ({r.human(archive.stat().st_size)}), {sha.name}")
 
 
@@ -294,7 +290,7 @@ def run(
 
     from . import api
 
-    opts = api.RunOptions(engines, model, backend, _list(fallback), torch_dtype, compile, steps, guidance, height,
+    opts = api.RunOptions(engines, model, backend, fallback, torch_dtype, compile, steps, guidance, height,
                           width, seed, batch, out_path, low_vram, weight_streaming_budget, cuda_graph,
                           allow_host_code, weights, lora, lora_scale, negative_prompt, true_cfg)
     logging.getLogger("fluxtrt").addHandler(_WarningLine())
@@ -325,7 +321,8 @@ def bench(
     from .bench import BenchOptions
 
     try:
-        opts = BenchOptions([int(v) for v in _list([sizes])], [int(v) for v in _list([batches])], steps, runs, warmup,
+        size_list, batch_list = ([int(v) for v in api.split_list([x])] for x in (sizes, batches))
+        opts = BenchOptions(size_list, batch_list, steps, runs, warmup,
                             baseline, torch_dtype, compile, cuda_graph)
     except ValueError:
         raise FluxtrtError(f"--sizes and --batch take comma-separated integers, got {sizes!r} / {batches!r}") from None
@@ -351,7 +348,7 @@ def optimize(
     _quiet_libraries()
     from . import api
 
-    r.optimize_reports(api.optimize(in_dir, out_dir, _list(passes), dtype, _list(components)), out_dir)
+    r.optimize_reports(api.optimize(in_dir, out_dir, passes, dtype, components), out_dir)
 
 
 def run_cli():  # entry point

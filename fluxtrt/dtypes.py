@@ -45,11 +45,11 @@ def check_float(name: str, flag: str = "--dtype") -> str:
 
 
 def torch_dtype(name: str):
-    """fp32 / fp16 / bf16 (also the numpy names) -> torch.dtype."""
+    """Our name (fp32, bf16, ...) or the numpy name -> torch.dtype."""
     import torch
 
     d = BY_NAME.get(name) or next((d for d in TABLE if d.numpy == name), None)
-    if d is None or d.name not in FLOAT_NAMES + ("int64", "int32", "int8", "uint8", "bool"):
+    if d is None:
         raise FluxtrtError(f"unknown dtype '{name}'; choose one of {', '.join(FLOAT_NAMES)}")
     return getattr(torch, d.numpy)
 

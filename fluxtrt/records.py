@@ -19,7 +19,7 @@ DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "prompts.txt"  # in
 
 
 LOW_VRAM_STAGES = (("clip", "t5"), ("transformer",), ("vae_decoder",))  # engines resident together with --low-vram
-LOW_VRAM_STAGES_FLAT = tuple(c for stage in LOW_VRAM_STAGES for c in stage)
+RUN_COMPONENTS = tuple(c for stage in LOW_VRAM_STAGES for c in stage)  # what text-to-image runs, in order
 
 
 class ManifestError(FluxtrtError):
@@ -163,7 +163,7 @@ class Manifest:
         stage: CLIP+T5, the transformer, the VAE decoder), plus one activation buffer shared by all engines,
         sized for the largest engine at the profile's max shapes (TensorRT reserves the max, so a request at
         the opt shape needs the same)."""
-        run = [self.components[c] for c in LOW_VRAM_STAGES_FLAT if c in self.components]
+        run = [self.components[c] for c in RUN_COMPONENTS if c in self.components]
         if not run or any(not e.memory for e in run):
             return None
 

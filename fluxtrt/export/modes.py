@@ -91,7 +91,7 @@ class Replicated(Mode):
 class ZeroCopy(Mode):
     zero_copy = True
 
-    def __init__(self, source, spec, dtype=None):
+    def __init__(self, source, spec):  # the graph's dtype is the stored one
         from ..checkpoint import checkpoint_dtype, checkpoint_index
 
         if source.random_weights:

@@ -6,9 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import FluxtrtError
-from ..records import Manifest, read_manifest
+from ..records import RUN_COMPONENTS, Manifest, read_manifest
 
-RUN_COMPONENTS = ("clip", "t5", "transformer", "vae_decoder")
 BACKENDS = ("auto", "tensorrt", "onnxruntime", "torch")
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from .. import flux_math as fm
 from ..components import Geometry, ShapePoint, specs_for
 from ..errors import FluxtrtError
-from ..records import ManifestError, read_manifest
+from ..records import RUN_COMPONENTS, ManifestError, read_manifest
 from .executors import (
     OnnxRuntimeExecutor,
     TorchExecutor,
@@ -25,7 +25,6 @@ from .tensorrt import SharedActivations, TensorRTExecutor
 
 log = logging.getLogger("fluxtrt")
 ASSETS = "model"  # tokenizers and config files copied beside the engines at build time
-from .choice import RUN_COMPONENTS  # noqa: E402
 
 
 class RequestError(FluxtrtError):
