@@ -4,7 +4,8 @@ and run (buffer shapes) all derive their shapes from here; nothing else restates
 
 Symbols used in `dims` (all derived from a `ShapePoint` and the model's `Geometry`):
   batch          images per call
-  image_tokens   (H / 16) * (W / 16): packed 2x2 latent patches, the transformer's image sequence
+  image_tokens   (H / 16) * (W / 16): packed 2x2 latent patches, the transformer's image sequence, plus the
+                 reference image's tokens where a workflow appends them (Kontext: `ShapePoint.reference`)
   latent_height  H / 8, latent_width W / 8 (the VAE's latent grid; 8 = vae_scale_factor for FLUX)
   image_height   H, image_width W (pixels)
 Text lengths are fixed per model (CLIP 77; T5 512 for dev, 256 for schnell) and appear as numbers.
@@ -33,9 +34,11 @@ class Geometry:
     t5_length: int
     t5_hidden: int
     t5_vocab: int
-    in_channels: int  # transformer channels = latent_channels * 4 (2x2 packing)
+    in_channels: int  # transformer input channels: latent_channels * 4 (2x2 packing), + conditioning (Fill, Control)
     latent_channels: int
     vae_scale_factor: int
+    out_channels: int = 0  # transformer output channels (0: as in_channels)
+    pipeline: str = "FluxPipeline"  # model_index.json's class: which workflows the model serves (workflows/)
 
     @property
     def guidance(self) -> bool:
@@ -58,6 +61,8 @@ class Geometry:
 
         tr, clip, t5, vae = cfg("transformer"), cfg("text_encoder"), cfg("text_encoder_2"), cfg("vae")
         variant = "dev" if tr.get("guidance_embeds", False) else "schnell"
+        index = Path(folder) / "model_index.json"
+        pipeline = json.loads(index.read_text()).get("_class_name", "FluxPipeline") if index.exists() else "FluxPipeline"
         return cls(
             variant=variant,
             clip_length=CLIP_LENGTH,
@@ -69,22 +74,32 @@ class Geometry:
             in_channels=tr["in_channels"],
             latent_channels=vae["latent_channels"],
             vae_scale_factor=2 ** (len(vae["block_out_channels"]) - 1),
+            out_channels=tr.get("out_channels") or tr["in_channels"],
+            pipeline=pipeline,
         )
+
+    @property
+    def packed_channels(self) -> int:
+        """Channels of the packed latents (what the transformer predicts): latent_channels * 4."""
+        return self.latent_channels * 4
 
 
 @dataclass(frozen=True)
 class ShapePoint:
-    """One concrete request size: batch and image size in pixels."""
+    """One concrete request size: batch and image size in pixels, and the size of a reference image whose
+    tokens the transformer sees beside the image's (Kontext; (0, 0): none)."""
 
     batch: int
     height: int
     width: int
+    reference: tuple[int, int] = (0, 0)
 
     def symbols(self, geo: Geometry) -> dict[str, int]:
         vsf, m = geo.vae_scale_factor, geo.pixel_multiple
+        ref_tokens = (self.reference[0] // m) * (self.reference[1] // m)
         return {
             "batch": self.batch,
-            "image_tokens": (self.height // m) * (self.width // m),
+            "image_tokens": (self.height // m) * (self.width // m) + ref_tokens,
             "latent_height": self.height // vsf,
             "latent_width": self.width // vsf,
             "image_height": self.height,
@@ -168,7 +183,12 @@ class ComponentSpec:
             if t.name == "input_ids":
                 out[t.name] = torch.randint(0, vocab[self.name], shape, generator=g)
             elif t.name == "img_ids":
-                out[t.name] = latent_image_ids(point.height // geo.pixel_multiple, point.width // geo.pixel_multiple)
+                m = geo.pixel_multiple
+                out[t.name] = latent_image_ids(point.height // m, point.width // m)
+                if point.reference != (0, 0):  # Kontext: the reference's ids follow, first coordinate 1
+                    ref = latent_image_ids(point.reference[0] // m, point.reference[1] // m)
+                    ref[:, 0] = 1
+                    out[t.name] = torch.cat([out[t.name], ref])
             elif t.name == "txt_ids":
                 out[t.name] = text_ids(shape[0])
             elif t.name == "timestep":
@@ -294,7 +314,7 @@ TRANSFORMER = ComponentSpec(
         TensorSpec("txt_ids", _F, ("geo.t5_length", 3)),
         TensorSpec("guidance", _F, ("batch",)),
     ),
-    outputs=(TensorSpec("noise_pred", _F, ("batch", "image_tokens", "geo.in_channels")),),
+    outputs=(TensorSpec("noise_pred", _F, ("batch", "image_tokens", "geo.out_channels")),),
 )
 VAE_DECODER = ComponentSpec(
     name="vae_decoder", subfolder="vae", rtol_fp32=1e-4, wrap=_wrap_vae_decoder,

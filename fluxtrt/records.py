@@ -20,6 +20,7 @@ DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "prompts.txt"  # in
 
 LOW_VRAM_STAGES = (("clip", "t5"), ("transformer",), ("vae_decoder",))  # engines resident together with --low-vram
 RUN_COMPONENTS = tuple(c for stage in LOW_VRAM_STAGES for c in stage)  # what text-to-image runs, in order
+IMAGE_COMPONENTS = ("vae_encoder",)  # what the image workflows (img2img, Fill, Control, Kontext) add
 
 
 class ManifestError(FluxtrtError):
@@ -110,6 +111,7 @@ class ModelRef:
     id: str
     hash: str
     variant: str
+    pipeline: str = "FluxPipeline"  # model_index.json's class: which workflows the engines serve
 
 
 @dataclass
@@ -129,6 +131,7 @@ class Manifest:
     shape_range: dict  # min / opt / max -> [batch, height, width]
     pixel_multiple: int
     components: dict[str, ComponentEntry] = field(default_factory=dict)
+    workflows: list = field(default_factory=lambda: ["txt2img", "img2img"])  # what `fluxtrt run` can do with them
     schema: int = SCHEMA
 
     @property

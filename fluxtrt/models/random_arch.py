@@ -16,7 +16,11 @@ from pathlib import Path
 
 from .tiny import TINY_RECIPE, cache_root, tiny_model_dir
 
-RANDOM_NAMES = {"random:flux.1-dev": "dev", "random:flux.1-schnell": "schnell"}
+RANDOM_NAMES = {"random:flux.1-dev": "dev", "random:flux.1-schnell": "schnell", "random:flux.1-fill-dev": "dev",
+                "random:flux.1-canny-dev": "dev", "random:flux.1-depth-dev": "dev", "random:flux.1-kontext-dev": "dev"}
+# the tiny model of the same workflow: its model_index.json (pipeline class) is copied
+TINY_OF = {"random:flux.1-fill-dev": "tiny-fill", "random:flux.1-canny-dev": "tiny-control",
+           "random:flux.1-depth-dev": "tiny-control", "random:flux.1-kontext-dev": "tiny-kontext"}
 MARKER = "fluxtrt_random.json"
 RANDOM_RECIPE = 2  # bump when the folder written below changes (2: a full model_index.json)
 
@@ -51,16 +55,24 @@ def random_model_dir(name: str) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         tiny = tiny_model_dir("tiny")
+        index = tiny_model_dir(TINY_OF.get(name, "tiny")) / "model_index.json"
         for tok in ("tokenizer", "tokenizer_2"):
             shutil.copytree(tiny / tok, tmp / tok)
-        configs = {"transformer": dict(TRANSFORMER, guidance_embeds=variant == "dev"), "text_encoder": CLIP,
+        transformer = dict(TRANSFORMER, guidance_embeds=variant == "dev")
+        if name in TINY_OF:  # the workflow's conditioning channels (Fill: 64 + 64 + 256, Control: 64 + 64)
+            from ..workflows import WORKFLOWS
+
+            pipeline = json.loads(index.read_text())["_class_name"]
+            wf = next(w for w in WORKFLOWS.values() if w.model_class == pipeline)
+            transformer.update(in_channels=64 + wf.extra_channels(16, 8), out_channels=64)
+        configs = {"transformer": transformer, "text_encoder": CLIP,
                    "text_encoder_2": T5, "vae": VAE}
         for sub, cfg in configs.items():
             (tmp / sub).mkdir()
             (tmp / sub / "config.json").write_text(json.dumps(cfg, indent=1))
         (tmp / "scheduler").mkdir()
         (tmp / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER[variant], indent=1))
-        shutil.copy2(tiny / "model_index.json", tmp / "model_index.json")  # diffusers' FluxPipeline loads from it
+        shutil.copy2(index, tmp / "model_index.json")  # diffusers' pipeline classes load from it
         (tmp / MARKER).write_text(json.dumps({"variant": variant, "weights": "random"}))
         try:
             os.rename(tmp, folder)

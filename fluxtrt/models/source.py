@@ -92,20 +92,23 @@ class ModelSource:
         model = classes[subfolder].from_pretrained(self.path / subfolder, local_files_only=True, **kwargs)
         return model.to(device).eval()
 
-    def load_pipeline(self, dtype=None, device="cpu"):
-        """The reference diffusers FluxPipeline."""
+    def load_pipeline(self, dtype=None, device="cpu", pipeline: str | None = None):
+        """The reference diffusers pipeline: the model's own class (model_index.json), or `pipeline` (e.g.
+        FluxImg2ImgPipeline on a FLUX.1-dev folder)."""
+        import diffusers
         import torch
-        from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+        from diffusers import FlowMatchEulerDiscreteScheduler
         from diffusers.utils import logging as dlog
 
         dlog.disable_progress_bar()
         dtype = dtype or torch.float32
+        cls = getattr(diffusers, pipeline or self.geometry.pipeline)
         if not self.random_weights:
-            return FluxPipeline.from_pretrained(self.path, local_files_only=True, torch_dtype=dtype).to(device)
+            return cls.from_pretrained(self.path, local_files_only=True, torch_dtype=dtype).to(device)
         clip_tok, t5_tok = self.load_tokenizers()
         parts = {k: self.load_component(k, dtype, device) for k in ("transformer", "text_encoder", "text_encoder_2", "vae")}
         scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config())
-        return FluxPipeline(scheduler=scheduler, tokenizer=clip_tok, tokenizer_2=t5_tok, **parts)
+        return cls(scheduler=scheduler, tokenizer=clip_tok, tokenizer_2=t5_tok, **parts)
 
     def load_tokenizers(self):
         from transformers import AutoTokenizer
@@ -164,6 +167,9 @@ def resolve_model(model: str | Path) -> ModelSource:
         )
     src = ModelSource(id=name, path=path.resolve())
     _ = src.geometry  # validate configs now, with a clear error
+    from ..workflows import check_model
+
+    check_model(src.geometry)
     check_safetensors(src.path)
     return src
 

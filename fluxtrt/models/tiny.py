@@ -1,4 +1,5 @@
-"""The embedded tiny FLUX.1 pipelines (`tiny`, `tiny-schnell`).
+"""The embedded tiny FLUX.1 pipelines: `tiny`, `tiny-schnell` (text-to-image, img2img) and one per other
+workflow: `tiny-fill` (FluxFillPipeline), `tiny-control` (FluxControlPipeline), `tiny-kontext` (FluxKontextPipeline).
 
 Real diffusers/transformers classes with small dimensions and deterministic random weights, plus
 tokenizers trained offline on the prompts shipped in `fluxtrt/data/prompts.txt` (and shipped themselves). They are written in
@@ -17,7 +18,9 @@ from pathlib import Path
 
 from .. import __version__
 
-TINY_NAMES = {"tiny": "dev", "tiny-schnell": "schnell"}
+TINY_NAMES = {"tiny": "dev", "tiny-schnell": "schnell", "tiny-fill": "dev", "tiny-control": "dev", "tiny-kontext": "dev"}
+TINY_PIPELINES = {"tiny-fill": "FluxFillPipeline", "tiny-control": "FluxControlPipeline",
+                  "tiny-kontext": "FluxKontextPipeline"}  # the rest: FluxPipeline
 
 # Bump when the tiny recipe changes, so caches made by older versions are not reused.
 TINY_RECIPE = 4
@@ -37,7 +40,7 @@ def tiny_model_dir(name: str) -> Path:
     variant = TINY_NAMES[name]
     folder = cache_root() / "models" / f"{name}-r{TINY_RECIPE}"
     if not (folder / "model_index.json").exists():
-        write_tiny_pipeline(folder, variant)
+        write_tiny_pipeline(folder, variant, TINY_PIPELINES.get(name, "FluxPipeline"))
     return folder
 
 
@@ -53,11 +56,15 @@ def _tokenizers():
     return clip, t5
 
 
-def build_tiny_pipeline(variant: str):
-    """Build the tiny FluxPipeline in memory (deterministic: same weights every call)."""
+def build_tiny_pipeline(variant: str, pipeline: str = "FluxPipeline"):
+    """Build a tiny FLUX.1 pipeline of diffusers class `pipeline` in memory (deterministic: same weights every
+    call). Its transformer takes the workflow's extra channels (workflows/: Fill 16 + 16 + 256, Control 16 + 16)."""
+    import diffusers
     import torch
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    from ..workflows import WORKFLOWS
 
     if variant not in ("dev", "schnell"):
         raise ValueError(f"unknown tiny variant {variant!r}")
@@ -79,9 +86,12 @@ def build_tiny_pipeline(variant: str):
             is_encoder_decoder=False, use_cache=False, pad_token_id=t5_tok.pad_token_id, eos_token_id=t5_tok.eos_token_id,
         )
     )
+    workflow = next(w for w in WORKFLOWS.values() if w.model_class == pipeline)
+    extra = workflow.extra_channels(LATENT_CHANNELS, 2 ** (4 - 1))  # the VAE below: 4 blocks, scale factor 8
     torch.manual_seed(SEED + 2)
     transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=LATENT_CHANNELS * 4, num_layers=2, num_single_layers=2, attention_head_dim=16,
+        patch_size=1, in_channels=LATENT_CHANNELS * 4 + extra, out_channels=LATENT_CHANNELS * 4 if extra else None,
+        num_layers=2, num_single_layers=2, attention_head_dim=16,
         num_attention_heads=2, joint_attention_dim=T5_D_MODEL, pooled_projection_dim=CLIP_HIDDEN,
         guidance_embeds=(variant == "dev"), axes_dims_rope=(4, 6, 6),
     )
@@ -99,17 +109,17 @@ def build_tiny_pipeline(variant: str):
         )
     else:
         scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False)
-    return FluxPipeline(
+    return getattr(diffusers, pipeline)(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=clip_tok,
         text_encoder_2=text_encoder_2, tokenizer_2=t5_tok, transformer=transformer,
     )
 
 
-def write_tiny_pipeline(folder: Path, variant: str) -> Path:
+def write_tiny_pipeline(folder: Path, variant: str, pipeline: str = "FluxPipeline") -> Path:
     """Write the tiny pipeline in diffusers layout to `folder`, atomically (temp folder + rename)."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    pipe = build_tiny_pipeline(variant)
+    pipe = build_tiny_pipeline(variant, pipeline)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         pipe.save_pretrained(tmp, safe_serialization=True)

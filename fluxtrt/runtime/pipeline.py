@@ -1,8 +1,10 @@
-"""Text-to-image over built engines, with diffusers' FluxPipeline semantics (see flux_math.py).
+"""Every FLUX.1 workflow over built engines, with diffusers' pipeline semantics (flux_math.py, workflows/).
 
-The same code drives every executor: tokenize -> CLIP pooled + T5 hidden states (cached per prompt) ->
-CPU-generator noise -> FlowMatch Euler loop over the transformer -> unpack, unscale -> VAE decode -> uint8.
-Inside the denoising loop nothing reads back from the device: timesteps, dt and guidance are uploaded once."""
+The same code drives every executor and workflow: tokenize -> CLIP pooled + T5 hidden states (cached per
+prompt) -> the workflow's preparation (CPU-generator noise; for image workflows the VAE encoder's latents) ->
+FlowMatch Euler loop over the transformer (the workflow's conditioning appended to the latents every step) ->
+unpack, unscale -> VAE decode -> uint8. Inside the denoising loop nothing reads back from the device:
+timesteps, dt, guidance and conditioning are uploaded once."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from pathlib import Path
 from .. import flux_math as fm
 from ..components import Geometry, ShapePoint, specs_for
 from ..errors import FluxtrtError
-from ..records import RUN_COMPONENTS, ManifestError, read_manifest
+from ..records import IMAGE_COMPONENTS, RUN_COMPONENTS, ManifestError, read_manifest
+from ..workflows import Context, ImageInputs, Prepared, select
 from .executors import (
     OnnxRuntimeExecutor,
     TorchExecutor,
@@ -44,6 +47,7 @@ def _check_finite(t, component: str) -> None:
 @dataclass
 class Timings:
     text_encoders: float = 0.0
+    image_encoder: float = 0.0  # the workflow's preparation (image preprocessing and VAE encoding)
     steps: list = field(default_factory=list)
     vae: float = 0.0
     total: float = 0.0
@@ -55,6 +59,9 @@ class Result:
     images: object  # uint8 [B, H, W, 3]
     timings: Timings
     latents_per_step: list = field(default_factory=list)  # packed latents after each step (when traced)
+    workflow: str = "txt2img"
+    height: int = 0  # the output size (Kontext rescales the requested one to its area)
+    width: int = 0
 
 
 def nearest_multiples(value: int, m: int, lo_limit: int = 1, hi_limit: int | None = None) -> str:
@@ -83,15 +90,19 @@ class FluxEngines:
         self.executors: dict = {}
         self.manifest, self.stream = None, None
         self._open_assets(engine_dir, model, backend)
+        # the VAE encoder (image workflows) runs where it was built, or in PyTorch with the rest
+        everything = RUN_COMPONENTS + IMAGE_COMPONENTS
+        names = [n for n in everything if backend == "torch" or n in RUN_COMPONENTS or n in self.manifest.components
+                 or any(f.split("@")[0] == n for f in fallback)]
         # "name@cpu" runs that component's PyTorch module on the CPU (an engine that does not fit the GPU)
-        torch_names = set(RUN_COMPONENTS) if backend == "torch" else {f.split("@")[0] for f in fallback}
-        unknown = torch_names - set(RUN_COMPONENTS)
+        torch_names = set(names) if backend == "torch" else {f.split("@")[0] for f in fallback}
+        unknown = torch_names - set(everything)
         if unknown:
-            raise FluxtrtError(f"--fallback takes {', '.join(RUN_COMPONENTS)}; got {', '.join(sorted(unknown))}")
+            raise FluxtrtError(f"--fallback takes {', '.join(everything)}; got {', '.join(sorted(unknown))}")
         if torch_names:
             on_cpu = {f.split("@")[0] for f in fallback if f.endswith("@cpu")}
             self._torch_executors(sorted(torch_names), on_cpu, model, device, torch_dtype, compile)
-        engine_names = [n for n in RUN_COMPONENTS if n not in torch_names]
+        engine_names = [n for n in names if n not in torch_names]
         sources = self._weight_sources(engine_names, weights, lora, lora_scale)
         if engine_names and backend == "tensorrt":
             self._tensorrt_executors(engine_names, sources, weight_streaming_budget, cuda_graph, allow_host_code,
@@ -244,7 +255,18 @@ class FluxEngines:
         return eager
 
     # -- request checks -------------------------------------------------------------------------------
-    def check_request(self, batch: int, height: int, width: int, steps: int) -> None:
+    def plan(self, height: int, width: int, inputs: ImageInputs | None = None):
+        """(workflow, output height, output width, reference size) for a request's image inputs; one line
+        when these engines' model cannot serve them or the VAE encoder they need is missing."""
+        inputs = inputs or ImageInputs()
+        wf = select(self.geo, inputs)
+        if wf.needs_encoder and "vae_encoder" not in self.executors:
+            raise RequestError(f"{wf.name} needs the vae_encoder engine, which these engines lack; build it with "
+                               "`fluxtrt build --components vae_encoder` (or run it in PyTorch: --fallback vae_encoder)")
+        height, width = wf.output_size(height, width, inputs)
+        return wf, height, width, wf.reference_size(inputs, self.geo)
+
+    def check_request(self, batch: int, height: int, width: int, steps: int, reference=(0, 0)) -> None:
         m = self.geo.pixel_multiple
         for what, v in (("height", height), ("width", width)):
             if v <= 0 or v % m:
@@ -265,7 +287,7 @@ class FluxEngines:
             if not lo[i] <= v <= hi[i]:
                 raise RequestError(f"{what} {v} is outside the engines' range {lo[i]}..{hi[i]} px; "
                                    f"pick a size inside it or rebuild with a wider profile")
-        point = ShapePoint(batch, height, width)
+        point = ShapePoint(batch, height, width, tuple(reference))
         for name in ("transformer", "vae_decoder"):
             if name not in self.executors:
                 continue
@@ -310,10 +332,11 @@ class FluxEngines:
 
     def generate(self, prompts: list[str], height: int, width: int, steps: int, guidance: float = 3.5,
                  seed: int = 0, trace: bool = False, on_step=None, negative_prompts: list[str] | None = None,
-                 true_cfg: float = 1.0) -> Result:
-        """Images for `prompts`. True classifier-free guidance as diffusers' FluxPipeline `true_cfg_scale`: with
-        `true_cfg` > 1 and `negative_prompts`, each step also runs the transformer on the negative prompts and
-        uses neg + true_cfg * (pos - neg) (in the transformer's output dtype, as diffusers does)."""
+                 true_cfg: float = 1.0, inputs: ImageInputs | None = None) -> Result:
+        """Images for `prompts`. `inputs`: the image workflows' images and settings (workflows/); the model and
+        these pick the workflow. True classifier-free guidance as diffusers' `true_cfg_scale`: with `true_cfg` > 1
+        and `negative_prompts`, each step also runs the transformer on the negative prompts and uses
+        neg + true_cfg * (pos - neg) (in the transformer's output dtype, as diffusers does)."""
         import torch
 
         batch = len(prompts)
@@ -322,7 +345,9 @@ class FluxEngines:
         cfg = true_cfg > 1 and negative_prompts is not None
         if cfg and len(negative_prompts) != batch:
             raise RequestError(f"{len(negative_prompts)} negative prompts for {batch} prompts; give one per prompt")
-        self.check_request(batch, height, width, steps)
+        inputs = inputs or ImageInputs()
+        wf, height, width, reference = self.plan(height, width, inputs)
+        self.check_request(batch, height, width, steps, reference)
         geo, dev = self.geo, self.device
         timings = Timings()
         memory = MemoryWatch(self._memory_base) if dev.type == "cuda" else None
@@ -340,40 +365,16 @@ class FluxEngines:
         if self.low_vram:
             self._release("clip", "t5")
 
+        t_prep = time.perf_counter()
         generator = torch.Generator("cpu").manual_seed(seed)
-        latents = fm.initial_noise(batch, geo.latent_channels, height, width, geo.vae_scale_factor, generator)
-        m = geo.pixel_multiple
-        timesteps, sigmas = fm.flow_match_sigmas(steps, latents.shape[1], self.scheduler_config)
-        with self._on_stream():
-            # everything the loop needs is on the device before it starts: no host reads inside
-            latents = latents.to(dev)
-            t_in = (timesteps / 1000).to(dev)
-            dts = (sigmas[1:] - sigmas[:-1]).to(dev)
-            feeds = {"hidden_states": latents, "encoder_hidden_states": text.to(dev),
-                     "pooled_projections": pooled.to(dev), "img_ids": fm.latent_image_ids(height // m, width // m).to(dev),
-                     "txt_ids": fm.text_ids(geo.t5_length).to(dev), "timestep": t_in[0].expand(batch)}
-            if geo.guidance:
-                feeds["guidance"] = torch.full([batch], guidance, dtype=torch.float32).to(dev)
-            step = self._step_function(feeds, refresh=cfg)
-            if cfg:  # the same call with the negative prompts' embeddings
-                neg_feeds = dict(feeds, encoder_hidden_states=neg_text.to(dev), pooled_projections=neg_pooled.to(dev))
-                step_neg = self._step_function(neg_feeds, refresh=True)
-            trace_latents = []
-            step_marks = [_mark(dev)]
-            with _sync_guard(dev, self.sync_check):
-                for i in range(steps):
-                    noise_pred = step(latents, t_in[i].expand(batch))
-                    if cfg:  # the executor reuses its output buffer on the next call: keep this one
-                        pos = noise_pred.clone()
-                        neg = step_neg(latents, t_in[i].expand(batch))
-                        noise_pred = neg + true_cfg * (pos - neg)
-                    latents = fm.euler_step(latents, noise_pred.float(), dts[i])
-                    step_marks.append(_mark(dev))
-                    if on_step is not None:
-                        on_step(i)  # host-side callback (progress bar); reads nothing from the device
-                    if trace:
-                        trace_latents.append(latents.detach().to("cpu", copy=True))
-        timings.steps = _intervals(step_marks, dev)
+        prep = wf.prepare(Context(geo, self.scheduler_config, self.scaling_factor, self.shift_factor, self._encode,
+                                  generator, batch, height, width, steps, inputs))
+        timings.image_encoder = time.perf_counter() - t_prep
+        if self.low_vram and wf.needs_encoder:
+            self._release("vae_encoder")
+        negative = (neg_pooled, neg_text) if cfg else None
+        latents, trace_latents = self._denoise(prep, pooled, text, guidance, negative, true_cfg, trace, on_step,
+                                               timings)
         _check_finite(latents, "transformer")  # after the loop: the loop itself never reads the device
         if memory is not None:
             memory.sample()
@@ -402,7 +403,59 @@ class FluxEngines:
                     log.warning(note)
         if not (images.size and finite):
             raise NonFiniteError("vae_decoder produced NaN/Inf; build it in fp32 (`--precision vae_decoder=fp32`)")
-        return Result(images, timings, trace_latents)
+        return Result(images, timings, trace_latents, wf.name, height, width)
+
+    def _encode(self, images):
+        """The workflows' VAE encoder: images [b, 3, H, W] float32 -> latent parameters [b, 2C, H/8, W/8] (CPU)."""
+        ex = self.executors["vae_encoder"]
+        ex.check_shapes({"image": tuple(images.shape)})
+        with self._on_stream():
+            out = ex.infer({"image": images.to(ex.device)})["latent_parameters"].float().cpu()  # waits for the stream
+        _check_finite(out, "vae_encoder")
+        return out
+
+    def _denoise(self, prep: Prepared, pooled, text, guidance, negative, true_cfg, trace, on_step, timings):
+        """The FlowMatch Euler loop of every workflow: (final packed latents, latents after each step if traced).
+        Everything the loop needs is on the device before it starts; inside it nothing is read back."""
+        import torch
+
+        dev, batch, steps = self.device, prep.latents.shape[0], len(prep.timesteps)
+        with self._on_stream():
+            latents = prep.latents.to(dev)
+            t_in = (prep.timesteps / 1000).to(dev)
+            dts = (prep.sigmas[1:] - prep.sigmas[:-1]).to(dev)
+            cond = Prepared(latents, prep.timesteps, prep.sigmas, prep.img_ids,
+                            None if prep.channels is None else prep.channels.to(dev),
+                            None if prep.tokens is None else prep.tokens.to(dev))
+            feeds = {"hidden_states": cond.model_input(latents), "encoder_hidden_states": text.to(dev),
+                     "pooled_projections": pooled.to(dev), "img_ids": prep.img_ids.to(dev),
+                     "txt_ids": fm.text_ids(self.geo.t5_length).to(dev), "timestep": t_in[0].expand(batch)}
+            if self.geo.guidance:
+                feeds["guidance"] = torch.full([batch], guidance, dtype=torch.float32).to(dev)
+            step = self._step_function(feeds, refresh=negative is not None)
+            if negative is not None:  # the same call with the negative prompts' embeddings
+                neg_feeds = dict(feeds, encoder_hidden_states=negative[1].to(dev),
+                                 pooled_projections=negative[0].to(dev))
+                step_neg = self._step_function(neg_feeds, refresh=True)
+            tokens = latents.shape[1]  # Kontext: the output's first tokens are the target's
+            trace_latents = []
+            step_marks = [_mark(dev)]
+            with _sync_guard(dev, self.sync_check):
+                for i in range(steps):
+                    model_input = cond.model_input(latents)
+                    noise_pred = step(model_input, t_in[i].expand(batch))[:, :tokens]
+                    if negative is not None:  # the executor reuses its output buffer on the next call: keep this one
+                        pos = noise_pred.clone()
+                        neg = step_neg(model_input, t_in[i].expand(batch))[:, :tokens]
+                        noise_pred = neg + true_cfg * (pos - neg)
+                    latents = fm.euler_step(latents, noise_pred.float(), dts[i])
+                    step_marks.append(_mark(dev))
+                    if on_step is not None:
+                        on_step(i)  # host-side callback (progress bar); reads nothing from the device
+                    if trace:
+                        trace_latents.append(latents.detach().to("cpu", copy=True))
+        timings.steps = _intervals(step_marks, dev)
+        return latents, trace_latents
 
 
 def captures_step_itself(ex) -> bool:

@@ -24,6 +24,7 @@ from ..gpus import GpuConfig
 from ..models.source import ModelSource
 from ..precisions import is_quantized
 from ..records import CalibrationSettings, ComponentEntry, Manifest, ModelRef, read_manifest
+from ..workflows import for_model, profile_range
 from .base import StageResult
 from .fp32_plan import ensure_fp32_plan
 from .zerocopy_plan import ensure_native, native_refusal
@@ -130,7 +131,8 @@ def _new_manifest(source, cfg, backend, rng, gpu_dir) -> Manifest:
     return Manifest(
         fluxtrt=__version__, backend=backend.name, backend_version=backend.version, gpu=cfg.key, gpu_name=cfg.name,
         compute_capability=cfg.compute_capability, config_hash=cfg.config_hash, vram_gb=cfg.vram_gb,
-        model=ModelRef(source.id, source.content_hash, source.variant), static_shape=rng.min == rng.max,
+        model=ModelRef(source.id, source.content_hash, source.variant, source.geometry.pipeline),
+        workflows=[w.name for w in for_model(source.geometry)], static_shape=rng.min == rng.max,
         shape_range={k: [p.batch, p.height, p.width] for k, p in zip(("min", "opt", "max"), (rng.min, rng.opt, rng.max))},
         pixel_multiple=source.geometry.pixel_multiple, components=dict(keep))
 
@@ -142,6 +144,7 @@ def _engine_stage(source, cfg, backend, spec, rng, onnx_path, res, manifest, gpu
     name, geo, dtype = spec.name, source.geometry, cfg.precision[spec.name]
     onnx_sha = sha256_file(onnx_path)
     ws = name in cfg.weight_streaming
+    rng = profile_range(geo, name, rng)  # e.g. Kontext: the transformer's tokens cover target + reference
     profile = spec.profile(rng, geo)
     key = build_key(onnx_sha, backend.name, backend.version, cfg, profile, ws, weightless)
     engine_path = gpu_dir / f"{name}.engine"
