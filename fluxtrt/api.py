@@ -210,7 +210,7 @@ class RunOptions:
     torch_dtype: str = "bf16"
     compile: bool = False
     steps: int | None = None
-    guidance: float = 3.5
+    guidance: float | None = None  # None: the workflow's default (diffusers')
     height: int | None = None
     width: int | None = None
     seed: int = 0
@@ -225,6 +225,26 @@ class RunOptions:
     lora_scale: float = 1.0
     negative_prompt: str | None = None  # true CFG (diffusers' negative_prompt / true_cfg_scale)
     true_cfg: float = 1.0
+    image: Path | None = None  # the image workflows' inputs (workflows/): img2img, Fill, Kontext
+    mask: Path | None = None  # Fill
+    control_image: Path | None = None  # Control (Canny / Depth)
+    strength: float | None = None  # img2img / Fill
+    max_area: int | None = None  # Kontext
+
+    def image_inputs(self):
+        return image_inputs(self.image, self.mask, self.control_image, self.strength, self.max_area)
+
+
+def image_inputs(image=None, mask=None, control_image=None, strength=None, max_area=None):
+    """A request's images, read now (an unreadable file fails before any work), and their settings."""
+    from .workflows import ImageInputs
+    from .workflows.base import load_image
+
+    def read(value, flag):
+        return None if value is None else load_image(value, flag)
+
+    return ImageInputs(read(image, "--image"), read(mask, "--mask"), read(control_image, "--control-image"), strength,
+                       max_area)
 
     def check(self) -> "RunOptions":
         from .dtypes import check_float
@@ -305,26 +325,42 @@ def generate(prompts: list[str], opts: RunOptions | None = None, on_step=None, s
     for note in choice.notes:
         say(note)
     opt = pipe.manifest.shape_range["opt"] if pipe.manifest is not None else [1, 1024, 1024]
-    height, width = opts.height or opt[1], opts.width or opt[2]
-    steps = opts.steps if opts.steps is not None else (28 if pipe.geo.variant == "dev" else 4)
+    inputs = opts.image_inputs()
+    wf, height, width, reference = pipe.plan(opts.height or opt[1], opts.width or opt[2], inputs)
+    steps = opts.steps if opts.steps is not None else wf.default_steps(pipe.geo)
+    guidance = opts.guidance if opts.guidance is not None else wf.guidance
+    if opts.guidance is not None and not pipe.geo.guidance:
+        say("--guidance has no effect: FLUX.1-schnell has no guidance input")
     chunks = ([prompts[i:i + opts.batch] for i in range(0, len(prompts), opts.batch)] if len(prompts) > 1
               else [prompts * opts.batch])
-    pipe.check_request(max(len(c) for c in chunks), height, width, steps)  # fail before any work
+    pipe.check_request(max(len(c) for c in chunks), height, width, steps, reference)  # fail before any work
     many, paths, timings = sum(len(c) for c in chunks) > 1, [], []
     for k, chunk in enumerate(chunks):
         negatives = [opts.negative_prompt] * len(chunk) if opts.negative_prompt is not None else None
-        res = pipe.generate(chunk, height, width, steps, opts.guidance, opts.seed + k, on_step=on_step,
-                            negative_prompts=negatives, true_cfg=opts.true_cfg)
+        res = pipe.generate(chunk, opts.height or opt[1], opts.width or opt[2], steps, guidance, opts.seed + k,
+                            on_step=on_step, negative_prompts=negatives, true_cfg=opts.true_cfg, inputs=inputs)
         for j, img in enumerate(res.images):
             idx = sum(len(c) for c in chunks[:k]) + j
             dest = opts.out.with_name(f"{opts.out.stem}-{idx}{opts.out.suffix}") if many else opts.out
-            meta = _png_metadata(pipe, chunk[j], opts.seed + k, steps, opts.guidance, height, width, choice.backend)
+            meta = _png_metadata(pipe, chunk[j], opts.seed + k, steps, guidance, height, width, choice.backend)
+            meta.update(_workflow_metadata(wf, opts))
             if opts.true_cfg > 1:
                 meta.update(negative_prompt=opts.negative_prompt, true_cfg=opts.true_cfg)
             save_png(img, dest, meta)
             paths.append(dest)
         timings.append(res.timings)
     return Generated(paths, timings, choice.backend, choice.notes)
+
+
+def _workflow_metadata(wf, opts: RunOptions) -> dict:
+    meta = {"workflow": wf.name}
+    for flag in wf.flags:
+        value = getattr(opts, flag[2:].replace("-", "_"))
+        if flag == "--strength" and value is None:
+            value = wf.strength
+        if value is not None:
+            meta[flag[2:]] = Path(value).name if isinstance(value, Path) else value
+    return meta
 
 
 def _png_metadata(pipe, prompt, seed, steps, guidance, height, width, backend) -> dict:

@@ -55,7 +55,8 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def bench_fluxtrt(pipe, label: str, h: int, w: int, batch: int, steps: int, runs: int, warmup: int) -> Row:
+def bench_fluxtrt(pipe, label: str, h: int, w: int, batch: int, steps: int, runs: int, warmup: int,
+                  inputs=None) -> Row:
     import torch
 
     prompts = [PROMPT] * batch
@@ -65,7 +66,7 @@ def bench_fluxtrt(pipe, label: str, h: int, w: int, batch: int, steps: int, runs
         if pipe.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         _sync(pipe.device)
-        res = pipe.generate(prompts, h, w, steps, seed=k)
+        res = pipe.generate(prompts, h, w, steps, seed=k, inputs=inputs)
         if k >= warmup:
             samples.append(res.timings)
     total = Measure.of(t.total for t in samples)
@@ -107,7 +108,8 @@ class _CallTimer:
             h.remove()
 
 
-def bench_diffusers(dpipe, geo, h: int, w: int, batch: int, steps: int, runs: int, warmup: int, device) -> Row:
+def bench_diffusers(dpipe, geo, h: int, w: int, batch: int, steps: int, runs: int, warmup: int, device,
+                    extra: dict | None = None) -> Row:
     import torch
 
     timers = {"transformer": _CallTimer(dpipe.transformer, device), "vae": _CallTimer(dpipe.vae.decoder, device),
@@ -119,8 +121,9 @@ def bench_diffusers(dpipe, geo, h: int, w: int, batch: int, steps: int, runs: in
                 torch.cuda.reset_peak_memory_stats()
             _sync(device)
             t0 = time.perf_counter()
-            dpipe([PROMPT] * batch, height=h, width=w, num_inference_steps=steps, guidance_scale=3.5,
-                  max_sequence_length=geo.t5_length, generator=torch.Generator().manual_seed(k), output_type="np")
+            dpipe(prompt=[PROMPT] * batch, height=h, width=w, num_inference_steps=steps, guidance_scale=3.5,
+                  max_sequence_length=geo.t5_length, generator=torch.Generator().manual_seed(k), output_type="np",
+                  **(extra or {}))
             _sync(device)
             total = time.perf_counter() - t0
             t = {name: tm.take() for name, tm in timers.items()}
@@ -185,6 +188,7 @@ class BenchOptions:
     torch_dtype: str = "bf16"
     compile: bool = False
     cuda_graph: bool = False
+    inputs: object = None  # workflows.ImageInputs: img2img, Fill, Control or Kontext instead of text-to-image
 
     def check(self) -> "BenchOptions":
         from .errors import FluxtrtError
@@ -206,14 +210,16 @@ def run_bench(pipe, source, backend: str, opts: BenchOptions, say=lambda line: N
     from . import __version__
     from .dtypes import torch_dtype
 
-    steps = opts.steps if opts.steps is not None else (28 if pipe.geo.variant == "dev" else 4)
+    wf = pipe.plan(opts.sizes[0], opts.sizes[0], opts.inputs)[0]
+    steps = opts.steps if opts.steps is not None else wf.default_steps(pipe.geo)
     label, dpipe = f"fluxtrt ({backend})", None
     if opts.baseline == "diffusers":
         from .models.source import resolve_model
 
         src = source or resolve_model(pipe.manifest.model.id)
         on_gpu = pipe.device.type == "cuda"
-        dpipe = src.load_pipeline(torch_dtype(opts.torch_dtype) if on_gpu else torch.float32, pipe.device.type)
+        dpipe = src.load_pipeline(torch_dtype(opts.torch_dtype) if on_gpu else torch.float32, pipe.device.type,
+                                  pipeline=wf.pipeline)
         dpipe.set_progress_bar_config(disable=True)
         if opts.compile:
             dpipe.transformer = torch.compile(dpipe.transformer, fullgraph=False, dynamic=False)
@@ -221,16 +227,17 @@ def run_bench(pipe, source, backend: str, opts: BenchOptions, say=lambda line: N
     for size in opts.sizes:
         for b in opts.batches:
             say(f"measuring {label} {size}x{size} batch {b}, {steps} steps ...")
-            ours = bench_fluxtrt(pipe, label, size, size, b, steps, opts.runs, opts.warmup)
+            ours = bench_fluxtrt(pipe, label, size, size, b, steps, opts.runs, opts.warmup, opts.inputs)
             rows.append(ours)
             if dpipe is not None:
                 say(f"measuring diffusers {size}x{size} batch {b} ...")
-                base = bench_diffusers(dpipe, pipe.geo, size, size, b, steps, opts.runs, opts.warmup, pipe.device)
+                base = bench_diffusers(dpipe, pipe.geo, size, size, b, steps, opts.runs, opts.warmup, pipe.device,
+                                       wf.diffusers_kwargs(opts.inputs) if opts.inputs is not None else None)
                 add_ratios(ours, base)
                 rows.append(base)
     meta = {"fluxtrt": __version__, "torch": torch.__version__, "device": torch.cuda.get_device_name() if
             pipe.device.type == "cuda" else "cpu", "backend": backend, "steps": steps, "runs": opts.runs,
             "warmup": opts.warmup, "compile": opts.compile, "cuda_graph": opts.cuda_graph,
             "torch_dtype": opts.torch_dtype, "model": source.id if source else pipe.manifest.model.id,
-            "date": time.strftime("%Y-%m-%d"), "variant": pipe.geo.variant}
+            "date": time.strftime("%Y-%m-%d"), "variant": pipe.geo.variant, "workflow": wf.name}
     return rows, meta

@@ -19,8 +19,9 @@ from .errors import FluxtrtError
 
 app = typer.Typer(
     name="fluxtrt",
-    help="Build TensorRT engines for FLUX.1 text-to-image models and run them. "
-    "Every --model accepts a local diffusers folder or the embedded random-weight models `tiny` / `tiny-schnell`.",
+    help="Build TensorRT engines for FLUX.1 models (text-to-image, img2img, Fill, Canny/Depth control, Kontext) and "
+    "run them. Every --model accepts a local diffusers folder or an embedded random-weight model: `tiny`, "
+    "`tiny-schnell`, `tiny-fill`, `tiny-control`, `tiny-kontext`.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -96,7 +97,8 @@ def _opt(default, *names, help: str):
     return typer.Option(default, *names, help=help)
 
 
-MODEL_HELP = "Local FLUX.1 diffusers folder, or `tiny` / `tiny-schnell` (embedded random weights)."
+MODEL_HELP = ("Local FLUX.1 diffusers folder (dev, schnell, Fill, Canny, Depth, Kontext), or an embedded "
+              "random-weight model: tiny, tiny-schnell, tiny-fill, tiny-control, tiny-kontext.")
 MODEL = _opt("tiny", "--model", "-m", help=MODEL_HELP)
 COMPONENTS = _opt(None, "--components", "-c", help="Components, comma-separated: clip, t5, transformer, "
                   "vae_decoder, vae_encoder (default: all).")
@@ -266,9 +268,19 @@ def run(
     model: Optional[str] = _opt(None, "--model", "-m", help="With --backend torch and no --engines: " + MODEL_HELP),
     fallback: Optional[list[str]] = _opt(None, "--fallback", help="Components to run in PyTorch, e.g. t5,transformer."),
     steps: Optional[int] = STEPS, seed: int = _opt(0, "--seed", help="Seed of the CPU generator (as diffusers)."),
-    guidance: float = _opt(3.5, "--guidance", help="Distilled guidance scale (dev only; ignored by schnell)."),
+    guidance: Optional[float] = _opt(None, "--guidance", help="Distilled guidance scale (dev only; default: the "
+                                     "workflow's, as diffusers: 3.5; img2img 7; Fill 30)."),
     height: Optional[int] = _opt(None, "--height", help="Pixels, a multiple of 16 (default: the profile's opt)."),
     width: Optional[int] = _opt(None, "--width", help="Pixels, a multiple of 16 (default: the profile's opt)."),
+    image: Optional[Path] = _opt(None, "--image", help="img2img (FLUX.1-dev/schnell engines): the image to change; "
+                                 "Fill: the image to inpaint/outpaint; Kontext: the reference image to edit."),
+    mask: Optional[Path] = _opt(None, "--mask", help="Fill (FLUX.1-Fill-dev engines): white = repaint, black = keep."),
+    control_image: Optional[Path] = _opt(None, "--control-image", help="Control (FLUX.1-Canny-dev / -Depth-dev "
+                                         "engines): your Canny edge map or depth map."),
+    strength: Optional[float] = _opt(None, "--strength", help="img2img / Fill: share of the schedule that runs, "
+                                     "in (0, 1] (default 0.6 / 1.0, as diffusers); 1 ignores the image's content."),
+    max_area: Optional[int] = _opt(None, "--max-area", help="Kontext: output area in px² (default 1048576 = "
+                                   "1024²); --height/--width give its aspect ratio."),
     batch: int = _opt(1, "--batch", help="Images per call; one prompt is repeated, a prompts file is chunked."),
     out_path: Path = _opt(Path("fluxtrt.png"), "--out", "-o", help="PNG path; several images get -0, -1, ... suffixes."),
     low_vram: bool = _opt(False, "--low-vram", help="Load and free engines stage by stage."),
@@ -284,17 +296,18 @@ def run(
     true_cfg: float = _opt(1.0, "--true-cfg", help="True classifier-free guidance scale, > 1 to use --negative-prompt "
                            "(diffusers' true_cfg_scale; two transformer calls per step)."),
 ):
-    """Generate images from built engines (diffusers' FluxPipeline semantics, seed for seed)."""
+    """Generate images from built engines, with the diffusers pipeline's semantics seed for seed: text-to-image,
+    img2img (--image), Fill (--image --mask), Control (--control-image), Kontext (--image); the engines' model
+    says which it serves."""
+    args = dict(locals())
     _quiet_libraries()
     import logging
 
     from . import api
 
-    opts = api.RunOptions(engines, model, backend, fallback, torch_dtype, compile, steps, guidance, height,
-                          width, seed, batch, out_path, low_vram, weight_streaming_budget, cuda_graph,
-                          allow_host_code, weights, lora, lora_scale, negative_prompt, true_cfg)
+    prompts = api.read_prompts(args.pop("prompt"), args.pop("prompts_file"))
+    opts = api.RunOptions(out=args.pop("out_path"), **args)
     logging.getLogger("fluxtrt").addHandler(_WarningLine())
-    prompts = api.read_prompts(prompt, prompts_file)
     with r.phases(["denoise"]) as update:
         done = api.generate(prompts, opts, on_step=lambda i: update("denoise", f"step {i + 1}"), say=r.note)
     r.timings(done)
@@ -312,18 +325,22 @@ def bench(
     warmup: int = _opt(1, "--warmup", help="Unmeasured runs first."),
     baseline: str = _opt("none", "--baseline", help="diffusers: also run diffusers' FluxPipeline here; none."),
     cuda_graph: bool = CUDA_GRAPH,
+    image: Optional[Path] = _opt(None, "--image", help="Measure img2img / Fill / Kontext (as `fluxtrt run`)."),
+    mask: Optional[Path] = _opt(None, "--mask", help="Fill's mask (as `fluxtrt run`)."),
+    control_image: Optional[Path] = _opt(None, "--control-image", help="Control's map (as `fluxtrt run`)."),
     json_out: Optional[Path] = _opt(None, "--json", help="Write the table as JSON."),
     plot_out: Optional[Path] = _opt(None, "--plot", help="Write a PNG chart (needs matplotlib)."),
 ):
-    """Measure latency per component, seconds per image and peak memory, optionally against diffusers."""
+    """Measure latency per component, seconds per image and peak memory, optionally against diffusers' pipeline
+    of the same workflow."""
     _quiet_libraries()
     from . import api
     from .bench import BenchOptions
 
     try:
         size_list, batch_list = ([int(v) for v in api.split_list([x])] for x in (sizes, batches))
-        opts = BenchOptions(size_list, batch_list, steps, runs, warmup,
-                            baseline, torch_dtype, compile, cuda_graph)
+        opts = BenchOptions(size_list, batch_list, steps, runs, warmup, baseline, torch_dtype, compile, cuda_graph,
+                            api.image_inputs(image, mask, control_image))
     except ValueError:
         raise FluxtrtError(f"--sizes and --batch take comma-separated integers, got {sizes!r} / {batches!r}") from None
     rows, meta, written = api.bench(engines, model, backend, opts, say=lambda line: r.console.print(line),

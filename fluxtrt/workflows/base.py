@@ -124,6 +124,10 @@ class Workflow:
     def prepare(self, ctx: Context) -> Prepared:
         raise NotImplementedError
 
+    def diffusers_kwargs(self, inputs: ImageInputs) -> dict:
+        """The same request's arguments for the diffusers pipeline (tests and `fluxtrt bench` compare with it)."""
+        return {}
+
 
 # --- pieces shared by several workflows (diffusers' semantics) ---------------------------------------------
 

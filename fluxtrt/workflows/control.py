@@ -5,7 +5,7 @@ request's generator) and packed; the transformer sees it beside the latents: in_
 from __future__ import annotations
 
 from ..flux_math import pack_latents
-from .base import Context, Prepared, Workflow, ids, image_processor, load_image, noise, sample_latents, schedule
+from .base import Context, ImageInputs, Prepared, Workflow, ids, image_processor, load_image, noise, sample_latents, schedule
 
 
 class Control(Workflow):
@@ -19,6 +19,9 @@ class Control(Workflow):
 
     def extra_channels(self, latent_channels: int, vae_scale_factor: int) -> int:
         return latent_channels * 4
+
+    def diffusers_kwargs(self, inputs: ImageInputs) -> dict:
+        return {"control_image": load_image(inputs.control_image, "--control-image")}
 
     def prepare(self, ctx: Context) -> Prepared:
         control = image_processor(ctx.geo).preprocess(load_image(ctx.inputs.control_image, "--control-image"),

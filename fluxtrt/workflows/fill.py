@@ -11,6 +11,7 @@ import torch
 from ..flux_math import pack_latents
 from .base import (
     Context,
+    ImageInputs,
     Prepared,
     Workflow,
     ids,
@@ -39,6 +40,10 @@ class Fill(Workflow):
 
     def extra_channels(self, latent_channels: int, vae_scale_factor: int) -> int:
         return latent_channels * 4 + vae_scale_factor * vae_scale_factor * 4
+
+    def diffusers_kwargs(self, inputs: ImageInputs) -> dict:
+        return {"image": load_image(inputs.image, "--image"), "mask_image": load_image(inputs.mask, "--mask"),
+                "strength": self.strength if inputs.strength is None else inputs.strength}
 
     def prepare(self, ctx: Context) -> Prepared:
         strength = self.strength if ctx.inputs.strength is None else ctx.inputs.strength

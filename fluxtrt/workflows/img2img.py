@@ -5,7 +5,19 @@ truncated by `strength`, and the starting latents are `sigma * noise + (1 - sigm
 from __future__ import annotations
 
 from ..flux_math import pack_latents
-from .base import Context, Prepared, Workflow, ids, image_processor, load_image, noise, repeat_to, sample_latents, schedule
+from .base import (
+    Context,
+    ImageInputs,
+    Prepared,
+    Workflow,
+    ids,
+    image_processor,
+    load_image,
+    noise,
+    repeat_to,
+    sample_latents,
+    schedule,
+)
 
 
 class ImageToImage(Workflow):
@@ -18,6 +30,10 @@ class ImageToImage(Workflow):
     required = ("--image",)
     guidance = 7.0
     strength = 0.6
+
+    def diffusers_kwargs(self, inputs: ImageInputs) -> dict:
+        return {"image": load_image(inputs.image, "--image"),
+                "strength": self.strength if inputs.strength is None else inputs.strength}
 
     def prepare(self, ctx: Context) -> Prepared:
         strength = self.strength if ctx.inputs.strength is None else ctx.inputs.strength

@@ -69,6 +69,9 @@ class Kontext(Workflow):
                               ShapePoint(rng.max.batch, hi, hi))
         return rng
 
+    def diffusers_kwargs(self, inputs: ImageInputs) -> dict:
+        return {"image": load_image(inputs.image, "--image"), "max_area": inputs.max_area or MAX_AREA}
+
     def prepare(self, ctx: Context) -> Prepared:
         rh, rw = self.reference_size(ctx.inputs, ctx.geo)
         proc = image_processor(ctx.geo, latent_channels=False)
