@@ -234,18 +234,6 @@ class RunOptions:
     def image_inputs(self):
         return image_inputs(self.image, self.mask, self.control_image, self.strength, self.max_area)
 
-
-def image_inputs(image=None, mask=None, control_image=None, strength=None, max_area=None):
-    """A request's images, read now (an unreadable file fails before any work), and their settings."""
-    from .workflows import ImageInputs
-    from .workflows.base import load_image
-
-    def read(value, flag):
-        return None if value is None else load_image(value, flag)
-
-    return ImageInputs(read(image, "--image"), read(mask, "--mask"), read(control_image, "--control-image"), strength,
-                       max_area)
-
     def check(self) -> "RunOptions":
         from .dtypes import check_float
 
@@ -271,6 +259,18 @@ def image_inputs(image=None, mask=None, control_image=None, strength=None, max_a
             raise FluxtrtError(f"--true-cfg {self.true_cfg} needs --negative-prompt TEXT (what to steer away from; "
                                "\"\" is allowed)")
         return self
+
+
+def image_inputs(image=None, mask=None, control_image=None, strength=None, max_area=None):
+    """A request's images, read now (an unreadable file fails before any work), and their settings."""
+    from .workflows import ImageInputs
+    from .workflows.base import load_image
+
+    def read(value, flag):
+        return None if value is None else load_image(value, flag)
+
+    return ImageInputs(read(image, "--image"), read(mask, "--mask"), read(control_image, "--control-image"), strength,
+                       max_area)
 
 
 def _gpu_only_flags(opts: RunOptions, backend: str) -> list[str]:
