@@ -352,6 +352,27 @@ def bench(
 
 @app.command()
 @friendly
+def serve(
+    engines: Optional[Path] = ENGINES, backend: str = BACKEND,
+    model: Optional[str] = _opt(None, "--model", "-m", help="With --backend torch and no --engines: " + MODEL_HELP),
+    host: str = _opt("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = _opt(8000, "--port", help="HTTP port."),
+    replicas: int = _opt(1, "--replicas", help="Copies of the engines, one GPU each (spread over a Ray cluster)."),
+    max_batch: Optional[int] = _opt(None, "--max-batch", help="Largest transformer batch (default: the profile's)."),
+    max_queue: int = _opt(64, "--max-queue", help="Images accepted per replica before answering 503 (Retry-After)."),
+    address: Optional[str] = _opt(None, "--address", help="Join this Ray cluster (e.g. ray://head:10001 or auto); "
+                                  "default: start Ray inside this process."),
+):
+    """Serve text-to-image over HTTP (Ray Serve) with step-level continuous batching: POST /v1/images/generations,
+    GET /health. Prints the URL when ready; Ctrl-C stops."""
+    _quiet_libraries()
+    from .serving import serve_forever
+
+    serve_forever(engines, model, backend, host, port, replicas, max_batch, max_queue, address, say=r.out.print)
+
+
+@app.command()
+@friendly
 def optimize(
     in_dir: Path = _opt(..., "--in", help="Folder written by `fluxtrt export` (fp32)."),
     out_dir: Path = _opt(..., "--out", help="Folder for the optimized ONNX files."),

@@ -41,7 +41,8 @@ def check_manifest(root, src, cfg, manifest):
     assert read_manifest(gpu_dir) == manifest
     assert manifest.backend == "tensorrt-rtx" and manifest.backend_version == TensorRTRTX().version
     assert manifest.compute_capability == cfg.compute_capability
-    assert vars(manifest.model) == {"id": src.id, "hash": src.content_hash, "variant": src.variant}
+    assert vars(manifest.model) == {"id": src.id, "hash": src.content_hash, "variant": src.variant, "pipeline": "FluxPipeline"}
+    assert manifest.workflows == ["txt2img", "img2img"]
     assert manifest.config_hash == cfg.config_hash
     rng = cfg.shape_range()
     specs = specs_for(geo)

@@ -13,12 +13,12 @@ ROOT = Path(__file__).resolve().parents[1] / "fluxtrt"
 LAYERS = {
     0: ["fluxtrt", "fluxtrt.errors", "fluxtrt.fileio", "fluxtrt.dtypes"],
     1: ["fluxtrt.precisions", "fluxtrt.flux_math", "fluxtrt.components", "fluxtrt.checkpoint", "fluxtrt.onnxio",
-        "fluxtrt.records", "fluxtrt.gpus", "fluxtrt.data"],
+        "fluxtrt.records", "fluxtrt.gpus", "fluxtrt.data", "fluxtrt.workflows"],
     2: ["fluxtrt.weightmap", "fluxtrt.validate", "fluxtrt.models", "fluxtrt.engine.backends", "fluxtrt.engine"],
     3: ["fluxtrt.export", "fluxtrt.optimize", "fluxtrt.quantize", "fluxtrt.engine.build", "fluxtrt.engine.refit"],
     4: ["fluxtrt.stages"],
     5: ["fluxtrt.runtime"],
-    6: ["fluxtrt.bench", "fluxtrt.artifacts", "fluxtrt.api", "fluxtrt.render"],
+    6: ["fluxtrt.bench", "fluxtrt.artifacts", "fluxtrt.api", "fluxtrt.render", "fluxtrt.serving"],
     7: ["fluxtrt.cli"],
 }
 # The runtime runs engines and ONNX; it never reaches into the tools that make them.

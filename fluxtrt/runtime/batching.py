@@ -1,0 +1,306 @@
+"""Continuous batching over one `FluxEngines`: requests join a running batch at step boundaries and leave when
+their last step is done (then VAE-decode), so a long request never holds a short one back and the transformer
+runs at the batch sizes its profile allows.
+
+Every sample keeps its own state: packed latents, timesteps and step sizes (its own step count and resolution
+shift), guidance, text embeddings and the CPU generator that drew its noise. The transformer takes per-sample
+`timestep` and `guidance` ([B]) and text inputs ([B, ...]), so a batch may mix all of these; `img_ids` and
+`txt_ids` are shared by the whole batch, so samples are batched only with others of the same bucket (workflow,
+height, width, reference size). A sample's image is therefore independent of what it was batched with (up to
+the executor's batch-size rounding; tests bound it at 2/255 against `fluxtrt run` with the same arguments).
+
+A sample with seed s equals `fluxtrt run --seed s` (batch 1); a request for n images uses seeds s, s+1, ....
+The library is usable without Ray: `submit` returns a `concurrent.futures.Future`, one thread runs the loop."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from .. import flux_math as fm
+from ..workflows import Context, ImageInputs
+from .pipeline import FluxEngines, RequestError
+
+log = logging.getLogger("fluxtrt")
+
+
+class QueueFull(RequestError):
+    """More samples are waiting than the batcher accepts (`max_queue`): try again later."""
+
+
+class ShuttingDown(RequestError):
+    """The batcher stopped before the request finished."""
+
+
+@dataclass
+class Job:
+    """One request: n images of one prompt; done when every sample is decoded."""
+
+    prompt: str
+    height: int
+    width: int
+    steps: int
+    guidance: float
+    seed: int
+    n: int
+    future: Future = field(default_factory=Future)
+    images: dict = field(default_factory=dict)  # sample index -> uint8 [H, W, 3]
+    created: float = field(default_factory=time.perf_counter)
+    started: float | None = None  # first step
+
+
+@dataclass
+class Finished:
+    """A request's result: its images (uint8 [H, W, 3], seeds s, s+1, ...) and where its time went."""
+
+    images: list
+    queue_seconds: float  # submitted -> first transformer step
+    seconds: float  # submitted -> last image decoded
+
+
+@dataclass
+class Sample:
+    job: Job
+    index: int
+    key: tuple  # bucket: samples of one key share img_ids / txt_ids and may run in one batch
+    latents: object  # [1, N, C] on the device
+    prep: object  # workflows.Prepared (conditioning on the device)
+    t_in: object  # [steps] sigmas on the device
+    dts: object  # [steps]
+    guidance: object | None  # [1]
+    pooled: object
+    text: object
+    img_ids: object
+    step: int = 0
+    order: int = 0  # admission order (oldest first)
+
+    @property
+    def done(self) -> bool:
+        return self.step >= len(self.t_in)
+
+
+@dataclass
+class Stats:
+    queued: int = 0  # samples admitted or waiting, not yet decoded
+    running_batch: int = 0  # size of the last transformer call
+    step_seconds: float = 0.0  # duration of the last transformer call (+ Euler update)
+    steps_run: int = 0
+    batch_histogram: dict = field(default_factory=lambda: collections.Counter())
+
+
+class ContinuousBatcher:
+    """The scheduling loop over one pipeline. `max_batch`: largest transformer batch (default: the engines'
+    profile maximum, 4 for PyTorch modules); `max_queue`: samples accepted but not finished before `submit`
+    refuses with QueueFull."""
+
+    def __init__(self, pipe: FluxEngines, max_batch: int | None = None, max_queue: int = 64, on_step=None):
+        profile_max = pipe.manifest.shape_range["max"][0] if pipe.manifest is not None else 4
+        if max_batch is not None and max_batch < 1:
+            raise RequestError(f"--max-batch must be at least 1, got {max_batch}")
+        if max_queue < 1:
+            raise RequestError(f"--max-queue must be at least 1, got {max_queue}")
+        self.pipe, self.max_batch, self.max_queue = pipe, min(max_batch or profile_max, profile_max), max_queue
+        self.on_step = on_step  # callback(Stats) after every transformer call (metrics)
+        self.stats = Stats()
+        self._incoming: collections.deque = collections.deque()
+        self._active: list[Sample] = []
+        self._pending = 0  # samples submitted and not finished
+        self._order = 0
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- the API ------------------------------------------------------------------------------------------------
+    def submit(self, prompt: str, height: int, width: int, steps: int, guidance: float = 3.5, seed: int = 0,
+               n: int = 1) -> Future:
+        """Queue a request; the future's result is a `Finished` with n uint8 [H, W, 3] images. Checks the request now
+        (one-line RequestError) and refuses with QueueFull when `max_queue` samples are already pending."""
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise RequestError("prompt must be a non-empty string")
+        if n < 1:
+            raise RequestError(f"n must be at least 1, got {n}")
+        self.pipe.check_request(1, height, width, steps)
+        if self._stop.is_set():
+            raise ShuttingDown("the server is shutting down")
+        job = Job(prompt, height, width, steps, guidance, seed, n)
+        with self._lock:
+            if self._pending + n > self.max_queue:
+                raise QueueFull(f"{self._pending} images are queued (max {self.max_queue}); retry shortly")
+            self._pending += n
+            self.stats.queued = self._pending
+            self._incoming.append(job)
+        self._wake.set()
+        return job.future
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> "ContinuousBatcher":
+        self._thread = threading.Thread(target=self._loop, name="fluxtrt-batcher", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        with self._lock:
+            jobs = list(self._incoming) + list({id(s.job): s.job for s in self._active}.values())
+            self._incoming.clear()
+            self._active.clear()
+        for job in jobs:
+            if not job.future.done():
+                job.future.set_exception(ShuttingDown("the server stopped before this request finished"))
+
+    def run_until_idle(self) -> None:
+        """Run the loop in this thread until every submitted request is done (tests, batch jobs)."""
+        while self._incoming or self._active:
+            self.step_once()
+
+    # -- the loop -----------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self._incoming and not self._active:
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                self.step_once()
+            except Exception as e:  # noqa: BLE001 - never let the loop die: fail the samples, keep serving
+                log.error("batcher step failed: %s", e)
+                self._fail(self._active, e)
+
+    def step_once(self) -> None:
+        """Admit waiting requests, run one transformer step for the oldest bucket's samples (up to max_batch),
+        decode the samples that finished."""
+        self._admit()
+        if not self._active:
+            return
+        oldest = min(self._active, key=lambda s: s.order)
+        batch = sorted((s for s in self._active if s.key == oldest.key), key=lambda s: s.order)[: self.max_batch]
+        try:
+            self._step(batch)
+        except Exception as e:  # noqa: BLE001 - a failing batch fails its requests only
+            self._fail(batch, e)
+            return
+        finished = [s for s in batch if s.done]
+        if finished:
+            self._active = [s for s in self._active if not s.done]
+            try:
+                self._decode(finished)
+            except Exception as e:  # noqa: BLE001
+                self._fail(finished, e)
+
+    def _admit(self) -> None:
+        import torch
+
+        while True:
+            with self._lock:
+                if not self._incoming:
+                    return
+                job = self._incoming.popleft()
+            try:
+                with self.pipe._on_stream():
+                    pooled, text = self.pipe.encode_prompts([job.prompt])
+                    for i in range(job.n):
+                        self._active.append(self._sample(job, i, pooled, text, torch))
+            except Exception as e:  # noqa: BLE001 - e.g. NaN from a text encoder: this request fails
+                self._active = [s for s in self._active if s.job is not job]
+                self._finish(job, exception=e)
+
+    def _sample(self, job: Job, index: int, pooled, text, torch) -> Sample:
+        pipe, dev = self.pipe, self.pipe.device
+        wf, height, width, reference = pipe.plan(job.height, job.width, ImageInputs())
+        generator = torch.Generator("cpu").manual_seed(job.seed + index)
+        prep = wf.prepare(Context(pipe.geo, pipe.scheduler_config, pipe.scaling_factor, pipe.shift_factor,
+                                  pipe._encode, generator, 1, height, width, job.steps, ImageInputs()))
+        cond = type(prep)(prep.latents, prep.timesteps, prep.sigmas, prep.img_ids,
+                          None if prep.channels is None else prep.channels.to(dev),
+                          None if prep.tokens is None else prep.tokens.to(dev))
+        guidance = torch.full([1], job.guidance, dtype=torch.float32).to(dev) if pipe.geo.guidance else None
+        self._order += 1
+        return Sample(job, index, (wf.name, height, width, reference), prep.latents.to(dev), cond,
+                      (prep.timesteps / 1000).to(dev), (prep.sigmas[1:] - prep.sigmas[:-1]).to(dev), guidance,
+                      pooled.to(dev), text.to(dev), prep.img_ids.to(dev), order=self._order)
+
+    def _step(self, batch: list[Sample]) -> None:
+        import torch
+
+        pipe, dev = self.pipe, self.pipe.device
+        t0 = time.perf_counter()
+        first = batch[0]
+        for s in batch:
+            if s.job.started is None:
+                s.job.started = t0
+        with pipe._on_stream():
+            feeds = {"hidden_states": torch.cat([s.prep.model_input(s.latents) for s in batch]),
+                     "encoder_hidden_states": torch.cat([s.text for s in batch]),
+                     "pooled_projections": torch.cat([s.pooled for s in batch]),
+                     "timestep": torch.stack([s.t_in[s.step] for s in batch]),
+                     "img_ids": first.img_ids, "txt_ids": fm.text_ids(pipe.geo.t5_length).to(dev)}
+            if pipe.geo.guidance:
+                feeds["guidance"] = torch.cat([s.guidance for s in batch])
+            out = pipe.executors["transformer"].infer(feeds)["noise_pred"]
+            tokens = first.latents.shape[1]
+            for i, s in enumerate(batch):  # each sample's own Euler step (its own dt)
+                s.latents = fm.euler_step(s.latents, out[i:i + 1, :tokens].float(), s.dts[s.step])
+                s.step += 1
+        if dev.type == "cuda":
+            pipe.stream.synchronize()
+        self.stats.running_batch = len(batch)
+        self.stats.step_seconds = time.perf_counter() - t0
+        self.stats.steps_run += 1
+        self.stats.batch_histogram[len(batch)] += 1
+        if self.on_step is not None:
+            self.on_step(self.stats)
+
+    def _decode(self, finished: list[Sample]) -> None:
+        import torch
+
+        pipe = self.pipe
+        by_key: dict = collections.defaultdict(list)
+        for s in finished:
+            by_key[s.key].append(s)
+        for (_, height, width, _), group in by_key.items():
+            for k in range(0, len(group), self.max_batch):
+                chunk = group[k:k + self.max_batch]
+                with pipe._on_stream():
+                    lat = fm.unpack_latents(torch.cat([s.latents for s in chunk]), height, width,
+                                            pipe.geo.vae_scale_factor)
+                    lat = fm.latents_for_vae(lat, pipe.scaling_factor, pipe.shift_factor)
+                    image = pipe.executors["vae_decoder"].infer({"latent": lat})["image"].float()
+                    finite = bool(image.isfinite().all())
+                    images = fm.to_uint8(image)
+                for s, img in zip(chunk, images):
+                    if not finite:
+                        self._finish(s.job, exception=RequestError("the VAE decoder produced NaN/Inf"))
+                        continue
+                    s.job.images[s.index] = img
+                    if len(s.job.images) == s.job.n:
+                        self._finish(s.job)
+
+    def _finish(self, job: Job, exception: Exception | None = None) -> None:
+        with self._lock:
+            if job.future.done():
+                return
+            self._pending -= job.n
+            self.stats.queued = self._pending
+        if exception is not None:
+            job.future.set_exception(exception)
+        else:
+            now = time.perf_counter()
+            job.future.set_result(Finished([job.images[i] for i in range(job.n)], (job.started or now) - job.created,
+                                           now - job.created))
+
+    def _fail(self, samples: list[Sample], e: Exception) -> None:
+        jobs = {id(s.job): s.job for s in samples}
+        self._active = [s for s in self._active if id(s.job) not in jobs]
+        for job in jobs.values():
+            self._finish(job, exception=e if isinstance(e, RequestError) else RequestError(f"generation failed: {e}"))

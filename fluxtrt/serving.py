@@ -1,0 +1,254 @@
+"""`fluxtrt serve`: text-to-image over HTTP on Ray Serve, each replica a `FluxEngines` with a continuous
+batcher (runtime/batching.py). On one machine Ray runs embedded (a local runtime started in-process); with
+`--address` the same app joins an existing Ray cluster, one replica per GPU.
+
+HTTP API (OpenAI-style images):
+  POST /v1/images/generations  {"prompt": str, "n": 1, "size": "WIDTHxHEIGHT", "steps": int, "guidance": float,
+                                "seed": int, "response_format": "b64_json"}   (all but prompt optional)
+    200 {"created": unix time, "data": [{"b64_json": PNG, "seed": int}], "timings": {...}}
+    400 {"error": {"message": one line}} for anything `fluxtrt run` refuses; 503 + Retry-After when the queue
+    is full; 500 when a generation fails (the server keeps serving)
+  GET /health  200 {"status": "ok", ...} once the engines are loaded
+Metrics (Ray's Prometheus exporter): fluxtrt_queue_depth, fluxtrt_running_batch, fluxtrt_step_seconds."""
+
+import asyncio
+import base64
+import io
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .api import MAX_STEPS
+from .errors import FluxtrtError
+
+MAX_PROMPT_CHARS = 10_000  # T5 reads at most 512 tokens; a longer body is a client bug, not a prompt
+MAX_N = 8
+ROUTE = "/v1/images/generations"
+
+
+class BadRequest(FluxtrtError):
+    """A request the server refuses with 400: one line for the client."""
+
+
+@dataclass
+class Generation:
+    prompt: str
+    n: int
+    width: int
+    height: int
+    steps: int
+    guidance: float
+    seed: int
+
+
+def parse_request(body: bytes, default_size: tuple[int, int], default_steps: int) -> Generation:
+    """The request body as a Generation, or BadRequest naming the field and what it takes."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the body is not valid JSON ({e.__class__.__name__}); send a JSON object") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the body must be a JSON object with at least \"prompt\"")
+
+    def number(key, default, kind, lo, hi):
+        value = data.get(key, default)
+        ok = isinstance(value, int) if kind is int else isinstance(value, (int, float))
+        if isinstance(value, bool) or not ok or (kind is float and not math.isfinite(value)):
+            raise BadRequest(f"\"{key}\" must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+        if not lo <= value <= hi:
+            raise BadRequest(f"\"{key}\" must be in {lo}..{hi}, got {value}")
+        return kind(value)
+
+    prompt = data.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise BadRequest("\"prompt\" must be a non-empty string")
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise BadRequest(f"\"prompt\" has {len(prompt)} characters; at most {MAX_PROMPT_CHARS} (T5 reads 512 tokens)")
+    if data.get("response_format", "b64_json") != "b64_json":
+        raise BadRequest("\"response_format\" must be \"b64_json\" (images are returned inline as base64 PNG)")
+    size = data.get("size", f"{default_size[1]}x{default_size[0]}")
+    try:
+        width, height = (int(v) for v in str(size).lower().split("x"))
+    except ValueError:
+        raise BadRequest(f"\"size\" must be \"WIDTHxHEIGHT\" in pixels, e.g. \"1024x768\"; got {size!r}") from None
+    return Generation(prompt, number("n", 1, int, 1, MAX_N), width, height,
+                      number("steps", default_steps, int, 1, MAX_STEPS), number("guidance", 3.5, float, 0.0, 100.0),
+                      number("seed", 0, int, 0, 2**63 - 1 - MAX_N))
+
+
+def png_b64(image) -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+class Service:
+    """One replica's state and request handling, independent of Ray (tests drive it directly)."""
+
+    def __init__(self, engines: str | None, model: str | None, backend: str, max_batch: int | None, max_queue: int,
+                 metrics=None):
+        from .runtime.batching import ContinuousBatcher
+        from .runtime.choice import choose_backend
+        from .runtime.pipeline import FluxEngines
+        from .workflows import for_model
+
+        source = None
+        if engines is None:
+            from .models.source import resolve_model
+
+            source = resolve_model(model)
+        choice = choose_backend(backend, Path(engines) if engines else None)
+        self.pipe = FluxEngines(Path(engines) if engines else None, choice.backend, model=source,
+                                fallback=choice.fallback)
+        if "txt2img" not in [w.name for w in for_model(self.pipe.geo)]:
+            raise FluxtrtError(f"fluxtrt serve runs text-to-image; these engines are a {self.pipe.geo.pipeline} model")
+        self.backend = choice.backend
+        self.metrics = metrics
+        self.batcher = ContinuousBatcher(self.pipe, max_batch, max_queue, on_step=self._record).start()
+        opt = self.pipe.manifest.shape_range["opt"] if self.pipe.manifest is not None else [1, 1024, 1024]
+        self.default_size = (opt[1], opt[2])
+        self.default_steps = 28 if self.pipe.geo.guidance else 4
+
+    def _record(self, stats) -> None:
+        if self.metrics is not None:
+            self.metrics(stats)
+
+    def health(self) -> dict:
+        s = self.batcher.stats
+        return {"status": "ok", "backend": self.backend, "model": self.pipe.geo.pipeline, "pid": os.getpid(),
+                "queued": s.queued, "running_batch": s.running_batch, "steps_run": s.steps_run,
+                "max_batch": self.batcher.max_batch, "max_queue": self.batcher.max_queue}
+
+    async def generate(self, body: bytes) -> tuple[int, dict, dict]:
+        """(status, JSON payload, headers) for a POST body. Never raises for a client's mistake."""
+        from .runtime.batching import QueueFull, ShuttingDown
+        from .runtime.pipeline import RequestError
+
+        t0 = time.perf_counter()
+        try:
+            req = parse_request(body, self.default_size, self.default_steps)
+            future = self.batcher.submit(req.prompt, req.height, req.width, req.steps, req.guidance, req.seed, req.n)
+        except QueueFull as e:
+            return 503, _error(e), {"Retry-After": "2"}
+        except ShuttingDown as e:
+            return 503, _error(e), {"Retry-After": "5"}
+        except (BadRequest, RequestError) as e:
+            return 400, _error(e), {}
+        try:
+            done = await asyncio.wrap_future(future)
+        except ShuttingDown as e:
+            return 503, _error(e), {"Retry-After": "5"}
+        except FluxtrtError as e:
+            return 500, _error(e), {}
+        images = await asyncio.to_thread(lambda: [png_b64(img) for img in done.images])
+        data = [{"b64_json": b64, "seed": req.seed + i} for i, b64 in enumerate(images)]
+        timings = {"queue_s": round(done.queue_seconds, 4), "generate_s": round(done.seconds, 4),
+                   "total_s": round(time.perf_counter() - t0, 4), "steps": req.steps}
+        return 200, {"created": int(time.time()), "data": data, "timings": timings}, {"X-Fluxtrt-Replica": str(os.getpid())}
+
+    def close(self) -> None:
+        self.batcher.stop()
+
+
+def _error(e: Exception) -> dict:
+    return {"error": {"message": str(e).splitlines()[0] if str(e) else type(e).__name__}}
+
+
+def _metrics_recorder():
+    """Ray metrics (exported with Ray's own on its Prometheus endpoint) fed after every transformer step."""
+    from ray.util import metrics
+
+    queue = metrics.Gauge("fluxtrt_queue_depth", "images accepted and not yet returned")
+    batch = metrics.Gauge("fluxtrt_running_batch", "samples in the last transformer call")
+    step = metrics.Histogram("fluxtrt_step_seconds", "one transformer step of the running batch",
+                             boundaries=[0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0])
+
+    def record(stats):
+        queue.set(stats.queued)
+        batch.set(stats.running_batch)
+        step.observe(stats.step_seconds)
+
+    return record
+
+
+def deployment(engines, model, backend, max_batch, max_queue, replicas: int, gpus_per_replica: float):
+    """The Ray Serve application: `replicas` copies of the service, each on its own GPU when there are GPUs."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
+    from ray import serve
+
+    app = FastAPI(title="fluxtrt", docs_url=None, redoc_url=None)
+
+    @serve.deployment(num_replicas=replicas, max_ongoing_requests=max_queue + max(max_batch or 4, 1),
+                      ray_actor_options={"num_gpus": gpus_per_replica, "num_cpus": 1}, health_check_period_s=5)
+    @serve.ingress(app)
+    class FluxService:
+        def __init__(self):
+            self.service = Service(engines, model, backend, max_batch, max_queue, _metrics_recorder())
+
+        @app.post(ROUTE)
+        async def generations(self, request: Request):
+            status, payload, headers = await self.service.generate(await request.body())
+            return JSONResponse(payload, status_code=status, headers=headers)
+
+        @app.get("/health")
+        def health(self):
+            return self.service.health()
+
+        def check_health(self):  # Ray restarts a replica whose batcher thread died
+            if not self.service.batcher.alive:
+                raise RuntimeError("the batcher thread stopped")
+
+        def __del__(self):
+            self.service.close()
+
+    return FluxService.bind()
+
+
+def serve_forever(engines: Path | None, model: str | None, backend: str, host: str, port: int, replicas: int,
+                  max_batch: int | None, max_queue: int, address: str | None, say=print) -> None:
+    """Start (or join) Ray, run the app, say the URL, block until Ctrl-C / SIGTERM, then shut down."""
+    import signal
+
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise FluxtrtError("fluxtrt serve needs Ray Serve: pip install \"fluxtrt[serve]\"") from None
+    import torch
+
+    if replicas < 1:
+        raise FluxtrtError(f"--replicas must be at least 1, got {replicas}")
+    if engines is None and model is None:
+        raise FluxtrtError("pass --engines DIR (built by `fluxtrt build`), or --backend torch with --model")
+    if engines is not None and not (Path(engines) / "manifest.json").exists():
+        raise FluxtrtError(f"{engines} has no manifest.json; pass the folder `fluxtrt build` wrote (e.g. engines/4090)")
+    import logging
+
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
+    gpus = 1 if torch.cuda.is_available() and backend != "onnxruntime" else 0
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False,
+                 **({} if address else {"num_cpus": max(os.cpu_count() or 1, replicas + 1)}))
+    signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(deployment(str(Path(engines).resolve()) if engines else None, model, backend, max_batch,
+                             max_queue, replicas, gpus), name="fluxtrt", route_prefix="/")
+        say(f"fluxtrt serving on http://{host}:{port}{ROUTE} ({replicas} replica(s); Ctrl-C stops)")
+        while True:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        say("stopping ...")
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            if started_ray:
+                ray.shutdown()
