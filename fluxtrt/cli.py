@@ -111,6 +111,15 @@ CAL_SIZE = _opt(32, "--calibration-size", help="Calibrated recipes: prompts from
 CAL_STEPS = _opt(4, "--calibration-steps", help="Calibrated recipes: denoising steps per calibration prompt.")
 CAL_PROMPTS = _opt(None, "--calibration-prompts", help="Calibrated recipes: prompt file (default: the prompts "
                    "shipped with fluxtrt, calibration/prompts.txt in a checkout).")
+IMAGE = _opt(None, "--image", help="img2img (FLUX.1-dev/schnell engines): the image to change; Fill: the image to "
+             "inpaint/outpaint; Kontext: the reference image to edit.")
+MASK = _opt(None, "--mask", help="Fill (FLUX.1-Fill-dev engines): white = repaint, black = keep.")
+CONTROL_IMAGE = _opt(None, "--control-image", help="Control (FLUX.1-Canny-dev / -Depth-dev engines): your Canny edge "
+                     "map or depth map.")
+STRENGTH = _opt(None, "--strength", help="img2img / Fill: share of the schedule that runs, in (0, 1] (default 0.6 / "
+                "1.0, as diffusers); 1 ignores the image's content.")
+MAX_AREA = _opt(None, "--max-area", help="Kontext: output area in px² (default 1048576 = 1024²); --height/--width give "
+                "its aspect ratio.")
 ENGINES = _opt(None, "--engines", "-e", help="Folder written by `fluxtrt build` (OUT/<gpu>).")
 BACKEND = _opt("auto", "--backend", help="tensorrt (engines on an NVIDIA GPU), onnxruntime (the ONNX they were "
                "built from), torch (the PyTorch modules), or auto.")
@@ -272,15 +281,8 @@ def run(
                                      "workflow's, as diffusers: 3.5; img2img 7; Fill 30)."),
     height: Optional[int] = _opt(None, "--height", help="Pixels, a multiple of 16 (default: the profile's opt)."),
     width: Optional[int] = _opt(None, "--width", help="Pixels, a multiple of 16 (default: the profile's opt)."),
-    image: Optional[Path] = _opt(None, "--image", help="img2img (FLUX.1-dev/schnell engines): the image to change; "
-                                 "Fill: the image to inpaint/outpaint; Kontext: the reference image to edit."),
-    mask: Optional[Path] = _opt(None, "--mask", help="Fill (FLUX.1-Fill-dev engines): white = repaint, black = keep."),
-    control_image: Optional[Path] = _opt(None, "--control-image", help="Control (FLUX.1-Canny-dev / -Depth-dev "
-                                         "engines): your Canny edge map or depth map."),
-    strength: Optional[float] = _opt(None, "--strength", help="img2img / Fill: share of the schedule that runs, "
-                                     "in (0, 1] (default 0.6 / 1.0, as diffusers); 1 ignores the image's content."),
-    max_area: Optional[int] = _opt(None, "--max-area", help="Kontext: output area in px² (default 1048576 = "
-                                   "1024²); --height/--width give its aspect ratio."),
+    image: Optional[Path] = IMAGE, mask: Optional[Path] = MASK, control_image: Optional[Path] = CONTROL_IMAGE,
+    strength: Optional[float] = STRENGTH, max_area: Optional[int] = MAX_AREA,
     batch: int = _opt(1, "--batch", help="Images per call; one prompt is repeated, a prompts file is chunked."),
     out_path: Path = _opt(Path("fluxtrt.png"), "--out", "-o", help="PNG path; several images get -0, -1, ... suffixes."),
     low_vram: bool = _opt(False, "--low-vram", help="Load and free engines stage by stage."),
@@ -325,9 +327,7 @@ def bench(
     warmup: int = _opt(1, "--warmup", help="Unmeasured runs first."),
     baseline: str = _opt("none", "--baseline", help="diffusers: also run diffusers' FluxPipeline here; none."),
     cuda_graph: bool = CUDA_GRAPH,
-    image: Optional[Path] = _opt(None, "--image", help="Measure img2img / Fill / Kontext (as `fluxtrt run`)."),
-    mask: Optional[Path] = _opt(None, "--mask", help="Fill's mask (as `fluxtrt run`)."),
-    control_image: Optional[Path] = _opt(None, "--control-image", help="Control's map (as `fluxtrt run`)."),
+    image: Optional[Path] = IMAGE, mask: Optional[Path] = MASK, control_image: Optional[Path] = CONTROL_IMAGE,
     json_out: Optional[Path] = _opt(None, "--json", help="Write the table as JSON."),
     plot_out: Optional[Path] = _opt(None, "--plot", help="Write a PNG chart (needs matplotlib)."),
 ):
@@ -353,7 +353,7 @@ def bench(
 @app.command()
 @friendly
 def serve(
-    engines: Optional[Path] = ENGINES, backend: str = BACKEND,
+    engines: Optional[Path] = ENGINES, backend: str = BACKEND, torch_dtype: str = TORCH_DTYPE,
     model: Optional[str] = _opt(None, "--model", "-m", help="With --backend torch and no --engines: " + MODEL_HELP),
     host: str = _opt("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = _opt(8000, "--port", help="HTTP port."),
@@ -368,7 +368,7 @@ def serve(
     _quiet_libraries()
     from .serving import serve_forever
 
-    serve_forever(engines, model, backend, host, port, replicas, max_batch, max_queue, address, say=r.out.print)
+    serve_forever(engines, model, backend, host, port, replicas, max_batch, max_queue, address, r.out.print, torch_dtype)
 
 
 @app.command()

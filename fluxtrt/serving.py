@@ -91,7 +91,7 @@ class Service:
     """One replica's state and request handling, independent of Ray (tests drive it directly)."""
 
     def __init__(self, engines: str | None, model: str | None, backend: str, max_batch: int | None, max_queue: int,
-                 metrics=None):
+                 metrics=None, torch_dtype: str = "bf16"):
         from .runtime.batching import ContinuousBatcher
         from .runtime.choice import choose_backend
         from .runtime.pipeline import FluxEngines
@@ -104,7 +104,7 @@ class Service:
             source = resolve_model(model)
         choice = choose_backend(backend, Path(engines) if engines else None)
         self.pipe = FluxEngines(Path(engines) if engines else None, choice.backend, model=source,
-                                fallback=choice.fallback)
+                                fallback=choice.fallback, torch_dtype=torch_dtype)
         if "txt2img" not in [w.name for w in for_model(self.pipe.geo)]:
             raise FluxtrtError(f"fluxtrt serve runs text-to-image; these engines are a {self.pipe.geo.pipeline} model")
         self.backend = choice.backend
@@ -176,7 +176,8 @@ def _metrics_recorder():
     return record
 
 
-def deployment(engines, model, backend, max_batch, max_queue, replicas: int, gpus_per_replica: float):
+def deployment(engines, model, backend, max_batch, max_queue, replicas: int, gpus_per_replica: float,
+               torch_dtype: str = "bf16"):
     """The Ray Serve application: `replicas` copies of the service, each on its own GPU when there are GPUs."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
@@ -189,7 +190,7 @@ def deployment(engines, model, backend, max_batch, max_queue, replicas: int, gpu
     @serve.ingress(app)
     class FluxService:
         def __init__(self):
-            self.service = Service(engines, model, backend, max_batch, max_queue, _metrics_recorder())
+            self.service = Service(engines, model, backend, max_batch, max_queue, _metrics_recorder(), torch_dtype)
 
         @app.post(ROUTE)
         async def generations(self, request: Request):
@@ -211,7 +212,7 @@ def deployment(engines, model, backend, max_batch, max_queue, replicas: int, gpu
 
 
 def serve_forever(engines: Path | None, model: str | None, backend: str, host: str, port: int, replicas: int,
-                  max_batch: int | None, max_queue: int, address: str | None, say=print) -> None:
+                  max_batch: int | None, max_queue: int, address: str | None, say=print, torch_dtype: str = "bf16") -> None:
     """Start (or join) Ray, run the app, say the URL, block until Ctrl-C / SIGTERM, then shut down."""
     import signal
 
@@ -240,7 +241,7 @@ def serve_forever(engines: Path | None, model: str | None, backend: str, host: s
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(deployment(str(Path(engines).resolve()) if engines else None, model, backend, max_batch,
-                             max_queue, replicas, gpus), name="fluxtrt", route_prefix="/")
+                             max_queue, replicas, gpus, torch_dtype), name="fluxtrt", route_prefix="/")
         say(f"fluxtrt serving on http://{host}:{port}{ROUTE} ({replicas} replica(s); Ctrl-C stops)")
         while True:
             time.sleep(0.5)

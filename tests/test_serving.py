@@ -1,0 +1,279 @@
+"""Serving: the continuous batcher alone (requests joining a running batch equal their single runs), the HTTP
+service's answers (400 / 503 / 200) without Ray, and `fluxtrt serve` on Ray Serve over loopback (slow): 64
+requests from 16 clients, bad requests, a killed replica, Ctrl-C, two replicas."""
+
+import asyncio
+import base64
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from fluxtrt.models.source import resolve_model
+from fluxtrt.runtime.batching import ContinuousBatcher, QueueFull
+from fluxtrt.runtime.pipeline import FluxEngines, RequestError
+from fluxtrt.serving import BadRequest, Service, parse_request
+
+MAX_UINT8_DIFF = 2  # of 255: a batched sample vs the same request run alone
+PROMPTS = ["a red fox in the snow", "a bowl of ramen", "a lighthouse at night", "an oil painting of a lake",
+           "a cat on a sofa", "a mountain village"]
+
+
+def diff(a, b) -> int:
+    return int(np.abs(a.astype(int) - b.astype(int)).max())
+
+
+def random_requests(rng, count, sizes=((256, 256), (256, 320))):
+    return [(PROMPTS[int(rng.integers(len(PROMPTS)))], *sizes[int(rng.integers(len(sizes)))], int(rng.integers(1, 5)),
+             float(rng.uniform(1.0, 6.0)), int(rng.integers(0, 2**31)), int(rng.integers(1, 3))) for _ in range(count)]
+
+
+def check_batched_equals_single(pipe, make_batcher):
+    """Requests of different sizes, step counts, guidance and seeds, half submitted while the first half is
+    running: each image equals `generate` of the same request alone (seed s + i for image i)."""
+    rng = np.random.default_rng()
+    reqs = random_requests(rng, 6)
+    batcher = make_batcher(pipe)
+    futures = [batcher.submit(*r) for r in reqs[:3]]
+    batcher.step_once()
+    batcher.step_once()
+    futures += [batcher.submit(*r) for r in reqs[3:]]  # join at a step boundary
+    batcher.run_until_idle()
+    assert max(batcher.stats.batch_histogram) > 1  # samples did share transformer calls
+    for (prompt, h, w, steps, guidance, seed, n), fut in zip(reqs, futures):
+        done = fut.result(timeout=0)
+        assert len(done.images) == n and done.seconds >= done.queue_seconds >= 0
+        for i, img in enumerate(done.images):
+            alone = pipe.generate([prompt], h, w, steps, guidance, seed + i).images[0]
+            assert img.shape == (h, w, 3) and diff(img, alone) <= MAX_UINT8_DIFF
+
+
+def test_batcher_matches_single_runs_torch():
+    pipe = FluxEngines(None, "torch", model=resolve_model("tiny"), device="cpu", torch_dtype="fp32")
+    check_batched_equals_single(pipe, lambda p: ContinuousBatcher(p, max_batch=3))
+
+
+def test_batcher_refuses_bad_requests_and_a_full_queue():
+    pipe = FluxEngines(None, "torch", model=resolve_model("tiny-schnell"), device="cpu", torch_dtype="fp32")
+    batcher = ContinuousBatcher(pipe, max_batch=2, max_queue=3)
+    with pytest.raises(RequestError, match="width 250 is not a positive multiple of 16"):
+        batcher.submit("a cat", 256, 250, 2)
+    with pytest.raises(RequestError, match="non-empty"):
+        batcher.submit("  ", 256, 256, 2)
+    batcher.submit("a cat", 256, 256, 2, n=2)
+    with pytest.raises(QueueFull, match="2 images are queued \\(max 3\\)"):
+        batcher.submit("a dog", 256, 256, 2, n=2)
+    batcher.run_until_idle()
+    batcher.submit("a dog", 256, 256, 2, n=2).cancel()  # accepted again once the queue drained
+    with pytest.raises(RequestError, match="--max-batch must be at least 1"):
+        ContinuousBatcher(pipe, max_batch=0)
+
+
+@pytest.mark.parametrize("body,message", [
+    (b"{nope", "not valid JSON"),
+    (b"[1, 2]", "must be a JSON object"),
+    (b'{"size": "256x256"}', '"prompt" must be a non-empty string'),
+    (b'{"prompt": "   "}', '"prompt" must be a non-empty string'),
+    (json.dumps({"prompt": "x" * 10_001}).encode(), "at most 10000"),
+    (b'{"prompt": "a", "steps": "4"}', '"steps" must be an integer'),
+    (b'{"prompt": "a", "steps": 0}', '"steps" must be in 1..1000'),
+    (b'{"prompt": "a", "n": true}', '"n" must be an integer'),
+    (b'{"prompt": "a", "n": 9}', '"n" must be in 1..8'),
+    (b'{"prompt": "a", "guidance": "high"}', '"guidance" must be a number'),
+    (b'{"prompt": "a", "seed": -1}', '"seed" must be in 0..'),
+    (b'{"prompt": "a", "size": "big"}', '"size" must be "WIDTHxHEIGHT"'),
+    (b'{"prompt": "a", "response_format": "url"}', '"response_format" must be "b64_json"'),
+])
+def test_bad_bodies_are_one_line(body, message):
+    with pytest.raises(BadRequest) as e:
+        parse_request(body, (1024, 1024), 28)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_request_defaults_are_run_defaults():
+    g = parse_request(b'{"prompt": "a cat"}', (768, 1024), 28)
+    assert (g.n, g.width, g.height, g.steps, g.guidance, g.seed) == (1, 1024, 768, 28, 3.5, 0)
+    g = parse_request(b'{"prompt": "a", "size": "320x256", "n": 2, "seed": 9, "guidance": 5}', (1024, 1024), 4)
+    assert (g.width, g.height, g.n, g.seed, g.guidance, g.steps) == (320, 256, 2, 9, 5.0, 4)
+
+
+def test_service_answers_without_ray():
+    """200 with seeds s, s+1 and base64 PNGs equal to single runs; 400 for a size the engines refuse; 503 with
+    Retry-After when the queue is full; and it keeps serving."""
+    svc = Service(None, "tiny-schnell", "torch", max_batch=2, max_queue=2, torch_dtype="fp32")
+    try:
+        status, payload, headers = asyncio.run(svc.generate(b'{"prompt": "a cat", "size": "320x256", "n": 2, '
+                                                            b'"steps": 2, "seed": 11}'))
+        assert status == 200 and [d["seed"] for d in payload["data"]] == [11, 12]
+        for d in payload["data"]:
+            img = np.asarray(Image.open(io.BytesIO(base64.b64decode(d["b64_json"]))))
+            alone = svc.pipe.generate(["a cat"], 256, 320, 2, 3.5, d["seed"]).images[0]
+            assert diff(img, alone) <= MAX_UINT8_DIFF
+        assert svc.health()["status"] == "ok"
+        status, payload, _ = asyncio.run(svc.generate(b'{"prompt": "a cat", "size": "250x256"}'))
+        assert status == 400 and payload["error"]["message"] == "width 250 is not a positive multiple of 16; use 240 or 256"
+
+        async def flood():
+            return await asyncio.gather(*(svc.generate(b'{"prompt": "a cat", "size": "256x256", "steps": 3, "n": 2}')
+                                          for _ in range(3)))
+
+        answers = asyncio.run(flood())
+        assert sorted(a[0] for a in answers) == [200, 503, 503]
+        assert all(a[2].get("Retry-After") for a in answers if a[0] == 503)
+        assert asyncio.run(svc.generate(b'{"prompt": "a dog", "size": "256x256", "steps": 1}'))[0] == 200
+    finally:
+        svc.close()
+
+
+# --- fluxtrt serve on Ray Serve, over loopback -------------------------------------------------------------
+
+_ENGINES = {}
+
+
+@pytest.fixture(scope="module")
+def tiny_engines(tmp_path_factory):
+    pytest.importorskip("tensorrt_rtx")
+    from fluxtrt.gpus import load_gpu
+    from fluxtrt.stages.build import build_gpu
+
+    if "tiny" not in _ENGINES:
+        root = tmp_path_factory.mktemp("serve-engines")
+        cfg = load_gpu("4090")
+        build_gpu(resolve_model("tiny"), cfg.with_precision({c: "fp32" for c in cfg.precision}), root,
+                  components=["clip", "t5", "transformer", "vae_decoder"])
+        _ENGINES["tiny"] = root / "4090"
+    return _ENGINES["tiny"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, engines: Path, *args: str):
+        pytest.importorskip("ray")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "fluxtrt.cli", "serve", "--engines", str(engines),
+                                      "--backend", "onnxruntime", "--port", str(self.port), *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.output = []
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            line = self.proc.stdout.readline()
+            self.output.append(line)
+            if "serving on" in line:
+                return
+            if not line and self.proc.poll() is not None:
+                break
+        self.stop()
+        raise AssertionError("fluxtrt serve did not start:\n" + "".join(self.output[-20:]))
+
+    def post(self, body, timeout=120):
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + "/v1/images/generations", data=data, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, json.loads(r.read()), dict(r.headers)
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}"), dict(e.headers)
+
+    def health(self, timeout=10):
+        with urllib.request.urlopen(self.url + "/health", timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def stop(self, timeout=60) -> float:
+        t0 = time.time()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return time.time() - t0
+
+
+def decode(item) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))))
+
+
+@pytest.mark.slow
+def test_batcher_matches_single_runs_onnxruntime(tiny_engines):
+    check_batched_equals_single(FluxEngines(tiny_engines, "onnxruntime"), lambda p: ContinuousBatcher(p))
+
+
+@pytest.mark.slow
+def test_server_under_load_bad_requests_killed_replica_and_ctrl_c(tiny_engines):
+    server = Server(tiny_engines, "--max-batch", "4")
+    try:
+        rng = np.random.default_rng()
+        reqs = random_requests(rng, 64)
+        bodies = [{"prompt": p, "size": f"{w}x{h}", "steps": s, "guidance": g, "seed": seed, "n": n}
+                  for p, h, w, s, g, seed, n in reqs]
+        with ThreadPoolExecutor(16) as pool:  # 16 concurrent clients
+            answers = list(pool.map(server.post, bodies))
+        assert [a[0] for a in answers] == [200] * 64, [a for a in answers if a[0] != 200][:2]
+        pipe = FluxEngines(tiny_engines, "onnxruntime")
+        for (prompt, h, w, steps, g, seed, n), (_, payload, _) in zip(reqs, answers):
+            assert [d["seed"] for d in payload["data"]] == list(range(seed, seed + n))  # none lost or duplicated
+            for d in payload["data"]:
+                alone = pipe.generate([prompt], h, w, steps, g, d["seed"]).images[0]
+                assert diff(decode(d), alone) <= MAX_UINT8_DIFF
+
+        for body, code, message in [(b"{bad", 400, "not valid JSON"), ({"prompt": 3}, 400, "non-empty string"),
+                                    ({"prompt": "a", "size": "4096x4096"}, 400, "outside the engines' range"),
+                                    ({"prompt": "a", "steps": 1.5}, 400, '"steps" must be an integer')]:
+            status, payload, _ = server.post(body)
+            assert status == code and message in payload["error"]["message"], payload
+        assert server.post({"prompt": "a cat", "size": "256x256", "steps": 1})[0] == 200  # still serving
+
+        pid = server.health()["pid"]
+        with ThreadPoolExecutor(8) as pool:
+            pending = [pool.submit(server.post, {"prompt": "a cat", "size": "256x256", "steps": 4, "seed": k})
+                       for k in range(8)]
+            time.sleep(1.0)
+            os.kill(pid, signal.SIGKILL)  # the replica dies mid-load; Ray restarts it
+            codes = [f.result(timeout=180)[0] for f in pending]  # every request is answered: none hangs
+        assert all(c == 200 or 500 <= c < 600 for c in codes), codes
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if server.health()["pid"] != pid:
+                    break
+            except (urllib.error.URLError, OSError, ValueError):
+                pass
+            time.sleep(1)
+        assert server.post({"prompt": "a dog", "size": "256x256", "steps": 1})[0] == 200  # the new replica serves
+    finally:
+        seconds = server.stop()
+    assert server.proc.returncode is not None and seconds < 30, f"Ctrl-C took {seconds:.1f} s"
+
+
+@pytest.mark.slow
+def test_two_replicas_serve_together(tiny_engines):
+    server = Server(tiny_engines, "--replicas", "2")
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(server.post, [{"prompt": "a cat", "size": "256x256", "steps": 3, "seed": k}
+                                                  for k in range(16)]))
+        assert [a[0] for a in answers] == [200] * 16
+        assert len({a[2].get("X-Fluxtrt-Replica") or a[2].get("x-fluxtrt-replica") for a in answers}) == 2
+    finally:
+        server.stop()
