@@ -95,18 +95,17 @@ class Service:
         from .runtime.batching import ContinuousBatcher
         from .runtime.choice import choose_backend
         from .runtime.pipeline import FluxEngines
-        from .workflows import for_model
 
+        check_servable(Path(engines) if engines else None, model, backend)
         source = None
         if engines is None:
             from .models.source import resolve_model
 
             source = resolve_model(model)
         choice = choose_backend(backend, Path(engines) if engines else None)
+        # LAZY kernel specialization: a server must not stall on the first request of a new shape
         self.pipe = FluxEngines(Path(engines) if engines else None, choice.backend, model=source,
-                                fallback=choice.fallback, torch_dtype=torch_dtype)
-        if "txt2img" not in [w.name for w in for_model(self.pipe.geo)]:
-            raise FluxtrtError(f"fluxtrt serve runs text-to-image; these engines are a {self.pipe.geo.pipeline} model")
+                                fallback=choice.fallback, torch_dtype=torch_dtype, kernel_specialization="lazy")
         self.backend = choice.backend
         self.metrics = metrics
         self.batcher = ContinuousBatcher(self.pipe, max_batch, max_queue, on_step=self._record).start()
@@ -211,6 +210,28 @@ def deployment(engines, model, backend, max_batch, max_queue, replicas: int, gpu
     return FluxService.bind()
 
 
+def check_servable(engines: Path | None, model: str | None, backend: str) -> None:
+    """What the replicas would refuse, said now in one line (before Ray starts)."""
+    from .records import read_manifest
+
+    if engines is None and model is None:
+        raise FluxtrtError("pass --engines DIR (built by `fluxtrt build`), or --backend torch with --model")
+    if engines is not None:
+        manifest = read_manifest(Path(engines))
+        pipeline, workflows = manifest.model.pipeline, manifest.workflows
+    else:
+        from .models.source import resolve_model
+        from .workflows import for_model
+
+        if backend != "torch":
+            raise FluxtrtError("--model serves the PyTorch modules: add --backend torch (or pass --engines DIR)")
+        geo = resolve_model(model).geometry
+        pipeline, workflows = geo.pipeline, [w.name for w in for_model(geo)]
+    if "txt2img" not in workflows:
+        raise FluxtrtError(f"fluxtrt serve runs text-to-image; these are {pipeline} engines ({', '.join(workflows)}): "
+                           "use `fluxtrt run` for them")
+
+
 def serve_forever(engines: Path | None, model: str | None, backend: str, host: str, port: int, replicas: int,
                   max_batch: int | None, max_queue: int, address: str | None, say=print, torch_dtype: str = "bf16") -> None:
     """Start (or join) Ray, run the app, say the URL, block until Ctrl-C / SIGTERM, then shut down."""
@@ -225,10 +246,7 @@ def serve_forever(engines: Path | None, model: str | None, backend: str, host: s
 
     if replicas < 1:
         raise FluxtrtError(f"--replicas must be at least 1, got {replicas}")
-    if engines is None and model is None:
-        raise FluxtrtError("pass --engines DIR (built by `fluxtrt build`), or --backend torch with --model")
-    if engines is not None and not (Path(engines) / "manifest.json").exists():
-        raise FluxtrtError(f"{engines} has no manifest.json; pass the folder `fluxtrt build` wrote (e.g. engines/4090)")
+    check_servable(engines, model, backend)
     import logging
 
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
@@ -240,8 +258,12 @@ def serve_forever(engines: Path | None, model: str | None, backend: str, host: s
     signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         serve.start(http_options={"host": host, "port": port})
-        serve.run(deployment(str(Path(engines).resolve()) if engines else None, model, backend, max_batch,
-                             max_queue, replicas, gpus, torch_dtype), name="fluxtrt", route_prefix="/")
+        try:
+            serve.run(deployment(str(Path(engines).resolve()) if engines else None, model, backend, max_batch,
+                                 max_queue, replicas, gpus, torch_dtype), name="fluxtrt", route_prefix="/")
+        except RuntimeError as e:  # the replicas' own error is in Ray's logs
+            raise FluxtrtError(f"the replicas did not start ({str(e).splitlines()[0]}); see Ray's logs in "
+                               "/tmp/ray/session_latest/logs/serve/") from None
         say(f"fluxtrt serving on http://{host}:{port}{ROUTE} ({replicas} replica(s); Ctrl-C stops)")
         while True:
             time.sleep(0.5)

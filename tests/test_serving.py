@@ -109,6 +109,20 @@ def test_request_defaults_are_run_defaults():
     assert (g.width, g.height, g.n, g.seed, g.guidance, g.steps) == (320, 256, 2, 9, 5.0, 4)
 
 
+@pytest.mark.parametrize("args,message", [
+    (dict(engines=None, model=None, backend="auto"), "pass --engines DIR"),
+    (dict(engines=None, model="tiny", backend="auto"), "add --backend torch"),
+    (dict(engines=None, model="tiny-fill", backend="torch"), "serve runs text-to-image; these are FluxFillPipeline"),
+    (dict(engines=Path("/nonexistent"), model=None, backend="auto"), "no manifest.json in /nonexistent"),
+])
+def test_what_cannot_be_served_is_one_line_before_ray_starts(args, message):
+    from fluxtrt.errors import FluxtrtError
+    from fluxtrt.serving import check_servable
+
+    with pytest.raises(FluxtrtError, match=message.replace(".", "\\.")):
+        check_servable(**args)
+
+
 def test_service_answers_without_ray():
     """200 with seeds s, s+1 and base64 PNGs equal to single runs; 400 for a size the engines refuse; 503 with
     Retry-After when the queue is full; and it keeps serving."""
