@@ -9,7 +9,8 @@ HTTP API (OpenAI-style images):
     400 {"error": {"message": one line}} for anything `fluxtrt run` refuses; 503 + Retry-After when the queue
     is full; 500 when a generation fails (the server keeps serving)
   GET /health  200 {"status": "ok", ...} once the engines are loaded
-Metrics (Ray's Prometheus exporter): fluxtrt_queue_depth, fluxtrt_running_batch, fluxtrt_step_seconds."""
+  GET /metrics the answering replica's queue depth, running batch, step time and batch sizes (Prometheus text)
+Metrics (also on Ray's Prometheus exporter): fluxtrt_queue_depth, fluxtrt_running_batch, fluxtrt_step_seconds."""
 
 import asyncio
 import base64
@@ -123,6 +124,18 @@ class Service:
                 "queued": s.queued, "running_batch": s.running_batch, "steps_run": s.steps_run,
                 "max_batch": self.batcher.max_batch, "max_queue": self.batcher.max_queue}
 
+    def metrics_text(self) -> str:
+        """This replica's numbers in Prometheus' text format (Ray's exporter has them too, with Ray's own)."""
+        s, pid = self.batcher.stats, os.getpid()
+        lines = ["# TYPE fluxtrt_queue_depth gauge", f'fluxtrt_queue_depth{{replica="{pid}"}} {s.queued}',
+                 "# TYPE fluxtrt_running_batch gauge", f'fluxtrt_running_batch{{replica="{pid}"}} {s.running_batch}',
+                 "# TYPE fluxtrt_step_seconds gauge", f'fluxtrt_step_seconds{{replica="{pid}"}} {s.step_seconds:.6f}',
+                 "# TYPE fluxtrt_steps_total counter", f'fluxtrt_steps_total{{replica="{pid}"}} {s.steps_run}',
+                 "# TYPE fluxtrt_batch_steps_total counter"]
+        lines += [f'fluxtrt_batch_steps_total{{replica="{pid}",batch="{b}"}} {n}'
+                  for b, n in sorted(s.batch_histogram.items())]
+        return "\n".join(lines) + "\n"
+
     async def generate(self, body: bytes) -> tuple[int, dict, dict]:
         """(status, JSON payload, headers) for a POST body. Never raises for a client's mistake."""
         from .runtime.batching import QueueFull, ShuttingDown
@@ -179,7 +192,7 @@ def deployment(engines, model, backend, max_batch, max_queue, replicas: int, gpu
                torch_dtype: str = "bf16"):
     """The Ray Serve application: `replicas` copies of the service, each on its own GPU when there are GPUs."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse
     from ray import serve
 
     app = FastAPI(title="fluxtrt", docs_url=None, redoc_url=None)
@@ -199,6 +212,10 @@ def deployment(engines, model, backend, max_batch, max_queue, replicas: int, gpu
         @app.get("/health")
         def health(self):
             return self.service.health()
+
+        @app.get("/metrics")
+        def metrics(self):
+            return PlainTextResponse(self.service.metrics_text(), media_type="text/plain; version=0.0.4")
 
         def check_health(self):  # Ray restarts a replica whose batcher thread died
             if not self.service.batcher.alive:
