@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from .. import flux_math as fm
-from ..workflows import Context, ImageInputs
+from ..workflows import ImageInputs
 from .pipeline import FluxEngines, RequestError
 
 log = logging.getLogger("fluxtrt")
@@ -218,17 +218,13 @@ class ContinuousBatcher:
     def _sample(self, job: Job, index: int, pooled, text, torch) -> Sample:
         pipe, dev = self.pipe, self.pipe.device
         wf, height, width, reference = pipe.plan(job.height, job.width, ImageInputs())
-        generator = torch.Generator("cpu").manual_seed(job.seed + index)
-        prep = wf.prepare(Context(pipe.geo, pipe.scheduler_config, pipe.scaling_factor, pipe.shift_factor,
-                                  pipe._encode, generator, 1, height, width, job.steps, ImageInputs()))
-        cond = type(prep)(prep.latents, prep.timesteps, prep.sigmas, prep.img_ids,
-                          None if prep.channels is None else prep.channels.to(dev),
-                          None if prep.tokens is None else prep.tokens.to(dev))
+        prep = pipe.prepare(wf, 1, height, width, job.steps, job.seed + index, ImageInputs())
+        cond = prep.to(dev)
         guidance = torch.full([1], job.guidance, dtype=torch.float32).to(dev) if pipe.geo.guidance else None
         self._order += 1
-        return Sample(job, index, (wf.name, height, width, reference), prep.latents.to(dev), cond,
+        return Sample(job, index, (wf.name, height, width, reference), cond.latents, cond,
                       (prep.timesteps / 1000).to(dev), (prep.sigmas[1:] - prep.sigmas[:-1]).to(dev), guidance,
-                      pooled.to(dev), text.to(dev), prep.img_ids.to(dev), order=self._order)
+                      pooled.to(dev), text.to(dev), cond.img_ids, order=self._order)
 
     def _step(self, batch: list[Sample]) -> None:
         import torch

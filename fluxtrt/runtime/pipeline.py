@@ -337,7 +337,6 @@ class FluxEngines:
         these pick the workflow. True classifier-free guidance as diffusers' `true_cfg_scale`: with `true_cfg` > 1
         and `negative_prompts`, each step also runs the transformer on the negative prompts and uses
         neg + true_cfg * (pos - neg) (in the transformer's output dtype, as diffusers does)."""
-        import torch
 
         batch = len(prompts)
         if batch == 0 or any(not isinstance(p, str) for p in prompts):
@@ -366,9 +365,7 @@ class FluxEngines:
             self._release("clip", "t5")
 
         t_prep = time.perf_counter()
-        generator = torch.Generator("cpu").manual_seed(seed)
-        prep = wf.prepare(Context(geo, self.scheduler_config, self.scaling_factor, self.shift_factor, self._encode,
-                                  generator, batch, height, width, steps, inputs))
+        prep = self.prepare(wf, batch, height, width, steps, seed, inputs)
         timings.image_encoder = time.perf_counter() - t_prep
         if self.low_vram and wf.needs_encoder:
             self._release("vae_encoder")
@@ -405,6 +402,15 @@ class FluxEngines:
             raise NonFiniteError("vae_decoder produced NaN/Inf; build it in fp32 (`--precision vae_decoder=fp32`)")
         return Result(images, timings, trace_latents, wf.name, height, width)
 
+    def prepare(self, wf, batch: int, height: int, width: int, steps: int, seed: int, inputs: ImageInputs) -> Prepared:
+        """The workflow's starting state for a request (CPU tensors), its noise from a CPU generator seeded
+        `seed` as diffusers' (the image workflows also run the VAE encoder here)."""
+        import torch
+
+        generator = torch.Generator("cpu").manual_seed(seed)
+        return wf.prepare(Context(self.geo, self.scheduler_config, self.scaling_factor, self.shift_factor,
+                                  self._encode, generator, batch, height, width, steps, inputs))
+
     def _encode(self, images):
         """The workflows' VAE encoder: images [b, 3, H, W] float32 -> latent parameters [b, 2C, H/8, W/8] (CPU)."""
         ex = self.executors["vae_encoder"]
@@ -421,14 +427,12 @@ class FluxEngines:
 
         dev, batch, steps = self.device, prep.latents.shape[0], len(prep.timesteps)
         with self._on_stream():
-            latents = prep.latents.to(dev)
+            cond = prep.to(dev)
+            latents = cond.latents
             t_in = (prep.timesteps / 1000).to(dev)
             dts = (prep.sigmas[1:] - prep.sigmas[:-1]).to(dev)
-            cond = Prepared(latents, prep.timesteps, prep.sigmas, prep.img_ids,
-                            None if prep.channels is None else prep.channels.to(dev),
-                            None if prep.tokens is None else prep.tokens.to(dev))
             feeds = {"hidden_states": cond.model_input(latents), "encoder_hidden_states": text.to(dev),
-                     "pooled_projections": pooled.to(dev), "img_ids": prep.img_ids.to(dev),
+                     "pooled_projections": pooled.to(dev), "img_ids": cond.img_ids,
                      "txt_ids": fm.text_ids(self.geo.t5_length).to(dev), "timestep": t_in[0].expand(batch)}
             if self.geo.guidance:
                 feeds["guidance"] = torch.full([batch], guidance, dtype=torch.float32).to(dev)

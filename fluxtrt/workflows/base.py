@@ -55,6 +55,12 @@ class Prepared:
     width: int = 0
     reference: tuple[int, int] = (0, 0)
 
+    def to(self, device) -> "Prepared":
+        """The same state with its tensors on `device` (the runtime uploads everything before the loop)."""
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return replace(self, latents=move(self.latents), img_ids=move(self.img_ids), channels=move(self.channels),
+                       tokens=move(self.tokens))
+
     def model_input(self, latents: torch.Tensor) -> torch.Tensor:
         """The transformer's hidden_states for these latents (what diffusers' loop builds every step)."""
         if self.channels is not None:
