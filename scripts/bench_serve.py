@@ -85,9 +85,10 @@ def serve(model, replicas, max_batch, sizes, counts, concurrencies, steps):
     rows = []
     try:
         for size, n in zip(sizes, counts):
-            body = {"prompt": "warm up", "size": f"{size}x{size}", "steps": steps}
+            warm = [{"prompt": "warm up", "size": f"{size}x{size}", "steps": steps, "seed": k}
+                    for k in range(max(concurrencies) * replicas)]
             with ThreadPoolExecutor(max(concurrencies)) as pool:  # every replica, every batch size seen once
-                list(pool.map(lambda k: post(url, dict(body, seed=k)), range(max(concurrencies) * replicas)))
+                list(pool.map(lambda b: post(url, b), warm))
             for c in concurrencies:
                 bodies = [{"prompt": f"a photo of a red fox, take {k}", "size": f"{size}x{size}", "steps": steps,
                            "seed": k} for k in range(n)]
