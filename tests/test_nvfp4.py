@@ -1,0 +1,127 @@
+"""NVFP4 weights (quantize/nvfp4.py): the bytes written dequantize, in ONNX's own reference implementation, to
+the recipe's fake-quant bit for bit; values are the nearest E2M1 points; a corrupted block scale is caught;
+TensorRT-RTX builds the ModelOpt NVFP4 form for sm120 on this CPU (slow)."""
+
+import ml_dtypes
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as T
+from onnx import helper as h
+from onnx.reference import ReferenceEvaluator
+
+from fluxtrt.errors import FluxtrtError
+from fluxtrt.quantize import nvfp4
+
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
+
+
+def random_weight(rng, out=48, inp=96):
+    """Gaussian weights with an outlier and an all-zero block, as real layers have."""
+    w = (rng.standard_normal((out, inp)) * rng.uniform(0.01, 0.1)).astype(np.float32)
+    w[int(rng.integers(out)), int(rng.integers(inp))] = np.float32(rng.uniform(1, 4))
+    w[int(rng.integers(out)), :16] = 0
+    return w
+
+
+def dequantize_graph(q, name="w"):
+    g = h.make_graph(nvfp4.dequantize_nodes(name, "y"), "nvfp4", [],
+                     [h.make_tensor_value_info("y", T.FLOAT, list(q.shape))], list(nvfp4.onnx_tensors(q, name)))
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", 23)])
+    onnx.checker.check_model(model)
+    return model
+
+
+def test_written_bytes_dequantize_like_onnx_reference_bit_for_bit():
+    rng = np.random.default_rng()
+    for shape in ((48, 96), (16, 16), (64, 256)):
+        w = random_weight(rng, *shape)
+        q = nvfp4.quantize(w)
+        fake = nvfp4.fake_quant(w)
+        ref = ReferenceEvaluator(dequantize_graph(q)).run(None, {})[0]
+        assert ref.dtype == np.float32 and np.array_equal(ref.view(np.uint32), fake.view(np.uint32))
+        assert np.isfinite(fake).all() and q.packed.size == w.size // 2 and q.scales.shape == (shape[0], shape[1] // 16)
+        nvfp4.check_written(q, fake)
+
+
+def test_values_are_the_nearest_e2m1_points_and_error_is_bounded():
+    rng = np.random.default_rng()
+    w = random_weight(rng, 64, 128)
+    q = nvfp4.quantize(w)
+    fake = nvfp4.fake_quant(w)
+    codes = np.empty(w.size, np.uint8)
+    codes[0::2], codes[1::2] = q.packed & 0x0F, q.packed >> 4
+    magnitude = E2M1[codes & 7].reshape(w.shape)  # what each stored code means
+    step = np.repeat(q.scales.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * q.global_scale, 16, 1)
+    target = np.clip(np.divide(np.abs(w), step, out=np.zeros_like(w), where=step > 0), 0, 6)
+    nearest = np.abs(target[..., None] - E2M1).min(-1)
+    assert (np.abs(magnitude - target) <= nearest + 1e-5 * np.maximum(target, 1)).all()  # the nearest E2M1 point
+    assert ((codes >> 3).reshape(w.shape)[magnitude > 0] == (w[magnitude > 0] < 0)).all()  # and its sign
+    rel = float(np.abs(fake - w).mean() / np.abs(w).mean())
+    assert rel < 0.12, rel  # 4-bit with block-16 scales: ~0.09 on Gaussian weights
+
+
+def test_a_corrupted_block_scale_fails_the_check():
+    rng = np.random.default_rng()
+    w = random_weight(rng)
+    q = nvfp4.quantize(w)
+    expected = nvfp4.fake_quant(w)
+    row, block = int(rng.integers(q.scales.shape[0])), int(rng.integers(q.scales.shape[1]))
+    while q.scales[row, block] == 0:  # a block that holds values
+        row, block = int(rng.integers(q.scales.shape[0])), int(rng.integers(q.scales.shape[1]))
+    q.scales[row, block] ^= 0x08
+    with pytest.raises(FluxtrtError, match=f"\\[{row}, \\d+\\] \\(block {block}\\).*corrupt"):
+        nvfp4.check_written(q, expected)
+    with pytest.raises(FluxtrtError, match="multiple of 16"):
+        nvfp4.quantize(np.ones((4, 20), np.float32))
+
+
+def test_onnxruntime_dequantizes_fp4_where_it_can():
+    """ONNX Runtime 1.32's CPU provider has no blocked FP4 DequantizeLinear (NOT_IMPLEMENTED): then the graph's
+    weights are checked with onnx.reference above; where it has one, it must agree bit for bit."""
+    ort = pytest.importorskip("onnxruntime")
+    rng = np.random.default_rng()
+    w = random_weight(rng)
+    q = nvfp4.quantize(w)
+    try:
+        sess = ort.InferenceSession(dequantize_graph(q).SerializeToString(), providers=["CPUExecutionProvider"])
+    except Exception as e:  # noqa: BLE001
+        if "NOT_IMPLEMENTED" in str(e) or "NotImplemented" in type(e).__name__:
+            pytest.skip(f"ONNX Runtime {ort.__version__} cannot run FP4 DequantizeLinear: {str(e)[:120]}")
+        raise
+    out = sess.run(None, {})[0]
+    assert np.array_equal(out.view(np.uint32), nvfp4.fake_quant(w).view(np.uint32))
+
+
+@pytest.mark.slow
+def test_tensorrt_rtx_builds_nvfp4_matmul_for_sm120_only():
+    """Weights through quantize/nvfp4.py, activations through TRT_FP4DynamicQuantize: an sm120 engine on this
+    CPU; sm89 refuses (fp4 is Blackwell-only)."""
+    trt = pytest.importorskip("tensorrt_rtx")
+    rng = np.random.default_rng()
+    m, k, n = 32, 64, 48
+    q = nvfp4.quantize(random_weight(rng, n, k))
+    nodes = nvfp4.dequantize_nodes("w", "w_dq") + [
+        h.make_node("Transpose", ["w_dq"], ["w_t"], perm=[1, 0]),
+        h.make_node("TRT_FP4DynamicQuantize", ["x", "x_g"], ["x_f4", "x_s_f8"], domain="trt", axis=-1, block_size=16,
+                    scale_type=T.FLOAT8E4M3FN),
+        h.make_node("DequantizeLinear", ["x_s_f8", "x_g"], ["x_s"]),
+        h.make_node("DequantizeLinear", ["x_f4", "x_s"], ["x_dq"], axis=-1, block_size=16),
+        h.make_node("MatMul", ["x_dq", "w_t"], ["y"])]
+    g = h.make_graph(nodes, "nvfp4", [h.make_tensor_value_info("x", T.FLOAT, [m, k])],
+                     [h.make_tensor_value_info("y", T.FLOAT, [m, n])],
+                     [*nvfp4.onnx_tensors(q, "w"), h.make_tensor("x_g", T.FLOAT, [], [4.0 / (6 * 448)])])
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", 23), h.make_opsetid("trt", 1)])
+    logger = trt.Logger(trt.Logger.ERROR)
+    builder = trt.Builder(logger)
+    net = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(net, logger)
+    assert parser.parse(model.SerializeToString()), [str(parser.get_error(i)) for i in range(parser.num_errors)]
+    sizes = {}
+    for cc in ("SM120", "SM89"):
+        config = builder.create_builder_config()
+        config.num_compute_capabilities = 1
+        config.set_compute_capability(getattr(trt.ComputeCapability, cc), 0)
+        plan = builder.build_serialized_network(net, config)
+        sizes[cc] = None if plan is None else plan.nbytes
+    assert sizes["SM120"] and sizes["SM120"] > 10_000 and sizes["SM89"] is None, sizes
