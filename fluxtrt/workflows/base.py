@@ -101,6 +101,10 @@ class Workflow:
     guidance = 3.5
     strength: float | None = None
 
+    def strength_of(self, inputs: ImageInputs) -> float | None:
+        """The request's strength, or the workflow's default (diffusers')."""
+        return self.strength if inputs.strength is None else inputs.strength
+
     def default_steps(self, geo: Geometry) -> int:
         return self.steps if geo.guidance else 4  # schnell: 4 steps, as its model card
 
@@ -175,6 +179,21 @@ def sample_latents(parameters: torch.Tensor, generator: torch.Generator | None, 
         std = torch.exp(0.5 * torch.clamp(logvar, -30.0, 20.0))
         latents = mean + std * torch.randn(mean.shape, generator=generator, dtype=mean.dtype)
     return (latents - ctx.shift_factor) * ctx.scaling_factor
+
+
+def encoded(ctx: Context, images: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Preprocessed images -> packed latents for every sample of the batch (VAE encoder, then a sample drawn
+    with `generator` or the mean, scaled and shifted, repeated for the batch, packed)."""
+    return fm.pack_latents(repeat_to(sample_latents(ctx.encode(images), generator, ctx), ctx.batch))
+
+
+def noised(ctx: Context, image: torch.Tensor, strength: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(latents, timesteps, sigmas) of the img2img pipelines: the schedule truncated by `strength`, the image's
+    latents drawn first, then the noise, mixed as FlowMatchEulerDiscreteScheduler.scale_noise at the first sigma."""
+    timesteps, sigmas = schedule(ctx, strength)
+    image_latents = encoded(ctx, image, ctx.generator)
+    sigma = sigmas[0]
+    return sigma * noise(ctx) + (1.0 - sigma) * image_latents, timesteps, sigmas
 
 
 def repeat_to(latents: torch.Tensor, batch: int) -> torch.Tensor:

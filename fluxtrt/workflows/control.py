@@ -4,8 +4,7 @@ request's generator) and packed; the transformer sees it beside the latents: in_
 
 from __future__ import annotations
 
-from ..flux_math import pack_latents
-from .base import Context, ImageInputs, Prepared, Workflow, ids, image_processor, load_image, noise, sample_latents, schedule
+from .base import Context, ImageInputs, Prepared, Workflow, encoded, ids, image_processor, load_image, noise, schedule
 
 
 class Control(Workflow):
@@ -27,7 +26,7 @@ class Control(Workflow):
         control = image_processor(ctx.geo).preprocess(load_image(ctx.inputs.control_image, "--control-image"),
                                                       height=ctx.height, width=ctx.width).float()
         control = control.repeat_interleave(ctx.batch, dim=0)  # encoded as a batch, as diffusers does
-        channels = pack_latents(sample_latents(ctx.encode(control), ctx.generator, ctx))
+        channels = encoded(ctx, control, ctx.generator)  # already one per sample: nothing to repeat
         latents = noise(ctx)
         timesteps, sigmas = schedule(ctx)
         return Prepared(latents, timesteps, sigmas, ids(ctx), channels=channels, height=ctx.height, width=ctx.width)

@@ -14,13 +14,12 @@ from .base import (
     ImageInputs,
     Prepared,
     Workflow,
+    encoded,
     ids,
     image_processor,
     load_image,
-    noise,
+    noised,
     repeat_to,
-    sample_latents,
-    schedule,
 )
 
 log = logging.getLogger("fluxtrt")
@@ -43,23 +42,19 @@ class Fill(Workflow):
 
     def diffusers_kwargs(self, inputs: ImageInputs) -> dict:
         return {"image": load_image(inputs.image, "--image"), "mask_image": load_image(inputs.mask, "--mask"),
-                "strength": self.strength if inputs.strength is None else inputs.strength}
+                "strength": self.strength_of(inputs)}
 
     def prepare(self, ctx: Context) -> Prepared:
-        strength = self.strength if ctx.inputs.strength is None else ctx.inputs.strength
         img, mask_img = load_image(ctx.inputs.image, "--image"), load_image(ctx.inputs.mask, "--mask")
         if img.size != mask_img.size:  # diffusers resizes both to the output size; say so
             log.warning("--mask is %dx%d and --image %dx%d: both are resized to %dx%d (as diffusers does)",
                         *mask_img.size, *img.size, ctx.width, ctx.height)
         image = image_processor(ctx.geo).preprocess(img, height=ctx.height, width=ctx.width).float()
-        timesteps, sigmas = schedule(ctx, strength)
-        image_latents = pack_latents(repeat_to(sample_latents(ctx.encode(image), ctx.generator, ctx), ctx.batch))
-        sigma = sigmas[0]
-        latents = sigma * noise(ctx) + (1.0 - sigma) * image_latents  # scale_noise
+        latents, timesteps, sigmas = noised(ctx, image, self.strength_of(ctx.inputs))
 
         mask = image_processor(ctx.geo, mask=True).preprocess(mask_img, height=ctx.height, width=ctx.width).float()
         masked = image * (1 - mask)
-        masked_latents = pack_latents(repeat_to(sample_latents(ctx.encode(masked), ctx.generator, ctx), ctx.batch))
+        masked_latents = encoded(ctx, masked, ctx.generator)
         vsf = ctx.geo.vae_scale_factor
         h, w = 2 * (ctx.height // (vsf * 2)), 2 * (ctx.width // (vsf * 2))
         mask = repeat_to(mask, ctx.batch)[:, 0].view(ctx.batch, h, vsf, w, vsf).permute(0, 2, 4, 1, 3)

@@ -4,7 +4,6 @@ truncated by `strength`, and the starting latents are `sigma * noise + (1 - sigm
 
 from __future__ import annotations
 
-from ..flux_math import pack_latents
 from .base import (
     Context,
     ImageInputs,
@@ -13,10 +12,7 @@ from .base import (
     ids,
     image_processor,
     load_image,
-    noise,
-    repeat_to,
-    sample_latents,
-    schedule,
+    noised,
 )
 
 
@@ -33,14 +29,10 @@ class ImageToImage(Workflow):
 
     def diffusers_kwargs(self, inputs: ImageInputs) -> dict:
         return {"image": load_image(inputs.image, "--image"),
-                "strength": self.strength if inputs.strength is None else inputs.strength}
+                "strength": self.strength_of(inputs)}
 
     def prepare(self, ctx: Context) -> Prepared:
-        strength = self.strength if ctx.inputs.strength is None else ctx.inputs.strength
         image = image_processor(ctx.geo).preprocess(load_image(ctx.inputs.image, "--image"), height=ctx.height,
                                                     width=ctx.width).float()
-        timesteps, sigmas = schedule(ctx, strength)
-        image_latents = pack_latents(repeat_to(sample_latents(ctx.encode(image), ctx.generator, ctx), ctx.batch))
-        sigma = sigmas[0]
-        latents = sigma * noise(ctx) + (1.0 - sigma) * image_latents  # FlowMatchEulerDiscreteScheduler.scale_noise
+        latents, timesteps, sigmas = noised(ctx, image, self.strength_of(ctx.inputs))
         return Prepared(latents, timesteps, sigmas, ids(ctx), height=ctx.height, width=ctx.width)

@@ -9,18 +9,17 @@ from __future__ import annotations
 import torch
 
 from ..components import Geometry, ShapePoint, ShapeRange
-from ..flux_math import latent_image_ids, pack_latents
+from ..flux_math import latent_image_ids
 from .base import (
     Context,
     ImageInputs,
     Prepared,
     Workflow,
+    encoded,
     ids,
     image_processor,
     load_image,
     noise,
-    repeat_to,
-    sample_latents,
     schedule,
     with_reference,
 )
@@ -77,7 +76,7 @@ class Kontext(Workflow):
         proc = image_processor(ctx.geo, latent_channels=False)
         img = proc.resize(load_image(ctx.inputs.image, "--image"), rh, rw)
         image = proc.preprocess(img, rh, rw).float()
-        tokens = pack_latents(repeat_to(sample_latents(ctx.encode(image), None, ctx), ctx.batch))
+        tokens = encoded(ctx, image, None)  # the distribution's mean (diffusers' sample_mode="argmax")
         m = ctx.geo.pixel_multiple
         ref_ids = latent_image_ids(rh // m, rw // m)
         ref_ids[:, 0] = 1  # the reference's ids: the latents' grid with first coordinate 1
