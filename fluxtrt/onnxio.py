@@ -90,6 +90,31 @@ def load_onnx(onnx_path: Path, load_data: bool = True, skip=()):
     return model
 
 
+def load_linked(onnx_path: Path):
+    """A zero-copy graph for the graph passes: vectors (biases, norm scales: kilobytes even at full size) are
+    read into the proto; matrices stay links into the checkpoint, never read (onnx-graphsurgeon keeps them as
+    lazy constants and writes their references back unchanged)."""
+    import onnx
+    from onnx import TensorProto
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    for t in model.graph.initializer:
+        if external_info(t) is not None and len(t.dims) <= 1:
+            t.raw_data = bytes(read_external(onnx_path, t))
+            del t.external_data[:]
+            t.data_location = TensorProto.DEFAULT
+    return model
+
+
+def copy_links(src_onnx: Path, dest_onnx: Path) -> None:
+    """Give `dest_onnx` the same links into the checkpoint as `src_onnx` (its external data says where)."""
+    src, dest = linked_dir(src_onnx), linked_dir(dest_onnx)
+    if src.is_dir():
+        dest.mkdir()
+        for link in src.iterdir():
+            os.symlink(os.readlink(link), dest / link.name)
+
+
 def _all_tensors(graph):
     import onnx
 

@@ -97,6 +97,7 @@ class ComponentEntry(JsonRecord):
     weightfree_onnx: str | None = None
     weightfree_sha256: str | None = None
     memory: dict | None = None  # device memory the builder reported: activations (profile max), weights, persistent
+    computed_layers: int | None = None  # layers that depend on an input (engine.build.computed_layers)
 
     def dtype_of(self, tensor: str) -> str:
         for t in self.inputs + self.outputs:

@@ -35,6 +35,12 @@ def warning(text: str) -> None:
     console.print(f"[yellow]warning:[/] {escape(text)}", highlight=False, soft_wrap=True)
 
 
+def _layers(entry) -> str:
+    """TensorRT layers parsed, and of those the ones computed per inference (the rest fold at build)."""
+    c = getattr(entry, "computed_layers", None)
+    return f"{entry.layers} ({c})" if c is not None else str(entry.layers)
+
+
 def table(title: str, columns, rows) -> Table:
     t = Table(title=title)
     for col in columns:
@@ -105,12 +111,12 @@ def build_summary(b) -> None:
         e = m.components[name]
         stages = [by[(name, s)] for s in STAGES if (name, s) in by]
         cells = {r.stage: f"{r.status} {r.seconds:.1f}s" if r.status == "built" else r.status for r in stages}
-        rows.append((name, e.precision, *(cells.get(s, "-") for s in STAGES), str(e.layers), human(e.bytes),
+        rows.append((name, e.precision, *(cells.get(s, "-") for s in STAGES), _layers(e), human(e.bytes),
                      f"{sum(r.seconds for r in stages):.1f}", human(sum(r.bytes_written for r in stages)),
                      f"{max(r.peak_rss_mb for r in stages):.0f} MB"))
     out.print(table(f"{cfg.key}: {m.backend} {m.backend_version} for {cfg.sm}, model {b.source.id} "
                     f"({b.source.variant}) -> {b.gpu_dir}",
-                    ("component", "precision", *STAGES, "layers", "engine size", "seconds", "bytes written",
+                    ("component", "precision", *STAGES, "layers (computed)", "engine size", "seconds", "bytes written",
                      "peak RSS"), rows))
     for n in b.notes:
         note(n)
@@ -169,9 +175,9 @@ def inspection(m, checks) -> None:
     rows = []
     for c in checks:
         prof = ", ".join(f"{k} {v['min']}..{v['max']}" for k, v in c.entry.profile.items())
-        rows.append((c.component, c.entry.precision, human(c.entry.bytes), str(c.entry.layers), prof, c.file,
+        rows.append((c.component, c.entry.precision, human(c.entry.bytes), _layers(c.entry), prof, c.file,
                      c.runtime))
-    out.print(table("", ("component", "precision", "size", "layers", "inputs (min..max)", "file", "this machine"),
+    out.print(table("", ("component", "precision", "size", "layers (computed)", "inputs (min..max)", "file", "this machine"),
                     rows))
     out.print(memory_line(m))
     if any(c.file != "ok" for c in checks):

@@ -25,6 +25,22 @@ class BuiltEngine:
     outputs: list[dict]
     profile: dict  # input name -> {"min": [...], "opt": [...], "max": [...]} as read back from TensorRT
     memory: dict | None = None  # the builder's report: activations (profile max), weights, persistent; bytes
+    computed_layers: int | None = None  # layers that read an input (the rest TensorRT evaluates once, at build)
+
+
+def computed_layers(network) -> int:
+    """Layers of a parsed network that depend on a network input. The others read only constants (weights,
+    a linked weight's Transpose or Concat, shape arithmetic on constants): TensorRT evaluates them at build
+    time, so they are not work done per inference."""
+    constant, count = set(), 0
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        ins = [layer.get_input(j) for j in range(layer.num_inputs)]
+        if all(t is None or t.name in constant for t in ins):
+            constant.update(layer.get_output(j).name for j in range(layer.num_outputs))
+        else:
+            count += 1
+    return count
 
 
 def _dims(shape) -> list[int]:
@@ -218,7 +234,7 @@ def build_engine(backend: Backend, onnx_path: Path, spec: ComponentSpec, geo: Ge
     }
     logger.file = None
     built = BuiltEngine(writer.bytes, writer.sha.hexdigest(), network.num_layers, inputs, outputs, read_back,
-                        dict(logger.memory) or None)
+                        dict(logger.memory) or None, computed_layers(network))
     del parser, network  # before the memory maps their weights point into
     del weights
     return built

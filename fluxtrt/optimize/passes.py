@@ -18,13 +18,35 @@ FOLD_LIMIT_BYTES = 1 << 20
 gs.logger.G_LOGGER.severity = gs.logger.G_LOGGER.ERROR
 
 
+def linked(t) -> bool:
+    """A constant whose bytes stay in the checkpoint (a zero-copy link, never loaded): passes read its name,
+    shape and dtype, never its values; rewrites of it are graph operations that TensorRT folds at build time."""
+    return isinstance(t, gs.Constant) and isinstance(t._values, gs.ir.tensor.LazyValues) \
+        and t._values.tensor.data_location == onnx.TensorProto.EXTERNAL
+
+
+def _np_dtype(dtype):
+    """gs keeps some dtypes as ONNX enums (bf16 variables): the numpy / ml_dtypes equivalent."""
+    if dtype is None:
+        return np.dtype(np.float32)
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(dtype)) if isinstance(dtype, int) else np.dtype(dtype)
+
+
+def _rel_eps(t) -> float:
+    """Relative rounding of the constant's dtype: a bf16 graph holds 0.044715 as 0.044677734."""
+    name = str(_np_dtype(t.dtype))
+    return {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}.get(name, 0.0)
+
+
 def _const(t, value=None, tol=1e-6) -> bool:
     if not isinstance(t, gs.Constant):
         return False
     if value is None:
         return True
+    if linked(t) or int(np.prod(t.shape)) != 1:
+        return False
     v = np.asarray(t.values, dtype=np.float64)
-    return v.size == 1 and abs(float(v.reshape(-1)[0]) - value) <= tol * max(1.0, abs(value))
+    return abs(float(v.reshape(-1)[0]) - value) <= max(tol, _rel_eps(t)) * max(1.0, abs(value))
 
 
 def _only_consumer(t):
@@ -65,7 +87,8 @@ def fold_weight_transforms(graph: gs.Graph) -> int:
     while changed:
         changed = False
         for node in list(graph.nodes):
-            if node.op not in _LAYOUT_OPS or not node.inputs or not isinstance(node.inputs[0], gs.Constant):
+            if node.op not in _LAYOUT_OPS or not node.inputs or not isinstance(node.inputs[0], gs.Constant) \
+                    or linked(node.inputs[0]):
                 continue
             if any(not isinstance(t, gs.Constant) for t in node.inputs[1:]) or len(node.outputs) != 1:
                 continue
@@ -99,16 +122,44 @@ def fold_weight_transforms(graph: gs.Graph) -> int:
     return count
 
 
+_ELEMENTWISE = {"Sqrt": np.sqrt, "Reciprocal": np.reciprocal, "Neg": np.negative, "Exp": np.exp, "Log": np.log,
+                "Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide, "Pow": np.power}
+
+
+def fold_low_precision_constants(graph: gs.Graph) -> int:
+    """Elementwise ops on small bf16/fp16 constants (a bf16 graph's attention scale 1/sqrt(d)), which ONNX
+    Runtime's CPU kernels cannot fold: computed in fp32 and rounded to the output's dtype, as PyTorch does."""
+    count = 0
+    for node in list(graph.nodes):
+        fn = _ELEMENTWISE.get(node.op)
+        ins = node.inputs
+        if fn is None or not ins or len(node.outputs) != 1 or not all(_const(t) and not linked(t) for t in ins):
+            continue
+        dtypes = {np.asarray(t.values).dtype for t in ins}
+        if len(dtypes) != 1 or str(next(iter(dtypes))) not in ("bfloat16", "float16") \
+                or max(np.asarray(t.values).nbytes for t in ins) > FOLD_LIMIT_BYTES:
+            continue
+        dt = next(iter(dtypes))
+        value = fn(*[np.asarray(t.values, dtype=np.float32) for t in ins]).astype(dt)
+        node.outputs[0].to_constant(np.ascontiguousarray(value))
+        node.outputs = []
+        count += 1
+    graph.cleanup()
+    return count
+
+
 def fold_constants(graph: gs.Graph) -> gs.Graph:
     """Evaluate every subgraph that depends only on constants (shape arithmetic, weight transposes)."""
     from .. import weightmap
 
     fold_weight_transforms(graph)
+    fold_low_precision_constants(graph)
 
     def reads_weight(node) -> bool:
         """Anything else computed from a weight stays in the graph (TensorRT folds it at build time), so
         every constant that depends on the checkpoint has a recipe in the weight map."""
-        return any(isinstance(t, gs.Constant) and weightmap.recipe_of(t.name) is not None for t in node.inputs)
+        return any(isinstance(t, gs.Constant) and (linked(t) or weightmap.recipe_of(t.name) is not None)
+                   for t in node.inputs)
 
     # the size limit keeps e.g. T5's position bias ([1, heads, T, T]) computed, not stored
     return graph.fold_constants(error_ok=False, size_threshold=FOLD_LIMIT_BYTES,
@@ -134,50 +185,77 @@ def infer_shapes(graph: gs.Graph) -> gs.Graph:
     return gs.import_onnx(inferred)
 
 
-def fuse_projections(graph: gs.Graph) -> gs.Graph:
-    """MatMuls that read the same activation with constant [K, N_i] weights (q/k/v projections, and the
-    single-stream block's q/k/v/mlp projections) become one MatMul over concatenated weights, one bias Add
-    (when every branch has a constant bias), and a Split back into the original tensors."""
+def _projection_weight(mm):
+    """(weight constant, stored [N, K]) for a MatMul over a linear weight: a [K, N] constant, or a zero-copy
+    link stored [N, K] read through its own Transpose(perm=[1, 0]). None otherwise."""
+    b = mm.inputs[1]
+    if _const(b) and not linked(b) and len(b.shape) == 2:
+        return b, False
+    tr = b.inputs[0] if b.inputs else None
+    if tr is not None and tr.op == "Transpose" and list(tr.attrs.get("perm", [1, 0])) == [1, 0] \
+            and linked(tr.inputs[0]) and len(tr.inputs[0].shape) == 2 and len(b.outputs) == 1:
+        return tr.inputs[0], True
+    return None
+
+
+def _concat(name: str, parts: list, axis: int, graph: gs.Graph, new_nodes: list):
+    """parts joined along `axis`: new bytes for loaded constants (recorded in the weight map), a Concat node
+    that TensorRT folds at build time when any part is a zero-copy link."""
     from .. import weightmap
 
+    if not any(linked(t) for t in parts):
+        out = gs.Constant(name, np.concatenate([t.values for t in parts], axis))
+        weightmap.derive(name, {"op": "concat", "axis": axis}, *[t.name for t in parts])
+        return out
+    out = gs.Variable(name, dtype=parts[0].dtype)
+    new_nodes.append(gs.Node("Concat", f"{name}_concat", attrs={"axis": axis}, inputs=list(parts), outputs=[out]))
+    return out
+
+
+def fuse_projections(graph: gs.Graph) -> gs.Graph:
+    """MatMuls that read the same activation with constant linear weights (q/k/v projections, and the
+    single-stream block's q/k/v/mlp projections) become one MatMul over concatenated weights, one bias Add
+    (when every branch has a constant bias), and a Split back into the original tensors. Zero-copy links
+    ([N, K] in the checkpoint) are joined as Transpose(Concat(W_i, axis 0)): no weight bytes are written."""
     groups = defaultdict(list)
     for n in graph.nodes:
-        if n.op == "MatMul" and not isinstance(n.inputs[0], gs.Constant) and _const(n.inputs[1]) \
-                and n.inputs[1].values.ndim == 2:
+        if n.op == "MatMul" and not isinstance(n.inputs[0], gs.Constant) and _projection_weight(n) is not None:
             groups[n.inputs[0].name].append(n)
     count = 0
     for nodes in groups.values():
         if len(nodes) < 2:
             continue
-        dtypes = {n.inputs[1].values.dtype for n in nodes}
-        ks = {n.inputs[1].values.shape[0] for n in nodes}
-        if len(dtypes) != 1 or len(ks) != 1:
+        weights = [_projection_weight(n) for n in nodes]
+        kinds = {(str(_np_dtype(w.dtype)), stored_nk, w.shape[1] if stored_nk else w.shape[0]) for w, stored_nk in weights}
+        if len(kinds) != 1:
             continue
+        stored_nk = weights[0][1]
+        sizes = [int(w.shape[0] if stored_nk else w.shape[1]) for w, _ in weights]
         biases = []
-        for n in nodes:
+        for n, size in zip(nodes, sizes):
             add = _only_consumer(n.outputs[0])
             b = _other(add, n.outputs[0]) if add is not None and add.op == "Add" else None
-            biases.append((add, b) if _const(b) and b.values.ndim == 1 and b.values.shape[0] ==
-                          n.inputs[1].values.shape[1] else None)
+            biases.append((add, b) if _const(b) and len(b.shape) == 1 and b.shape[0] == size else None)
         with_bias = all(biases)
-        x = nodes[0].inputs[0]
-        weight = gs.Constant(f"fused_w_{count}_{nodes[0].name}", np.concatenate([n.inputs[1].values for n in nodes], 1))
-        weightmap.derive(weight.name, {"op": "concat", "axis": 1}, *[n.inputs[1].name for n in nodes])
-        sizes = [n.inputs[1].values.shape[1] for n in nodes]
-        mm_out = gs.Variable(f"fused_mm_{count}_{nodes[0].name}", dtype=nodes[0].outputs[0].dtype)
-        new_nodes = [gs.Node("MatMul", f"fused_matmul_{count}", inputs=[x, weight], outputs=[mm_out])]
+        x, tag, new_nodes = nodes[0].inputs[0], f"{count}_{nodes[0].name}", []
+        weight = _concat(f"fused_w_{tag}", [w for w, _ in weights], 0 if stored_nk else 1, graph, new_nodes)
+        if stored_nk:
+            joined, weight = weight, gs.Variable(f"fused_wt_{tag}", dtype=weight.dtype)
+            new_nodes.append(gs.Node("Transpose", f"fused_transpose_{tag}", attrs={"perm": [1, 0]}, inputs=[joined],
+                                     outputs=[weight]))
+        mm_out = gs.Variable(f"fused_mm_{tag}", dtype=nodes[0].outputs[0].dtype)
+        new_nodes.append(gs.Node("MatMul", f"fused_matmul_{count}", inputs=[x, weight], outputs=[mm_out]))
         split_in = mm_out
         if with_bias:
-            bias = gs.Constant(f"fused_b_{count}_{nodes[0].name}", np.concatenate([b.values for _, b in biases]))
-            weightmap.derive(bias.name, {"op": "concat", "axis": 0}, *[b.name for _, b in biases])
-            split_in = gs.Variable(f"fused_add_{count}_{nodes[0].name}", dtype=mm_out.dtype)
+            bias = _concat(f"fused_b_{tag}", [b for _, b in biases], 0, graph, new_nodes)
+            split_in = gs.Variable(f"fused_add_{tag}", dtype=mm_out.dtype)
             new_nodes.append(gs.Node("Add", f"fused_bias_{count}", inputs=[mm_out, bias], outputs=[split_in]))
         targets = [add.outputs[0] for add, _ in biases] if with_bias else [n.outputs[0] for n in nodes]
         for n in nodes:
             n.outputs = []
         for add, _ in (biases if with_bias else []):
             add.outputs = []
-        split_sizes = gs.Constant(f"fused_sizes_{count}_{nodes[0].name}", np.array(sizes, dtype=np.int64))
+        split_sizes = gs.Constant(f"fused_sizes_{tag}", np.array(sizes, dtype=np.int64))
         new_nodes.append(gs.Node("Split", f"fused_split_{count}", attrs={"axis": -1},
                                  inputs=[split_in, split_sizes], outputs=targets))
         graph.nodes.extend(new_nodes)
@@ -324,7 +402,7 @@ def simplify_rotary(graph: gs.Graph) -> gs.Graph:
         x_real = _last_pair_slice(second.inputs[0].inputs[0] if second.inputs[0].inputs else None, 0)
         if x_imag is None or x_imag is not x_real:
             continue
-        dtype = x_imag.dtype or np.float32
+        dtype = _np_dtype(x_imag.dtype)
         swapped = gs.Variable(f"rotary_swap_{count}", dtype=x_imag.dtype)
         out = concat.outputs[0]
         concat.outputs = []
@@ -337,6 +415,42 @@ def simplify_rotary(graph: gs.Graph) -> gs.Graph:
     return graph.cleanup().toposort()
 
 
+def _sole(t, op: str):
+    n = _only_consumer(t)
+    return n if n is not None and n.op == op and len(t.outputs) == 1 else None
+
+
+def share_rotary_casts(graph: gs.Graph) -> gs.Graph:
+    """A bf16 graph (PyTorch's own trace) applies rotary embeddings in fp32: Cast(x) * cos + Cast(rot(x)) * sin,
+    where rot (Reshape, Gather of the channel pairs, Mul by [-1, 1], Reshape; simplify_rotary's form) is exact
+    in any float dtype. Rotate the fp32 Cast(x) that is already there instead: one Cast less per rotary, the
+    same numbers bit for bit."""
+    count = 0
+    for gather in [n for n in graph.nodes if n.op == "Gather" and n.attrs.get("axis") == -1]:
+        if _ints(gather.inputs[1]) != [1, 0] or not gather.inputs[0].inputs:
+            continue
+        first = gather.inputs[0].inputs[0]
+        sign = _sole(gather.outputs[0], "Mul")
+        signs = _other(sign, gather.outputs[0]) if sign is not None else None
+        last = _sole(sign.outputs[0], "Reshape") if _const(signs) and not linked(signs) else None
+        cast = _sole(last.outputs[0], "Cast") if last is not None else None
+        if first.op != "Reshape" or cast is None or sorted(np.asarray(signs.values, np.float32).tolist()) != [-1.0, 1.0]:
+            continue
+        x = first.inputs[0]
+        wide = next((c for c in x.outputs if c.op == "Cast" and c is not cast and c.attrs.get("to") == cast.attrs.get("to")), None)
+        if wide is None:
+            continue
+        to = _np_dtype(cast.attrs["to"])
+        first.inputs[0] = wide.outputs[0]
+        sign.inputs = [gather.outputs[0], gs.Constant(f"{signs.name}_{to}", np.asarray(signs.values).astype(to))]
+        for t in (first.outputs[0], gather.outputs[0], sign.outputs[0]):
+            t.dtype = to
+        last.outputs = [cast.outputs[0]]
+        cast.outputs = []
+        count += 1
+    return graph.cleanup().toposort()
+
+
 PASSES = {
     "cleanup": cleanup,
     "fold_constants": fold_constants,
@@ -345,6 +459,7 @@ PASSES = {
     "fuse_rmsnorm": fuse_rmsnorm,
     "fuse_gelu_tanh": fuse_gelu_tanh,
     "simplify_rotary": simplify_rotary,
+    "share_rotary_casts": share_rotary_casts,
 }
 DEFAULT_PASSES = ("cleanup", "fold_constants", "infer_shapes", "fuse_projections", "fuse_rmsnorm",
-                  "fuse_gelu_tanh", "simplify_rotary", "cleanup")
+                  "fuse_gelu_tanh", "simplify_rotary", "share_rotary_casts", "cleanup")

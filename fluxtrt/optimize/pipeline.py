@@ -29,8 +29,10 @@ def check_passes(names) -> list[str]:
     return names
 
 
-def optimize_model(model, passes=None, dtype: str = "fp32", component: str = "", report: OptimizeReport | None = None):
-    """ModelProto -> optimized ModelProto (passes on graphsurgeon, then precision placement on the proto)."""
+def optimize_model(model, passes=None, dtype: str | None = "fp32", component: str = "",
+                   report: OptimizeReport | None = None):
+    """ModelProto -> optimized ModelProto (passes on graphsurgeon, then precision placement on the proto;
+    dtype None: the graph is already in its dtype, as a zero-copy graph is)."""
     import onnx_graphsurgeon as gs
 
     from .. import weightmap
@@ -44,10 +46,11 @@ def optimize_model(model, passes=None, dtype: str = "fp32", component: str = "",
             graph = PASSES[name](graph)
             report.rows.append((name, before, len(graph.nodes), time.perf_counter() - t0))
         out = gs.export_onnx(graph)
-        before = len(out.graph.node)
-        t0 = time.perf_counter()
-        out = place_precision(out, dtype, component)
-        report.rows.append((f"precision:{dtype}", before, len(out.graph.node), time.perf_counter() - t0))
+        if dtype is not None:
+            before = len(out.graph.node)
+            t0 = time.perf_counter()
+            out = place_precision(out, dtype, component)
+            report.rows.append((f"precision:{dtype}", before, len(out.graph.node), time.perf_counter() - t0))
     weightmap.write(out, prov)
     out.producer_name = model.producer_name
     out.producer_version = model.producer_version
@@ -66,6 +69,27 @@ def save_model(model, path: Path, external_threshold: int = 1_800_000_000) -> No
         onnx.save(model, str(tmp / path.name), save_as_external_data=external,
                   location=f"{path.name}.data" if external else None)
         publish(sorted(tmp.iterdir(), key=lambda p: p.suffix == ".onnx"), path.parent)
+
+
+def optimize_linked(in_path: Path, out_path: Path, component: str, passes=None) -> OptimizeReport:
+    """The passes on a zero-copy graph, its matrices never read (onnxio.load_linked): rewrites of a linked
+    weight are graph operations TensorRT folds at build time; vectors the passes change (a norm scale cast to
+    fp32, q/k/v biases joined) are written into the graph, each with its recipe in the weight map. The output
+    links into the same checkpoint files. Atomic: nothing appears unless all of it is written."""
+    import onnx
+
+    from ..fileio import publish, staging_dir
+    from ..onnxio import copy_links, load_linked
+
+    report = OptimizeReport(component)
+    optimized, report = optimize_model(load_linked(in_path), passes, None, component, report)
+    out_path = Path(out_path)
+    with staging_dir(out_path.parent, out_path.stem) as tmp:
+        onnx.save(optimized, str(tmp / out_path.name))
+        copy_links(in_path, tmp / out_path.name)
+        publish(sorted(tmp.iterdir(), key=lambda p: p.suffix == ".onnx"), out_path.parent)
+    report.path = out_path
+    return report
 
 
 def trt_layer_count(onnx_path: Path) -> int | None:

@@ -41,13 +41,16 @@ def module_of(weight_key: str) -> str:
     return weight_key.rsplit(".", 1)[0]
 
 
-def activation_amax(weight: str, prov: dict, module_amax: dict) -> float:
-    """The calibrated max |input| of the linear layer(s) whose weight the graph initializer `weight` is."""
+def activation_amax(weights: list[str], prov: dict, module_amax: dict) -> float:
+    """The calibrated max |input| of the linear layer(s) whose weights are the graph initializers `weights`
+    (a fused projection's parts read one tensor: their ranges are that tensor's)."""
     from .. import weightmap
 
-    if weight not in prov:
-        raise FluxtrtError(f"{weight}: the graph records no checkpoint source for it; export again")
-    modules = [module_of(k) for k in weightmap.source_keys(prov[weight])]
+    modules = []
+    for weight in weights:
+        if weight not in prov:
+            raise FluxtrtError(f"{weight}: the graph records no checkpoint source for it; export again")
+        modules += [module_of(k) for k in weightmap.source_keys(prov[weight])]
     missing = [m for m in modules if m not in module_amax]
     if missing:
         raise FluxtrtError(f"no calibrated range for {missing[0]}; the calibration cache is for another model "
@@ -62,16 +65,20 @@ def _bf16(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float32).to(torch.bfloat16).float())
 
 
-def quantize_weight_fp8(raw, dims, transposed: bool):
-    """bf16 bytes of a [out, in] (or [in, out]) weight -> (E4M3 bytes as [in, out], bf16-exact scale)."""
+def quantize_weight_fp8(parts, transposed: bool):
+    """[(bf16 bytes, dims)] of a linear weight stored [out, in] (or [in, out]), several for a fused projection
+    -> (E4M3 bytes as [in, sum of outs], bf16-exact scale). One scale per fused weight: the max |w| over its
+    parts, as TensorRT's FP8 GEMM takes one weight scale (the cost against a scale per part is measured in
+    tests/test_native_build.py)."""
     import numpy as np
     import torch
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a read-only memory map: only read here
-        w = torch.from_numpy(np.frombuffer(raw, dtype=np.int16).reshape(dims)).view(torch.bfloat16).float()
-    scale = _bf16(float(w.abs().max()) / FP8_MAX) or 1.0
-    q = (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        ws = [torch.from_numpy(np.frombuffer(raw, dtype=np.int16).reshape(dims)).view(torch.bfloat16).float()
+              for raw, dims in parts]
+    scale = _bf16(max(float(w.abs().max()) for w in ws) / FP8_MAX) or 1.0
+    q = torch.cat([(w / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn) for w in ws], 0 if transposed else 1)
     if transposed:
         q = q.t()
     return q.contiguous().view(torch.uint8).numpy(), scale
@@ -88,7 +95,7 @@ def quantize_linked(onnx_in: Path, dest_dir: Path, recipe: str, module_amax: dic
 
     from .. import weightmap
     from ..fileio import publish, staging_dir
-    from ..onnxio import external_info, linked_dir, read_external, set_external
+    from ..onnxio import copy_links, external_info, read_external, set_external
 
     if recipe not in NATIVE_RECIPES:
         raise FluxtrtError(f"recipe {recipe} cannot be built from the zero-copy graph; build it with --copy-weights")
@@ -100,8 +107,8 @@ def quantize_linked(onnx_in: Path, dest_dir: Path, recipe: str, module_amax: dic
     producers = {o: n for n in g.node for o in n.output}
     p = plan(model, recipe)
     nodes = {n.name: n for n in g.node}
-    chosen = {q: linear_weight(nodes[q], inits, producers) for q in p.quantized}  # MatMul -> (weight, transposed)
-    bad = [w for w, _ in chosen.values() if inits[w].data_type != TensorProto.BFLOAT16]
+    chosen = {q: linear_weight(nodes[q], inits, producers) for q in p.quantized}  # MatMul -> ([parts], transposed)
+    bad = [w for ws, _ in chosen.values() for w in ws if inits[w].data_type != TensorProto.BFLOAT16]
     if bad:
         raise FluxtrtError(f"{onnx_in}: weight {bad[0]} is not bf16; the zero-copy fp8 path reads bf16 checkpoints")
     name = onnx_in.stem
@@ -112,9 +119,10 @@ def quantize_linked(onnx_in: Path, dest_dir: Path, recipe: str, module_amax: dic
         with open(tmp / data_name, "wb") as data:
             for n in g.node:
                 if n.name in chosen:
-                    wname, transposed = chosen[n.name]
-                    t = inits[wname]
-                    q, scale = quantize_weight_fp8(read_external(onnx_in, t), tuple(t.dims), transposed)
+                    wnames, transposed = chosen[n.name]
+                    wname = wnames[0]
+                    q, scale = quantize_weight_fp8([(read_external(onnx_in, inits[w]), tuple(inits[w].dims))
+                                                    for w in wnames], transposed)
                     offset = data.tell()
                     data.write(q.tobytes())
                     data.write(b"\0" * (-data.tell() % ALIGN))
@@ -123,7 +131,7 @@ def quantize_linked(onnx_in: Path, dest_dir: Path, recipe: str, module_amax: dic
                     fp8_bytes += q.nbytes
                     out.nodes = []
                     x = n.input[0]
-                    act_scale = _bf16(activation_amax(wname, prov, module_amax) / FP8_MAX)
+                    act_scale = _bf16(activation_amax(wnames, prov, module_amax) / FP8_MAX)
                     n.input[0] = out.qdq(x, f"{n.name}__act", act_scale, "fp8", ml_dtypes.bfloat16)
                     sname = out.const(f"{wname}__wscale", np.array(scale, dtype=ml_dtypes.bfloat16))
                     out.inits.append(qt)
@@ -136,8 +144,9 @@ def quantize_linked(onnx_in: Path, dest_dir: Path, recipe: str, module_amax: dic
                 new_nodes.append(n)
             data.flush()
             os.fsync(data.fileno())
-        used = {i for n in new_nodes for i in n.input}
-        new_nodes = [n for n in new_nodes if n.op_type != "Transpose" or any(o in used for o in n.output)]
+        for _ in range(2):  # the weights' Transpose, then a fused weight's Concat, now read by nothing
+            used = {i for n in new_nodes for i in n.input}
+            new_nodes = [n for n in new_nodes if n.op_type not in ("Transpose", "Concat") or any(o in used for o in n.output)]
         used = {i for n in new_nodes for i in n.input}
         del g.node[:]
         g.node.extend(new_nodes)
@@ -146,11 +155,7 @@ def quantize_linked(onnx_in: Path, dest_dir: Path, recipe: str, module_amax: dic
         del g.initializer[:]
         g.initializer.extend(kept + out.inits)
         weightmap.write(model, prov)
-        src_links, links = linked_dir(onnx_in), linked_dir(tmp / f"{name}.onnx")
-        if src_links.is_dir():
-            links.mkdir()
-            for link in src_links.iterdir():
-                os.symlink(os.readlink(link), links / link.name)
+        copy_links(onnx_in, tmp / f"{name}.onnx")
         onnx.save(model, str(tmp / f"{name}.onnx"))
         staged = sorted(tmp.iterdir(), key=lambda f: f.suffix == ".onnx")  # the .onnx last
         publish(staged, Path(dest_dir))

@@ -52,18 +52,23 @@ def _consumers(g):
     return out
 
 
-def linear_weight(node, inits: dict, producers: dict) -> tuple[str, bool] | None:
-    """The constant weight a MatMul multiplies by: (initializer name, transposed). An exported graph keeps a
-    linear layer's checkpoint layout [out, in] behind a Transpose (zero-copy graphs, unfolded); the fp32 path's
-    passes fold it away, leaving the initializer itself."""
+def linear_weight(node, inits: dict, producers: dict) -> tuple[list[str], bool] | None:
+    """The constant weight a MatMul multiplies by: ([initializer names], transposed). An exported graph keeps a
+    linear layer's checkpoint layout [out, in] behind a Transpose (zero-copy graphs), and the zero-copy graph's
+    fused q/k/v(/mlp) projection is Transpose(Concat(W_q, W_k, W_v)) of its linked parts; the fp32 path's
+    passes fold both away, leaving one initializer."""
     w = node.input[1]
     if w in inits:
-        return w, False
+        return [w], False
     t = producers.get(w)
-    if t is not None and t.op_type == "Transpose" and t.input[0] in inits and len(inits[t.input[0]].dims) == 2:
-        perm = [list(a.ints) for a in t.attribute if a.name == "perm"]
-        if perm in ([], [[1, 0]]):
-            return t.input[0], True
+    if t is None or t.op_type != "Transpose" or [list(a.ints) for a in t.attribute if a.name == "perm"] not in ([], [[1, 0]]):
+        return None
+    if t.input[0] in inits and len(inits[t.input[0]].dims) == 2:
+        return [t.input[0]], True
+    cat = producers.get(t.input[0])
+    if cat is not None and cat.op_type == "Concat" and [a.i for a in cat.attribute if a.name == "axis"] == [0] \
+            and all(i in inits and len(inits[i].dims) == 2 for i in cat.input):
+        return list(cat.input), True
     return None
 
 
@@ -80,13 +85,13 @@ def plan(model: onnx.ModelProto, recipe: str) -> QuantPlan:
         if n.op_type != "MatMul":
             continue
         weight = linear_weight(n, inits, producers)
+        if weight is not None and any(len(inits[w].dims) != 2 for w in weight[0]):
+            continue
         if weight is None:
             a, b = producers.get(n.input[0]), cons.get(n.output[0], [])
             is_attention = (a is not None and a.op_type == "Softmax") or any(c.op_type == "Softmax" for c in b)
             if recipe == "fp8-attn" and is_attention:
                 p.attention.append(n.name)
-            continue
-        if len(inits[weight[0]].dims) != 2:
             continue
         if n.input[0] in graph_inputs:
             p.kept[n.name] = "reads a model input (x_embedder / context_embedder)"

@@ -3,9 +3,10 @@
 When a component's safetensors hold exactly the dtype its engine computes in (a bf16 FLUX.1 checkpoint built
 at bf16, or at fp8 whose other layers are bf16), `fluxtrt build` never makes an fp32 copy:
   export    zero-copy graph (weights are links into the checkpoint)     OUT/onnx/<hash>-<dtype>-zc/
-  optimize  bf16/fp16: none (the passes work on in-memory fp32 graphs); TensorRT fuses on its own
-            fp8: calibrate by module (cached), then quantize.native writes the E4M3 weights one at a time,
-            every other weight stays a link                          OUT/onnx/<hash>-fp8-zc/
+  optimize  the graph passes, matrices never read: a linked weight's rewrites (q/k/v joined, transposed)
+            are graph ops TensorRT folds at build; changed vectors are written  OUT/onnx/<hash>-<dtype>-zc-opt/
+  quantize  fp8: calibrate by module (cached), then quantize.native writes the E4M3 weights one at a time
+            (one per fused projection), every other weight stays a link   OUT/onnx/<hash>-fp8-zc/
 Memory stays near one weight tensor until TensorRT's builder. `--copy-weights` takes the fp32 path instead
 (graph passes, every recipe). Each stage is reused when its recorded inputs are unchanged (stages/base.py)."""
 
@@ -77,11 +78,41 @@ def ensure_native(source, component: str, precision: str, out_root: Path, force:
         path = res.path
         export_res = StageResult(component, "export", "built", res.seconds,
                                  f"zero-copy, {validation_text(res.max_rel_err)}", res.bytes, peak_rss_mb())
-    skipped = StageResult(component, "optimize", "skipped", 0.0, "no graph passes on the zero-copy path")
+    opt_path, opt_res = _ensure_optimized(source, component, graph, path, out_root, force, on_phase, validate)
     if precision not in ("fp8",):
-        return path, [export_res, skipped]
-    q_path, quant_res = _ensure_fp8(source, component, path, out_root, force, on_phase, calib, validate)
-    return q_path, [export_res, skipped, quant_res]
+        return opt_path, [export_res, opt_res]
+    q_path, quant_res = _ensure_fp8(source, component, opt_path, out_root, force, on_phase, calib, validate)
+    return q_path, [export_res, opt_res, quant_res]
+
+
+def _ensure_optimized(source, component, graph, zc_path, out_root, force, on_phase, validate):
+    """The graph passes on the zero-copy graph (optimize.pipeline.optimize_linked): fused, still linked."""
+    from ..optimize.passes import DEFAULT_PASSES
+    from ..optimize.pipeline import optimize_linked
+
+    folder = Path(out_root) / "onnx" / f"{source.content_hash[:12]}-{graph}-zc-opt"
+    inputs = {"source_sha256": sha256_file(zc_path), "passes": list(DEFAULT_PASSES), "dtype": graph,
+              "fluxtrt": __version__}
+    if not force and _reusable(folder, OPTIMIZE_INFO, component, inputs, validate):
+        return folder / f"{component}.onnx", StageResult(component, "optimize", "reused", 0.0,
+                                                         "unchanged zero-copy graph")
+    on_phase("optimize")
+    t0 = time.perf_counter()
+    report = optimize_linked(zc_path, folder / f"{component}.onnx", component)
+    max_err = None
+    if validate:
+        on_phase("validate")
+        try:
+            max_err = validate_against_pytorch(source, component, report.path, graph, "optimized (zero-copy)")
+        except FluxtrtError:
+            report.path.unlink()
+            raise
+    nodes = [report.rows[0][1], report.rows[-1][2]]
+    record_entry(folder, component, StageRecord(inputs=inputs, sha256=sha256_file(report.path), max_rel_err=max_err,
+                                                nodes=nodes))
+    return report.path, StageResult(component, "optimize", "built", time.perf_counter() - t0,
+                                    f"{nodes[0]} -> {nodes[1]} nodes (zero-copy), {validation_text(max_err)}",
+                                    files_bytes(report.path), peak_rss_mb())
 
 
 def _ensure_fp8(source, component, zc_path, out_root, force, on_phase, calib, validate):
