@@ -20,7 +20,7 @@ OPTIMIZE_INFO = "optimize.json"
 class StageResult:
     component: str
     stage: str  # "export", "optimize", "quantize" (quantized precisions) or "build"
-    status: str  # "built", "reused", "skipped" (no graph passes on the zero-copy path)
+    status: str  # "built", "reused" (or "skipped": a stage with nothing to do)
     seconds: float
     detail: str = ""
     bytes_written: int = 0

@@ -62,7 +62,7 @@ def _reusable(folder: Path, info_name: str, component: str, inputs: dict, valida
 
 def ensure_native(source, component: str, precision: str, out_root: Path, force: bool, on_phase, calib: CalibrationSettings,
                   validate: bool = True):
-    """-> (the engine's ONNX, [export, optimize (skipped)(, quantize) results]) on the zero-copy path."""
+    """-> (the engine's ONNX, [export, optimize(, quantize) results]) on the zero-copy path."""
     from ..export import DEFAULT_OPSET, EXPORT_INFO, export_component, write_export_info
 
     graph = graph_dtype(precision)
