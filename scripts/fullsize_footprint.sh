@@ -12,6 +12,7 @@
 #   bash scripts/fullsize_footprint.sh OUTDIR calibrate       # fluxtrt calibrate --device cuda (needs the GPU)
 #   bash scripts/fullsize_footprint.sh OUTDIR build-fp8       # fluxtrt build -p transformer=fp8, CPU only, 16 cores
 #   bash scripts/fullsize_footprint.sh OUTDIR build-bf16      # fluxtrt build -p transformer=bf16, CPU only, 16 cores
+#   bash scripts/fullsize_footprint.sh OUTDIR layers          # parsed / computed layers, unfused vs fused (after both)
 # Work files go to $WORK (default /root/fullsize); results are appended to OUTDIR/footprint.jsonl.
 set -uo pipefail
 OUTDIR=${1:?OUTDIR}; STEP=${2:?step}
@@ -69,5 +70,16 @@ case "$STEP" in
     cp "$WORK/build/4090/build.log" "$OUTDIR/build-$P.log"
     ls -la "$WORK/build/onnx"/* | tee "$OUTDIR/onnx-files-$P.txt"
     rm -f "$WORK/build/4090/transformer.engine" ;;
+  layers)  # parsed and computed layers of the graphs handed to TensorRT: unfused zero-copy vs fused (bf16),
+           # and fp8 quantized from the unfused graph (as before the passes ran on this path) vs the fused one
+    H=$(ls -d "$WORK/build/onnx/"*-bf16-zc | head -1); H=$(basename "$H"); H=${H%-bf16-zc}
+    python3 -c "from pathlib import Path; import json
+from fluxtrt.quantize.native import quantize_linked
+amax = json.loads(next(Path('$WORK/build/calibration').glob('*.json')).read_text())['amax']
+quantize_linked(Path('$WORK/build/onnx/$H-bf16-zc/transformer.onnx'), Path('$WORK/fp8-unfused'), 'fp8', amax)"
+    python3 scripts/layer_counts.py "$WORK/build/onnx/$H-bf16-zc/transformer.onnx" \
+      "$WORK/build/onnx/$H-bf16-zc-opt/transformer.onnx" "$WORK/fp8-unfused/transformer.onnx" \
+      "$WORK/build/onnx/$H-fp8-zc/transformer.onnx" | tee "$OUTDIR/layers.jsonl"
+    rm -rf "$WORK/fp8-unfused" ;;
   *) echo "unknown step $STEP" >&2; exit 2 ;;
 esac
