@@ -66,10 +66,11 @@ case "$STEP" in
     $CPU16 $M --label "fluxtrt-build-$P-sm89-cpu16" --written "$WORK/build" -- \
       python3 -m fluxtrt.cli build --gpu 4090 --model "$FULL" -c transformer -p "transformer=$P" --no-validate \
       --out "$WORK/build"
-    cp "$WORK/build/4090/manifest.json" "$OUTDIR/manifest-$P.json"
-    cp "$WORK/build/4090/build.log" "$OUTDIR/build-$P.log"
+    G="$WORK/build/4090"; [ -d "$WORK/build/4090-$P" ] && G="$WORK/build/4090-$P"  # -p other than the config's
+    cp "$G/manifest.json" "$OUTDIR/manifest-$P.json"
+    cp "$G/build.log" "$OUTDIR/build-$P.log"
     ls -la "$WORK/build/onnx"/* | tee "$OUTDIR/onnx-files-$P.txt"
-    rm -f "$WORK/build/4090/transformer.engine" ;;
+    rm -f "$G/transformer.engine" ;;
   layers)  # parsed and computed layers of the graphs handed to TensorRT: unfused zero-copy vs fused (bf16),
            # and fp8 quantized from the unfused graph (as before the passes ran on this path) vs the fused one
     H=$(ls -d "$WORK/build/onnx/"*-bf16-zc | head -1); H=$(basename "$H"); H=${H%-bf16-zc}
