@@ -296,6 +296,11 @@ def test_zero_copy_graph_is_fused_like_the_fp32_path(tiny_bf16, tmp_path):
     assert a.onnx.endswith("-bf16-zc-opt/transformer.onnx") and a.stages["optimize"]["status"] == "built"
     assert a.computed_layers <= b.computed_layers, (a.computed_layers, b.computed_layers)
     assert a.layers < 0.75 * 2203  # the unfused zero-copy network parsed 2,203 layers (issue 24)
+    zc_record = a.stages["optimize"]["zero_copy"]  # the manifest says what was written and why
+    assert zc_record["linked_tensors"] > 0 and set(zc_record["written"]) == {
+        "a fused projection's joined bias", "a vector cast for an op that computes in fp32 (RMSNorm's scale)",
+        "a vector read from the checkpoint as stored"}
+    assert zc_record["written"]["a fused projection's joined bias"]["tensors"] == 6
     model = onnx.load(str(tmp_path / "zc" / a.onnx), load_external_data=False)
     ops = {n.op_type for n in model.graph.node}
     assert {"RMSNormalization", "Gelu"} <= ops and "Pow" not in ops and "Tanh" not in ops
@@ -323,3 +328,31 @@ def test_weights_from_memory_maps_give_the_same_engine(fp8_build, tmp_path, monk
                         else None)
     parsed = build(tmp_path / "parsed.engine")
     assert mapped.sha256 == parsed.sha256 and mapped.bytes == parsed.bytes > 0
+
+
+def test_graph_passes_never_read_a_linked_matrix(tiny_bf16, tmp_path, monkeypatch):
+    """optimize_linked reads vectors only: reading any linked matrix (through onnxio or onnx-graphsurgeon's
+    lazy values) fails the test, so the full-size graph's 24 GB stay in the checkpoint."""
+    import onnx_graphsurgeon as gs
+
+    import fluxtrt.onnxio as onnxio
+    from fluxtrt.export import export_component
+    from fluxtrt.optimize.pipeline import optimize_linked
+
+    spec = specs_for(tiny_bf16.geometry, ["transformer"])["transformer"]
+    zc = export_component(tiny_bf16, spec, tmp_path / "zc", "bf16", validate=False, zero_copy=True).path
+    read, load = onnxio.read_external, gs.ir.tensor.LazyValues.load
+
+    def guarded_read(path, t):
+        assert len(t.dims) <= 1, f"read the linked matrix {t.name}"
+        return read(path, t)
+
+    def guarded_load(self):
+        assert self.tensor.data_location != onnx.TensorProto.EXTERNAL, f"loaded the linked matrix {self.tensor.name}"
+        return load(self)
+
+    monkeypatch.setattr(onnxio, "read_external", guarded_read)
+    monkeypatch.setattr(gs.ir.tensor.LazyValues, "load", guarded_load)
+    report = optimize_linked(zc, tmp_path / "opt" / "transformer.onnx", "transformer")
+    assert report.rows[-1][2] < 0.75 * report.rows[0][1]  # 745 -> 506 nodes on tiny
+    assert report.zero_copy["linked_tensors"] >= 40

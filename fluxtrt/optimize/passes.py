@@ -437,7 +437,8 @@ def share_rotary_casts(graph: gs.Graph) -> gs.Graph:
         if first.op != "Reshape" or cast is None or sorted(np.asarray(signs.values, np.float32).tolist()) != [-1.0, 1.0]:
             continue
         x = first.inputs[0]
-        wide = next((c for c in x.outputs if c.op == "Cast" and c is not cast and c.attrs.get("to") == cast.attrs.get("to")), None)
+        to = cast.attrs.get("to")
+        wide = next((c for c in x.outputs if c.op == "Cast" and c is not cast and c.attrs.get("to") == to), None)
         if wide is None:
             continue
         to = _np_dtype(cast.attrs["to"])

@@ -19,6 +19,30 @@ class OptimizeReport:
     trt_layers_before: int | None = None
     trt_layers_after: int | None = None
     path: Path | None = None
+    zero_copy: dict | None = None  # optimize_linked: tensors still linked, and those written with why
+
+
+WHY_WRITTEN = {"cast": "a vector cast for an op that computes in fp32 (RMSNorm's scale)",
+               "concat": "a fused projection's joined bias", "tensor": "a vector read from the checkpoint as stored",
+               "reshape": "a vector reshaped for its op", "transpose": "a vector transposed for its op"}
+
+
+def linked_summary(model) -> dict:
+    """Which initializers of a linked graph stay links and which are written into it (with their recipe's why)."""
+    from .. import weightmap
+    from ..onnxio import external_info
+
+    prov = weightmap.read(model)
+    linked = [t for t in model.graph.initializer if external_info(t) is not None]
+    written = {}
+    for t in model.graph.initializer:
+        if external_info(t) is None and t.name in prov:
+            why = WHY_WRITTEN.get(prov[t.name].get("op", "tensor"), prov[t.name].get("op"))
+            entry = written.setdefault(why, {"tensors": 0, "bytes": 0})
+            entry["tensors"] += 1
+            entry["bytes"] += len(t.raw_data)
+    return {"linked_tensors": len(linked),
+            "linked_bytes": sum(int(external_info(t).get("length", 0)) for t in linked), "written": written}
 
 
 def check_passes(names) -> list[str]:
@@ -89,6 +113,7 @@ def optimize_linked(in_path: Path, out_path: Path, component: str, passes=None) 
         copy_links(in_path, tmp / out_path.name)
         publish(sorted(tmp.iterdir(), key=lambda p: p.suffix == ".onnx"), out_path.parent)
     report.path = out_path
+    report.zero_copy = linked_summary(optimized)
     return report
 
 

@@ -25,11 +25,14 @@ class StageResult:
     detail: str = ""
     bytes_written: int = 0
     peak_rss_mb: float = 0.0  # the process's peak RSS when the stage ended (a running maximum)
-    info: dict | None = None  # quantize: the quantization record (recipe, calibration, kept layers)
+    info: dict | None = None  # quantize: the quantization record; optimize (zero-copy): what it wrote and why
 
     def footprint(self) -> dict:
-        return {"status": self.status, "seconds": round(self.seconds, 3), "bytes_written": self.bytes_written,
-                "peak_rss_mb": round(self.peak_rss_mb, 1)}
+        out = {"status": self.status, "seconds": round(self.seconds, 3), "bytes_written": self.bytes_written,
+               "peak_rss_mb": round(self.peak_rss_mb, 1)}
+        if self.info and self.stage == "optimize":
+            out["zero_copy"] = self.info
+        return out
 
 
 def files_bytes(onnx_path: Path) -> int:

@@ -158,17 +158,19 @@ def _engine_stage(source, cfg, backend, spec, rng, onnx_path, res, manifest, gpu
     built = build_engine(backend, onnx_path, spec, geo, rng, cfg.compute_capability, engine_path, ws,
                          cfg.builder_optimization_level, gpu_dir / "timing.cache", log, weightless)
     seconds = time.perf_counter() - t0
-    result = StageResult(name, "build", "built", seconds, f"{built.layers} layers ({built.computed_layers} computed)", built.bytes, peak_rss_mb())
+    result = StageResult(name, "build", "built", seconds, f"{built.layers} layers ({built.computed_layers} computed)",
+                         built.bytes, peak_rss_mb())
     manifest.components[name] = ComponentEntry(
         engine=engine_path.name, sha256=built.sha256, bytes=built.bytes, precision=dtype,
         onnx=str(onnx_path.relative_to(Path(gpu_dir).parent)), onnx_sha256=onnx_sha, build_key=key,
-        weight_streaming=ws, layers=built.layers, computed_layers=built.computed_layers, inputs=built.inputs, outputs=built.outputs, profile=built.profile,
-        memory=built.memory,
+        weight_streaming=ws, layers=built.layers, computed_layers=built.computed_layers, inputs=built.inputs,
+        outputs=built.outputs, profile=built.profile, memory=built.memory,
         build_seconds=round(seconds, 3), peak_rss_mb=round(peak_rss_mb(), 1),
         stages={r.stage: r.footprint() for r in [*res, result]},
-        quantization=next((r.info for r in res if r.info), None), weightless=weightless,
+        quantization=next((r.info for r in res if r.info and r.stage == "quantize"), None), weightless=weightless,
         **write_weight_files(onnx_path, gpu_dir, name, spec.subfolder, is_quantized(dtype)))
     manifest.write(gpu_dir)  # after each engine: an interrupted build resumes with the rest
-    log.write(f"built {name}: {built.layers} layers ({built.computed_layers} computed), {built.bytes} bytes, {seconds:.1f} s\n")
+    log.write(f"built {name}: {built.layers} layers ({built.computed_layers} computed), {built.bytes} bytes, "
+              f"{seconds:.1f} s\n")
     on_phase("done")
     return result

@@ -93,9 +93,10 @@ def _ensure_optimized(source, component, graph, zc_path, out_root, force, on_pha
     folder = Path(out_root) / "onnx" / f"{source.content_hash[:12]}-{graph}-zc-opt"
     inputs = {"source_sha256": sha256_file(zc_path), "passes": list(DEFAULT_PASSES), "dtype": graph,
               "fluxtrt": __version__}
-    if not force and _reusable(folder, OPTIMIZE_INFO, component, inputs, validate):
+    entry = None if force else _reusable(folder, OPTIMIZE_INFO, component, inputs, validate)
+    if entry:
         return folder / f"{component}.onnx", StageResult(component, "optimize", "reused", 0.0,
-                                                         "unchanged zero-copy graph")
+                                                         "unchanged zero-copy graph", info=entry.zero_copy)
     on_phase("optimize")
     t0 = time.perf_counter()
     report = optimize_linked(zc_path, folder / f"{component}.onnx", component)
@@ -109,10 +110,10 @@ def _ensure_optimized(source, component, graph, zc_path, out_root, force, on_pha
             raise
     nodes = [report.rows[0][1], report.rows[-1][2]]
     record_entry(folder, component, StageRecord(inputs=inputs, sha256=sha256_file(report.path), max_rel_err=max_err,
-                                                nodes=nodes))
+                                                nodes=nodes, zero_copy=report.zero_copy))
     return report.path, StageResult(component, "optimize", "built", time.perf_counter() - t0,
                                     f"{nodes[0]} -> {nodes[1]} nodes (zero-copy), {validation_text(max_err)}",
-                                    files_bytes(report.path), peak_rss_mb())
+                                    files_bytes(report.path), peak_rss_mb(), report.zero_copy)
 
 
 def _ensure_fp8(source, component, zc_path, out_root, force, on_phase, calib, validate):
