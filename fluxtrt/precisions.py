@@ -23,6 +23,8 @@ class Precision:
     min_cc: tuple = (0, 0)
     backends: tuple = ("tensorrt-rtx", "tensorrt")
     zero_copy_graph: str | None = None  # the graph dtype a checkpoint stored in it builds from without a copy
+    ranges_from: str | None = None  # the recipe whose calibrated activation ranges it reads (one cache for both)
+    instead: str = "int8-wo or int4-wo"  # what to use on a target below min_cc
 
 
 _T = ("transformer",)
@@ -38,11 +40,18 @@ REGISTRY = {p.name: p for p in (
               backends=("tensorrt",)),
     Precision("int8-wo", "INT8 weights, per-channel scales; activations in bf16", _T, True, False, "bf16"),
     Precision("int4-wo", "INT4 weights in blocks of 128; activations in bf16", _T, True, False, "bf16"),
+    Precision("fp4", "NVFP4: E2M1 weights and activations in blocks of 16 with E4M3 block scales (calibrated "
+              "global scales; RTX 50-series)", _T, True, True, "bf16", (10, 0), zero_copy_graph="bf16",
+              ranges_from="fp8", instead="fp8"),
 )}
-PLANNED = {"fp4": "FP4 is planned"}
 FLOATS = tuple(n for n, p in REGISTRY.items() if not p.recipe)
 RECIPES = tuple(n for n, p in REGISTRY.items() if p.recipe)
 CALIBRATED = tuple(n for n, p in REGISTRY.items() if p.calibrated)
+
+
+def calibration_recipe(name: str) -> str:
+    """The recipe whose activation ranges `name` is calibrated with (fp4 reads fp8's module ranges)."""
+    return REGISTRY[name].ranges_from or name
 
 
 def is_quantized(name: str) -> bool:
@@ -55,9 +64,6 @@ def check(component: str, name: str, where: str, compute_capability: str | None 
     if component not in COMPONENTS:
         raise ConfigError(f"{where}: precision for unknown component '{component}'; components are "
                           f"{', '.join(COMPONENTS)}")
-    if name in PLANNED:
-        raise ConfigError(f"{where}: precision '{name}' for {component} is not implemented yet ({PLANNED[name]}); "
-                          f"use one of {', '.join(REGISTRY)}")
     p = REGISTRY.get(name)
     if p is None:
         raise ConfigError(f"{where}: precision '{name}' for {component} is not one of {', '.join(REGISTRY)}")
@@ -70,8 +76,9 @@ def check(component: str, name: str, where: str, compute_capability: str | None 
                           "weight-only GEMMs: use int8-wo")
     if compute_capability and tuple(map(int, compute_capability.split("."))) < p.min_cc:
         family = name.split("-")[0]
-        raise ConfigError(f"{where}: {family} needs compute capability {'.'.join(map(str, p.min_cc))} or newer "
-                          f"(this target is {compute_capability}); use int8-wo or int4-wo")
+        gpu = " (Blackwell: --gpu 5090)" if name == "fp4" else ""
+        raise ConfigError(f"{where}: {family} needs compute capability {'.'.join(map(str, p.min_cc))} or newer"
+                          f"{gpu} (this target is {compute_capability}); use {p.instead}")
 
 
 def apply_overrides(precision: dict, overrides: list[str], components=None) -> tuple[dict, list[str]]:

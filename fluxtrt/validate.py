@@ -17,7 +17,7 @@ RTOL_BY_COMPONENT = {("transformer", "fp16"): 5e-2, ("transformer", "bf16"): 1e-
                      # quantized linear layers on top of bf16 placement
                      ("transformer", "fp8"): 1.5e-1, ("transformer", "fp8-attn"): 1.5e-1,
                      ("transformer", "int8"): 1.5e-1, ("transformer", "int8-wo"): 1.5e-1,
-                     ("transformer", "int4-wo"): 2e-1}
+                     ("transformer", "int4-wo"): 2e-1, ("transformer", "fp4"): 5e-1}
 
 
 def bound_for(component: str, dtype: str, fp32_bound: float) -> float:
@@ -125,7 +125,8 @@ def upcast_bf16(model):
 
 
 def cpu_session(onnx_path: Path, overrides: dict | None = None):
-    """An ONNX Runtime CPU session; bf16 graphs are widened to fp32 first (see upcast_bf16). `overrides`
+    """An ONNX Runtime CPU session; bf16 graphs are widened to fp32 first (see upcast_bf16), NVFP4 graphs
+    emulated in standard ops (quantize.nvfp4.emulate: ONNX Runtime has no FP4 kernels). `overrides`
     (name -> array) replaces initializers, e.g. weights filled from a checkpoint into a weight-free ONNX."""
     import onnx
     from onnx import TensorProto, numpy_helper
@@ -138,7 +139,8 @@ def cpu_session(onnx_path: Path, overrides: dict | None = None):
     has_bf16 = any(vi.type.tensor_type.elem_type == TensorProto.BFLOAT16
                    for vi in list(header.graph.input) + list(header.graph.output)) or any(
         t.data_type == TensorProto.BFLOAT16 for t in header.graph.initializer)
-    if not has_bf16:
+    has_fp4 = any(t.data_type == TensorProto.FLOAT4E2M1 for t in header.graph.initializer)
+    if not has_bf16 and not has_fp4:
         return ort_session(onnx_path, overrides=overrides)
     overrides = overrides or {}
     model = load_onnx(onnx_path, skip=set(overrides))
@@ -146,6 +148,10 @@ def cpu_session(onnx_path: Path, overrides: dict | None = None):
         if t.name in overrides:
             t.CopyFrom(numpy_helper.from_array(overrides[t.name], t.name))
     model = upcast_bf16(model)
+    if has_fp4:
+        from .quantize.nvfp4 import emulate
+
+        model = emulate(model)
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
 

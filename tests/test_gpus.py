@@ -48,7 +48,7 @@ def _base():
     (lambda d: d.update(backend="cuda"), "backend must be one of"),
     (lambda d: d.update(compute_capability="9.0"), "TensorRT-RTX cannot target compute capability 9.0"),
     (lambda d: d.update(compute_capability="89"), 'must look like "8.9"'),
-    (lambda d: d["precision"].update(transformer="fp4"), "not implemented yet"),
+    (lambda d: d["precision"].update(transformer="fp4"), "fp4 needs compute capability 10.0 or newer \\(Blackwell: --gpu 5090\\) \\(this target is 8.9\\); use fp8"),
     (lambda d: d["precision"].update(t5="fp8"), "quantizes the transformer's linear layers only"),
     (lambda d: d.update(compute_capability="8.6") or d["precision"].update(transformer="fp8"),
      "fp8 needs compute capability 8.9"),

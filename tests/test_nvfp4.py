@@ -125,3 +125,42 @@ def test_tensorrt_rtx_builds_nvfp4_matmul_for_sm120_only():
         plan = builder.build_serialized_network(net, config)
         sizes[cc] = None if plan is None else plan.nbytes
     assert sizes["SM120"] and sizes["SM120"] > 10_000 and sizes["SM89"] is None, sizes
+
+
+def fp4_matmul_model(q, x_global, k, n, dtype=T.FLOAT):
+    """x [-1, k] -> NVFP4 activation (TRT_FP4DynamicQuantize) @ NVFP4 weight^T, in the recipe's graph form."""
+    scale_dtype = ml_dtypes.bfloat16 if dtype == T.BFLOAT16 else np.float32
+    act, x_dq = nvfp4.activation_nodes("x", "act", "x_g")
+    nodes = nvfp4.dequantize_nodes("w", "w_dq") + [h.make_node("Transpose", ["w_dq"], ["w_t"], perm=[1, 0])] + act \
+        + [h.make_node("MatMul", [x_dq, "w_t"], ["y"])]
+    inits = [*nvfp4.onnx_tensors(q, "w", scale_dtype),
+             onnx.numpy_helper.from_array(np.asarray(x_global, np.float32).astype(scale_dtype), "x_g")]
+    g = h.make_graph(nodes, "nvfp4", [h.make_tensor_value_info("x", dtype, [-1, k])],
+                     [h.make_tensor_value_info("y", dtype, [-1, n])], inits)
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", 19)])
+    nvfp4.ensure_opsets(model)
+    return model
+
+
+def test_emulated_graph_computes_the_recipe():
+    """ONNX Runtime runs `emulate`'s copy of an NVFP4 graph: equal to the numpy recipe (activation fake-quant per
+    block of 16 with an E4M3 scale, E2M1 rounding with ties to even, dequantized weights) within fp32 rounding of
+    the matmul; ties and all-zero blocks included."""
+    ort = pytest.importorskip("onnxruntime")
+    rng = np.random.default_rng()
+    k, n = 64, 48
+    q = nvfp4.quantize(random_weight(rng, n, k))
+    x = (rng.standard_normal((24, k)) * rng.uniform(0.5, 3)).astype(np.float32)
+    x[0, :16] = 0  # a block of zeros
+    x[1, :16] = np.repeat(np.float32([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0]), 2)  # E2M1 ties, scale 1
+    g = nvfp4.global_scale_of(float(np.abs(x).max()))
+    model = nvfp4.emulate(fp4_matmul_model(q, g, k, n))
+    assert not {n.op_type for n in model.graph.node} & {"TRT_FP4DynamicQuantize", "DequantizeLinear"}
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    xq = nvfp4.fake_quant_activation(x, g)
+    want = xq @ nvfp4.dequantize(q).T
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    assert not xq[0, :16].any()
+    # the rounding itself, on the values chosen as ties: half-way points go to the even E2M1 code
+    tie_x = np.repeat(np.float32([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0]), 2)[None]
+    assert np.array_equal(nvfp4.fake_quant_activation(tie_x, 1 / 448)[0, ::2], np.float32([0, 1, 1, 2, 2, 4, 4, 6]))

@@ -14,7 +14,12 @@ from fluxtrt.quantize.qdq import plan, quantize_model
 from fluxtrt.records import CalibrationSettings  # noqa: E402
 
 # max|quantized - fp32 graph| / max|fp32 graph| on fresh random inputs (tiny transformer, ONNX Runtime)
-BOUNDS = {"fp8": 5e-2, "fp8-attn": 5e-2, "int8": 5e-2, "int8-wo": 2e-2, "int4-wo": 5e-2}
+BOUNDS = {"fp8": 5e-2, "fp8-attn": 5e-2, "int8": 5e-2, "int8-wo": 2e-2, "int4-wo": 5e-2, "fp4": 5e-2}
+# a layer whose error alone exceeds this many times the median quantized layer's would be kept in bf16
+FP4_OUTLIER = 10.0
+# the same, as built: everything the recipe leaves is placed in bf16 (bf16 alone is the reference row)
+BUILT_BOUNDS = {"bf16": 1e-1, "fp8": 1e-1, "fp8-attn": 1e-1, "int8": 1e-1, "int8-wo": 1e-1, "int4-wo": 1e-1,
+                "fp4": 1.5e-1}
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +48,12 @@ def _error(src, reference, candidate, seed=123):
 
     spec = specs_for(src.geometry)["transformer"]
     feeds = {k: v.numpy() for k, v in spec.sample_inputs(ShapePoint(2, 48, 80), src.geometry, seed).items()}
+    from fluxtrt.quantize.nvfp4 import emulate
+    from fluxtrt.validate import upcast_bf16
+
+    if any(t.data_type == onnx.TensorProto.FLOAT4E2M1 for t in candidate.graph.initializer):
+        candidate = emulate(candidate)  # ONNX Runtime has no FP4 kernels: the recipe in standard ops
+    candidate = upcast_bf16(copy.deepcopy(candidate))  # bf16 placement: bf16 weights and casts, run in fp32
     a = ort.InferenceSession(reference.SerializeToString()).run(None, feeds)[0]
     b = ort.InferenceSession(candidate.SerializeToString()).run(None, feeds)[0]
     return float(np.abs(a - b).max() / np.abs(a).max())
@@ -59,30 +70,48 @@ def test_plan_keeps_the_sensitive_layers(fp32_transformer):
     assert gemms  # embedders and AdaLN modulation (2-D, once per sample) are Gemms and are never planned
 
 
-@pytest.mark.parametrize("recipe", ["fp8", "fp8-attn", "int8", "int8-wo", "int4-wo"])
+@pytest.mark.parametrize("recipe", ["fp8", "fp8-attn", "int8", "int8-wo", "int4-wo", "fp4", "bf16"])
 def test_recipe_error_is_bounded_and_the_check_is_sensitive(fp32_transformer, recipe):
+    """The recipes' error against the fp32 graph (README's quantization table; bf16 placement alone as the
+    reference), and a corrupted weight scale fails the same check."""
+    from fluxtrt.optimize.precision import place_precision
+
     src, model = fp32_transformer
     amax, channel = _ranges(src, model)
+    if recipe == "bf16":
+        built = _error(src, model, place_precision(copy.deepcopy(model), "bf16", "transformer"))
+        print(f"{recipe}: rel err vs fp32 graph, as built {built:.2e} (bound {BUILT_BOUNDS[recipe]:.0e})")
+        assert 0 < built <= BUILT_BOUNDS[recipe]
+        return
     q, p = quantize_model(copy.deepcopy(model), recipe, amax, channel_amax=channel, alpha=0.5)
+    built = _error(src, model, place_precision(copy.deepcopy(q), "bf16", "transformer"))
     if recipe == "fp8-attn":
         assert len(p.attention) == 8  # q.k^T and p.v in each of the 4 blocks
     if recipe == "int8":
         assert sum(n.op_type == "Mul" and n.name.endswith("__smooth") for n in q.graph.node) == len(p.quantized)
     err = _error(src, model, q)
-    print(f"{recipe}: rel err vs fp32 graph {err:.2e} (bound {BOUNDS[recipe]:.0e})")
-    assert 0 < err <= BOUNDS[recipe]
+    print(f"{recipe}: rel err vs fp32 graph {err:.2e} (bound {BOUNDS[recipe]:.0e}), as built {built:.2e} "
+          f"(bound {BUILT_BOUNDS[recipe]:.0e})")
+    assert 0 < err <= BOUNDS[recipe] and 0 < built <= BUILT_BOUNDS[recipe]
     # corrupt the weight scale of one quantized layer (the last: no RMSNorm after it to cancel a scale):
     # the same check must fail
     last = p.quantized[-1]
-    name = next(n.input[1] for n in q.graph.node if n.name == f"{last}__w_dq")
+    if recipe == "fp4":  # the weight's global scale (its E4M3 block scales multiply it)
+        mm = next(n for n in q.graph.node if n.name == last)
+        name = mm.input[1][: -len("_dq_t")] + "_f8_scale_f32_scale"
+    else:
+        name = next(n.input[1] for n in q.graph.node if n.name == f"{last}__w_dq")
     for t in q.graph.initializer:
         if t.name == name:
             t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t) * 16, t.name))
     assert _error(src, model, q) > BOUNDS[recipe]
 
 
-def test_sensitivity_names_what_degrades_most(fp32_transformer):
-    """Quantize one layer at a time; the layers we keep in high precision are among the most sensitive."""
+@pytest.mark.parametrize("recipe", ["fp8", "fp4"])
+def test_sensitivity_names_what_degrades_most(fp32_transformer, recipe):
+    """Quantize one layer at a time; the layers we keep in high precision are among the most sensitive, and
+    (fp4) no other layer stands out: none above FP4_OUTLIER x the median of the quantized layers, the rule by
+    which one would join the kept set."""
     from fluxtrt.quantize.calibration import activation_ranges
     from fluxtrt.quantize.qdq import sensitivity
 
@@ -94,14 +123,16 @@ def test_sensitivity_names_what_degrades_most(fp32_transformer):
     samples = _samples(src)
     amax = activation_ranges(model, names, samples)
     amax.update({k: float(np.abs(v).max()) for k, v in samples[0].items()})  # kept layers reading model inputs
-    rows = sensitivity(model, amax, samples[:2], top=30)
+    rows = sensitivity(model, amax, samples[:2], top=30, recipe=recipe)
     for err, node, why in rows:
-        print(f"{err:.2e}  {node}  {why}")
+        print(f"{recipe} {err:.2e}  {node}  {why}")
     errs = {node: err for err, node, _ in rows}
     kept = [node for _, node, why in rows if why]
     assert len(kept) == 3 and all(e > 0 for e in errs.values())
     median = sorted(errs.values())[len(errs) // 2]
     assert max(errs[k] for k in kept) > median  # x_embedder / context_embedder / proj_out: above the median
+    quantized = sorted(e for _, n, why in rows for e in [errs[n]] if not why)
+    assert quantized[-1] <= FP4_OUTLIER * quantized[len(quantized) // 2], quantized
 
 
 def test_fp8_without_calibration_is_refused(fp32_transformer):

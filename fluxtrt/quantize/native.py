@@ -24,7 +24,7 @@ from typing import Callable
 from ..errors import FluxtrtError
 from .qdq import FP8_MAX, _Writer, linear_weight, plan
 
-NATIVE_RECIPES = ("fp8",)
+NATIVE_RECIPES = ("fp8", "fp4")
 ALIGN = 64
 
 
@@ -33,7 +33,7 @@ class NativeQuantResult:
     path: Path
     quantized: int
     kept: dict
-    fp8_bytes: int  # E4M3 weights written
+    weight_bytes: int  # quantized weights written (E4M3; NVFP4 codes and block scales)
     linked_bytes: int  # weights left in the checkpoint
 
 
@@ -84,18 +84,77 @@ def quantize_weight_fp8(parts, transposed: bool):
     return q.contiguous().view(torch.uint8).numpy(), scale
 
 
+def _external(data, data_name: str, tensor) -> int:
+    """Move `tensor`'s bytes to the open data file (aligned) and point it there; returns the bytes written."""
+    from ..onnxio import set_external
+
+    raw = tensor.raw_data
+    offset = data.tell()
+    data.write(raw)
+    data.write(b"\0" * (-data.tell() % ALIGN))
+    set_external(tensor, data_name, offset, len(raw))
+    return len(raw)
+
+
+def _joined(parts, transposed: bool):
+    """bf16 bytes of a linear weight's parts -> the fp32 weight [out, in] (parts joined along out)."""
+    import numpy as np
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a read-only memory map: only read here
+        ws = [torch.from_numpy(np.frombuffer(raw, dtype=np.int16).reshape(dims)).view(torch.bfloat16).float()
+              for raw, dims in parts]
+    w = torch.cat(ws, 0) if transposed else torch.cat(ws, 1).t()
+    return w.contiguous().numpy()
+
+
+def _fp8_layer(n, wname, parts, transposed, amax, data, data_name):
+    """E4M3 weight (one scale) and activation Q/DQ for MatMul `n`: (nodes, initializers, bytes written)."""
+    import ml_dtypes
+    import numpy as np
+    from onnx import TensorProto, helper
+
+    from ..onnxio import set_external
+
+    q, scale = quantize_weight_fp8(parts, transposed)
+    offset = data.tell()
+    data.write(q.tobytes())
+    data.write(b"\0" * (-data.tell() % ALIGN))
+    qt = TensorProto(name=f"{wname}__fp8", data_type=TensorProto.FLOAT8E4M3FN, dims=q.shape)
+    set_external(qt, data_name, offset, q.nbytes)
+    out = _Writer()
+    n.input[0] = out.qdq(n.input[0], f"{n.name}__act", _bf16(amax / FP8_MAX), "fp8", ml_dtypes.bfloat16)
+    sname = out.const(f"{wname}__wscale", np.array(scale, dtype=ml_dtypes.bfloat16))
+    out.inits.append(qt)
+    out.nodes.append(helper.make_node("DequantizeLinear", [qt.name, sname], [f"{wname}__dq"], name=f"{n.name}__w_dq"))
+    n.input[1] = f"{wname}__dq"
+    return out.nodes, out.inits, q.nbytes
+
+
+def _fp4_layer(n, wname, parts, transposed, amax, data, data_name):
+    """NVFP4 weight (codes and block scales to the data file) and activation quantizer for MatMul `n`."""
+    import ml_dtypes
+
+    from . import nvfp4
+
+    _, tensors, nodes, n.input[0], n.input[1] = nvfp4.linear(_joined(parts, transposed), f"{wname}__fp4",
+                                                              n.input[0], amax, ml_dtypes.bfloat16)
+    written = sum(_external(data, data_name, t) for t in tensors[:2])
+    return nodes, tensors, written
+
+
 def quantize_linked(onnx_in: Path, dest_dir: Path, recipe: str, module_amax: dict,
                     progress: Callable[[int, int], None] = lambda done, total: None) -> NativeQuantResult:
     """Write `dest_dir/<name>.onnx` (+ `.onnx.data` with the E4M3 weights, + links for the rest) from the
     zero-copy bf16 graph `onnx_in`. Atomic: nothing appears in dest_dir unless all of it is written."""
-    import ml_dtypes
-    import numpy as np
     import onnx
-    from onnx import TensorProto, helper
+    from onnx import TensorProto
 
     from .. import weightmap
     from ..fileio import publish, staging_dir
-    from ..onnxio import copy_links, external_info, read_external, set_external
+    from ..onnxio import copy_links, external_info, read_external
+    from .nvfp4 import ensure_opsets
 
     if recipe not in NATIVE_RECIPES:
         raise FluxtrtError(f"recipe {recipe} cannot be built from the zero-copy graph; build it with --copy-weights")
@@ -113,32 +172,19 @@ def quantize_linked(onnx_in: Path, dest_dir: Path, recipe: str, module_amax: dic
         raise FluxtrtError(f"{onnx_in}: weight {bad[0]} is not bf16; the zero-copy fp8 path reads bf16 checkpoints")
     name = onnx_in.stem
     data_name = f"{name}.onnx.data"
-    out = _Writer()
-    new_nodes, done, fp8_bytes = [], 0, 0
+    new_nodes, added_inits, done, weight_bytes = [], [], 0, 0
     with staging_dir(Path(dest_dir), name) as tmp:
         with open(tmp / data_name, "wb") as data:
             for n in g.node:
                 if n.name in chosen:
                     wnames, transposed = chosen[n.name]
-                    wname = wnames[0]
-                    q, scale = quantize_weight_fp8([(read_external(onnx_in, inits[w]), tuple(inits[w].dims))
-                                                    for w in wnames], transposed)
-                    offset = data.tell()
-                    data.write(q.tobytes())
-                    data.write(b"\0" * (-data.tell() % ALIGN))
-                    qt = TensorProto(name=f"{wname}__fp8", data_type=TensorProto.FLOAT8E4M3FN, dims=q.shape)
-                    set_external(qt, data_name, offset, q.nbytes)
-                    fp8_bytes += q.nbytes
-                    out.nodes = []
-                    x = n.input[0]
-                    act_scale = _bf16(activation_amax(wnames, prov, module_amax) / FP8_MAX)
-                    n.input[0] = out.qdq(x, f"{n.name}__act", act_scale, "fp8", ml_dtypes.bfloat16)
-                    sname = out.const(f"{wname}__wscale", np.array(scale, dtype=ml_dtypes.bfloat16))
-                    out.inits.append(qt)
-                    out.nodes.append(helper.make_node("DequantizeLinear", [qt.name, sname], [f"{wname}__dq"],
-                                                      name=f"{n.name}__w_dq"))
-                    n.input[1] = f"{wname}__dq"
-                    new_nodes += out.nodes
+                    parts = [(read_external(onnx_in, inits[w]), tuple(inits[w].dims)) for w in wnames]
+                    amax = activation_amax(wnames, prov, module_amax)
+                    layer = _fp4_layer if recipe == "fp4" else _fp8_layer
+                    nodes_, inits_, written = layer(n, wnames[0], parts, transposed, amax, data, data_name)
+                    new_nodes += nodes_
+                    added_inits += inits_
+                    weight_bytes += written
                     done += 1
                     progress(done, len(chosen))
                 new_nodes.append(n)
@@ -153,10 +199,12 @@ def quantize_linked(onnx_in: Path, dest_dir: Path, recipe: str, module_amax: dic
         kept = [t for t in g.initializer if t.name in used]
         linked_bytes = sum(int(external_info(t).get("length", 0)) for t in kept if external_info(t) is not None)
         del g.initializer[:]
-        g.initializer.extend(kept + out.inits)
+        g.initializer.extend(kept + added_inits)
+        if recipe == "fp4":
+            ensure_opsets(model)
         weightmap.write(model, prov)
         copy_links(onnx_in, tmp / f"{name}.onnx")
         onnx.save(model, str(tmp / f"{name}.onnx"))
         staged = sorted(tmp.iterdir(), key=lambda f: f.suffix == ".onnx")  # the .onnx last
         publish(staged, Path(dest_dir))
-    return NativeQuantResult(Path(dest_dir) / f"{name}.onnx", len(chosen), p.kept, fp8_bytes, linked_bytes)
+    return NativeQuantResult(Path(dest_dir) / f"{name}.onnx", len(chosen), p.kept, weight_bytes, linked_bytes)

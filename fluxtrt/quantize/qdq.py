@@ -8,6 +8,7 @@ Recipes:
             TensorRT-RTX runs INT8 only as weight-only GEMMs
   int8-wo   INT8 weights, per-output-channel scales; activations stay in the graph's precision
   int4-wo   INT4 weights in blocks of 128 along K; activations stay in the graph's precision
+  fp4       NVFP4 weights and activations (E2M1, blocks of 16 along K, E4M3 block scales; nvfp4.py), sm120
 Which MatMuls: those with a constant 2-D weight whose activation is 3-D (the per-token linear layers of the
 blocks). Kept in high precision (the sensitive set): the 2-D Gemms of the time/guidance/text embedders, of
 `norm_out` and of the AdaLN modulation (they act once per sample), `x_embedder` (reads the latents input),
@@ -197,7 +198,19 @@ def quantize_model(model: onnx.ModelProto, recipe: str, act_amax: dict | None = 
             out.nodes = []
             w = numpy_helper.to_array(inits[n.input[1]]).astype(np.float32)
             x = n.input[0]
-            if recipe in ("fp8", "fp8-attn"):
+            if recipe == "fp4":  # global scales bf16-exact: precision placement stores them in bf16 unchanged
+                import ml_dtypes
+
+                from . import nvfp4
+
+                _, tensors, nodes, n.input[0], n.input[1] = nvfp4.linear(
+                    np.ascontiguousarray(w.T), f"{n.input[1]}__fp4", x, amax_of(x, n.name), ml_dtypes.bfloat16)
+                for t in tensors[:-2]:
+                    out.const(t.name, t)
+                for t in tensors[-2:]:  # the two global scales, stored fp32 until placement
+                    out.const(t.name, numpy_helper.to_array(t).astype(np.float32))
+                out.nodes += nodes
+            elif recipe in ("fp8", "fp8-attn"):
                 n.input[0] = out.qdq(x, f"{n.name}__act", amax_of(x, n.name) / FP8_MAX, "fp8")
                 n.input[1] = out.weight(w, n.input[1], n.name, "fp8")
             elif recipe == "int8":
@@ -220,25 +233,32 @@ def quantize_model(model: onnx.ModelProto, recipe: str, act_amax: dict | None = 
     kept_inits = [t for t in g.initializer if t.name in used]
     del g.initializer[:]
     g.initializer.extend(kept_inits + out.inits)
+    if recipe == "fp4":
+        from .nvfp4 import ensure_opsets
+
+        ensure_opsets(model)
     return model, p
 
 
-def sensitivity(model: onnx.ModelProto, act_amax: dict, feeds_list: list[dict], top: int = 8) -> list[tuple]:
-    """Quantize one weight MatMul at a time (fp8, the kept ones included) and measure the output error
+def sensitivity(model: onnx.ModelProto, act_amax: dict, feeds_list: list[dict], top: int = 8,
+                recipe: str = "fp8") -> list[tuple]:
+    """Quantize one weight MatMul at a time (`recipe`, the kept ones included) and measure the output error
     against the unquantized graph: [(relative error, MatMul, kept reason or ''), ...], worst first."""
     import copy
 
     from ..onnxio import onnxruntime
+    from .nvfp4 import emulate
 
     ort = onnxruntime()
 
-    p = plan(model, "fp8")
+    p = plan(model, recipe)
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     names = [o.name for o in model.graph.output]
     refs = [ref.run(names, f)[0] for f in feeds_list]
     rows = []
     for node in p.quantized + list(p.kept):
-        q, _ = quantize_model(copy.deepcopy(model), "fp8", act_amax, only=[node])
+        q, _ = quantize_model(copy.deepcopy(model), recipe, act_amax, only=[node])
+        q = emulate(q) if recipe == "fp4" else q
         s = ort.InferenceSession(q.SerializeToString(), providers=["CPUExecutionProvider"])
         err = max(float(np.abs(s.run(names, f)[0] - r).max() / np.abs(r).max()) for f, r in zip(feeds_list, refs))
         rows.append((err, node, p.kept.get(node, "")))

@@ -5,8 +5,9 @@ at bf16, or at fp8 whose other layers are bf16), `fluxtrt build` never makes an 
   export    zero-copy graph (weights are links into the checkpoint)     OUT/onnx/<hash>-<dtype>-zc/
   optimize  the graph passes, matrices never read: a linked weight's rewrites (q/k/v joined, transposed)
             are graph ops TensorRT folds at build; changed vectors are written  OUT/onnx/<hash>-<dtype>-zc-opt/
-  quantize  fp8: calibrate by module (cached), then quantize.native writes the E4M3 weights one at a time
-            (one per fused projection), every other weight stays a link   OUT/onnx/<hash>-fp8-zc/
+  quantize  fp8 / fp4: calibrate by module (cached; fp4 reads fp8's ranges), then quantize.native writes
+            the E4M3 (NVFP4) weights one at a time (one per fused projection), every other weight stays a
+            link                                                   OUT/onnx/<hash>-<recipe>-zc/
 Memory stays near one weight tensor until TensorRT's builder. `--copy-weights` takes the fp32 path instead
 (graph passes, every recipe). Each stage is reused when its recorded inputs are unchanged (stages/base.py)."""
 
@@ -79,9 +80,10 @@ def ensure_native(source, component: str, precision: str, out_root: Path, force:
         export_res = StageResult(component, "export", "built", res.seconds,
                                  f"zero-copy, {validation_text(res.max_rel_err)}", res.bytes, peak_rss_mb())
     opt_path, opt_res = _ensure_optimized(source, component, graph, path, out_root, force, on_phase, validate)
-    if precision not in ("fp8",):
+    if not REGISTRY[precision].recipe:
         return opt_path, [export_res, opt_res]
-    q_path, quant_res = _ensure_fp8(source, component, opt_path, out_root, force, on_phase, calib, validate)
+    q_path, quant_res = _ensure_quantized(source, component, precision, opt_path, out_root, force, on_phase, calib,
+                                          validate)
     return q_path, [export_res, opt_res, quant_res]
 
 
@@ -116,11 +118,11 @@ def _ensure_optimized(source, component, graph, zc_path, out_root, force, on_pha
                                     files_bytes(report.path), peak_rss_mb(), report.zero_copy)
 
 
-def _ensure_fp8(source, component, zc_path, out_root, force, on_phase, calib, validate):
+def _ensure_quantized(source, component, recipe, zc_path, out_root, force, on_phase, calib, validate):
     from ..quantize.native import quantize_linked
 
-    folder = Path(out_root) / "onnx" / f"{source.content_hash[:12]}-fp8-zc"
-    inputs = {"source_sha256": sha256_file(zc_path), "recipe": "fp8", "fluxtrt": __version__,
+    folder = Path(out_root) / "onnx" / f"{source.content_hash[:12]}-{recipe}-zc"
+    inputs = {"source_sha256": sha256_file(zc_path), "recipe": recipe, "fluxtrt": __version__,
               "calibration": {"prompts_sha256": prompts_sha256(calib), "size": calib.size, "steps": calib.steps,
                               "opt_resolution": calib.opt_resolution}}
     entry = None if force else _reusable(folder, OPTIMIZE_INFO, component, inputs, validate)
@@ -132,28 +134,29 @@ def _ensure_fp8(source, component, zc_path, out_root, force, on_phase, calib, va
     on_phase("calibrate")
     cal = calibrate_native(source, out_root, calib, lambda d, n: on_phase(f"calibrate {d}/{n} prompts"))
     on_phase("quantize")
-    q = quantize_linked(zc_path, folder, "fp8", cal.amax, lambda d, n: on_phase(f"quantize {d}/{n} weights"))
+    q = quantize_linked(zc_path, folder, recipe, cal.amax, lambda d, n: on_phase(f"quantize {d}/{n} weights"))
     max_err = None
     if validate:
         on_phase("validate")
         try:
-            max_err = validate_against_pytorch(source, component, q.path, "fp8", "quantized (zero-copy)")
+            max_err = validate_against_pytorch(source, component, q.path, recipe, "quantized (zero-copy)")
         except FluxtrtError:
             q.path.unlink()  # never left for a later build to pick up
             raise
-    record = {"recipe": "fp8", "path": "zero-copy", "calibration": cal.key, "calibration_cached": cal.cached,
+    record = {"recipe": recipe, "path": "zero-copy", "calibration": cal.key, "calibration_cached": cal.cached,
               "calibration_samples": cal.samples, "calibration_file": str(cal.path.relative_to(Path(out_root))),
               "quantized_layers": q.quantized, "kept_in_high_precision": q.kept, "other_layers": "bf16",
-              "fp8_weight_bytes": q.fp8_bytes, "linked_weight_bytes": q.linked_bytes}
+              f"{recipe}_weight_bytes": q.weight_bytes, "linked_weight_bytes": q.linked_bytes}
     record_entry(folder, component, StageRecord(inputs=inputs, sha256=sha256_file(q.path), max_rel_err=max_err,
                                                 quantization=record))
     return q.path, StageResult(component, "quantize", "built", time.perf_counter() - t0,
-                               f"{q.quantized} fp8 layers, {validation_text(max_err)}", files_bytes(q.path),
+                               f"{q.quantized} {recipe} layers, {validation_text(max_err)}", files_bytes(q.path),
                                peak_rss_mb(), record)
 
 
 def calibrate_native(source, out_root: Path, calib: CalibrationSettings, on_prompt=lambda done, total: None):
-    """Module calibration for the zero-copy fp8 path, cached in OUT/calibration/ (`fluxtrt calibrate` and
+    """Module calibration for the zero-copy fp8 and fp4 paths (fp4 reads fp8's ranges), cached in
+    OUT/calibration/ (`fluxtrt calibrate` and
     `fluxtrt build` both come through here)."""
     import torch
 
