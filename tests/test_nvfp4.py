@@ -2,6 +2,8 @@
 the recipe's fake-quant bit for bit; values are the nearest E2M1 points; a corrupted block scale is caught;
 TensorRT-RTX builds the ModelOpt NVFP4 form for sm120 on this CPU (slow)."""
 
+import json
+
 import ml_dtypes
 import numpy as np
 import onnx
@@ -164,3 +166,109 @@ def test_emulated_graph_computes_the_recipe():
     # the rounding itself, on the values chosen as ties: half-way points go to the even E2M1 code
     tie_x = np.repeat(np.float32([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0]), 2)[None]
     assert np.array_equal(nvfp4.fake_quant_activation(tie_x, 1 / 448)[0, ::2], np.float32([0, 1, 1, 2, 2, 4, 4, 6]))
+
+
+def torch_nvfp4(w: "torch.Tensor") -> "torch.Tensor":  # noqa: F821
+    """An independent PyTorch fake-quant of the recipe: bf16 global scale, E4M3 block scales, E2M1 on its three
+    rounding grids (torch.round is half-to-even)."""
+    import torch
+
+    w = w.float()
+    out, inp = w.shape
+    g = (w.abs().max() / (6 * 448)).to(torch.bfloat16).float()
+    blocks = w.reshape(out, inp // 16, 16)
+    step = (blocks.abs().amax(-1) / 6 / g).clamp(max=448).to(torch.float8_e4m3fn).float() * g
+    q = torch.where(step[..., None] > 0, blocks / step[..., None], torch.zeros(())).clamp(-6, 6)
+    e2m1 = torch.where(q.abs() < 2, torch.round(q * 2) / 2, torch.where(q.abs() < 4, torch.round(q), torch.round(q / 2) * 2))
+    return (e2m1 * step[..., None]).reshape(out, inp)
+
+
+@pytest.fixture(scope="module")
+def fp4_zero_copy(tiny_bf16, tmp_path_factory):
+    pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installed (pip install -e '.[rtx]')")
+    from fluxtrt.gpus import load_gpu
+    from fluxtrt.records import CalibrationSettings
+    from fluxtrt.stages.build import build_gpu
+
+    root = tmp_path_factory.mktemp("fp4-zc")
+    cfg = load_gpu("5090").with_precision({"transformer": "fp4"})
+    manifest, _ = build_gpu(tiny_bf16, cfg, root, ["transformer"], calibration=CalibrationSettings(size=3, steps=2))
+    return tiny_bf16, root, manifest
+
+
+def test_fp4_from_a_bf16_checkpoint_is_the_recipe_bit_for_bit(fp4_zero_copy):
+    """The zero-copy fp4 build (sm120 engine from the bf16 checkpoint): every NVFP4 weight in the file
+    dequantizes to the PyTorch fake-quant of its checkpoint tensors (fused projections: their parts joined)
+    bit for bit; codes and block scales live in transformer.onnx.data, the rest stays linked; validated
+    against fp32 PyTorch (activations emulated) within the fp4 bound."""
+    import torch
+    from safetensors.torch import load_file
+
+    from fluxtrt.onnxio import external_info, load_onnx
+    from fluxtrt.quantize.qdq import linear_weight
+    from fluxtrt.validate import bound_for
+
+    src, root, manifest = fp4_zero_copy
+    e = manifest.components["transformer"]
+    assert e.precision == "fp4" and manifest.compute_capability == "12.0" and e.bytes > 10_000
+    q = e.quantization
+    assert q["recipe"] == "fp4" and q["path"] == "zero-copy" and q["quantized_layers"] == 20
+    opt = json.loads((root / e.onnx).with_name("optimize.json").read_text())["components"]["transformer"]
+    assert 0 < opt["max_rel_err"] <= bound_for("transformer", "fp4", 0.0)
+    path = root / e.onnx
+    header = onnx.load(str(path), load_external_data=False)
+    f4 = [t for t in header.graph.initializer if t.data_type == T.FLOAT4E2M1]
+    assert len(f4) == 20 and all(external_info(t)["location"] == "transformer.onnx.data" for t in f4)
+    assert {n.op_type for n in header.graph.node} >= {"TRT_FP4DynamicQuantize", "DequantizeLinear"}
+    model = load_onnx(path)
+    inits = {t.name: t for t in model.graph.initializer}
+    zc = onnx.load(str(next((root / "onnx").glob("*-bf16-zc-opt")) / "transformer.onnx"), load_external_data=False)
+    zc_inits = {t.name: t for t in zc.graph.initializer}
+    zc_producers = {o: n for n in zc.graph.node for o in n.output}
+    sd = load_file(next((src.path / "transformer").glob("*.safetensors")))
+    checked = 0
+    for n in zc.graph.node:
+        parts = linear_weight(n, zc_inits, zc_producers) if n.op_type == "MatMul" else None
+        if parts is None or f"{parts[0][0]}__fp4_f4" not in inits:
+            continue
+        name = f"{parts[0][0]}__fp4"
+        t4, t8, tg = inits[f"{name}_f4"], inits[f"{name}_f8_scale"], inits[f"{name}_f8_scale_f32_scale"]
+        written = nvfp4.dequantize(nvfp4.NVFP4Weight(
+            np.frombuffer(t4.raw_data, np.uint8), np.frombuffer(t8.raw_data, np.uint8).reshape(tuple(t8.dims)),
+            np.float32(onnx.numpy_helper.to_array(tg).astype(np.float32)), tuple(t4.dims)))
+        want = torch_nvfp4(torch.cat([sd[k] for k in parts[0]], 0)).numpy()
+        assert np.array_equal(written.view(np.uint32), want.view(np.uint32)), name
+        checked += 1
+    assert checked == 20
+
+
+def test_fp4_needs_blackwell_and_says_fp8_otherwise(tmp_path):
+    from typer.testing import CliRunner
+
+    from fluxtrt.cli import app
+
+    res = CliRunner().invoke(app, ["build", "--gpu", "4090", "--model", "tiny", "-c", "transformer", "-p",
+                                   "transformer=fp4", "-o", str(tmp_path)])
+    assert res.exit_code == 2 and "use fp8" in res.output and "Traceback" not in res.output, res.output
+    assert len(res.output.strip().splitlines()) == 1 and not (tmp_path / "onnx").exists()
+
+
+@pytest.mark.slow
+def test_tiny_fp4_engine_for_5090_from_the_cli(tmp_path):
+    """The README's command: a real sm120 NVFP4 engine of `tiny` (fp32 path), built on this CPU."""
+    pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installed (pip install -e '.[rtx]')")
+    from typer.testing import CliRunner
+
+    from fluxtrt.cli import app
+    from fluxtrt.records import read_manifest
+
+    res = CliRunner().invoke(app, ["build", "--gpu", "5090", "--model", "tiny", "-c", "transformer", "-p",
+                                   "transformer=fp4", "-o", str(tmp_path), "--calibration-size", "2",
+                                   "--calibration-steps", "1"])
+    assert res.exit_code == 0, res.output
+    m = read_manifest(tmp_path / "5090-fp4")
+    e = m.components["transformer"]
+    assert m.compute_capability == "12.0" and e.precision == "fp4" and e.quantization["recipe"] == "fp4"
+    assert (tmp_path / "5090-fp4" / e.engine).stat().st_size == e.bytes > 10_000
+    header = onnx.load(str(tmp_path / e.onnx), load_external_data=False)
+    assert sum(t.data_type == T.FLOAT4E2M1 for t in header.graph.initializer) == e.quantization["quantized_layers"]
