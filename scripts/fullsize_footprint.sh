@@ -13,6 +13,8 @@
 #   bash scripts/fullsize_footprint.sh OUTDIR build-fp8       # fluxtrt build -p transformer=fp8, CPU only, 16 cores
 #   bash scripts/fullsize_footprint.sh OUTDIR build-bf16      # fluxtrt build -p transformer=bf16, CPU only, 16 cores
 #   bash scripts/fullsize_footprint.sh OUTDIR layers          # parsed / computed layers, unfused vs fused (after both)
+#   bash scripts/fullsize_footprint.sh OUTDIR build-fp4       # fluxtrt build --gpu 5090 -p transformer=fp4 (sm120)
+#   bash scripts/fullsize_footprint.sh OUTDIR static-all      # every component, 5090, 1024² batch 1 (memory table)
 # Work files go to $WORK (default /root/fullsize); results are appended to OUTDIR/footprint.jsonl.
 set -uo pipefail
 OUTDIR=${1:?OUTDIR}; STEP=${2:?step}
@@ -60,17 +62,24 @@ case "$STEP" in
   calibrate)
     $M --label calibrate-fp8-cuda --written "$WORK/build/calibration" -- \
       python3 -m fluxtrt.cli calibrate --model "$FULL" --out "$WORK/build" --device cuda ;;
-  build-fp8|build-bf16)
+  build-fp8|build-bf16|build-fp4)
     P=${STEP#build-}
+    GPU=4090; SM=sm89; [ "$P" = fp4 ] && { GPU=5090; SM=sm120; }  # NVFP4 is Blackwell-only
     python3 -c 'import tensorrt_rtx as t; print("tensorrt_rtx", t.__version__)' | tee -a "$OUTDIR/machine.txt"
-    $CPU16 $M --label "fluxtrt-build-$P-sm89-cpu16" --written "$WORK/build" -- \
-      python3 -m fluxtrt.cli build --gpu 4090 --model "$FULL" -c transformer -p "transformer=$P" --no-validate \
+    $CPU16 $M --label "fluxtrt-build-$P-$SM-cpu16" --written "$WORK/build" -- \
+      python3 -m fluxtrt.cli build --gpu $GPU --model "$FULL" -c transformer -p "transformer=$P" --no-validate \
       --out "$WORK/build"
-    G="$WORK/build/4090"; [ -d "$WORK/build/4090-$P" ] && G="$WORK/build/4090-$P"  # -p other than the config's
+    G="$WORK/build/$GPU"; [ -d "$WORK/build/$GPU-$P" ] && G="$WORK/build/$GPU-$P"  # -p other than the config's
     cp "$G/manifest.json" "$OUTDIR/manifest-$P.json"
     cp "$G/build.log" "$OUTDIR/build-$P.log"
     ls -la "$WORK/build/onnx"/* | tee "$OUTDIR/onnx-files-$P.txt"
     rm -f "$G/transformer.engine" ;;
+  static-all)  # every run component for the 5090 at 1024², batch 1 (static profile): the builder's activation
+               # and weight reports for the memory table (scripts/memory_table.py); engines deleted after
+    $CPU16 $M --label "fluxtrt-build-static-all-sm120-cpu16" --written "$WORK/static" -- \
+      python3 -m fluxtrt.cli build --gpu 5090 --model "$FULL" --static-shape --no-validate --out "$WORK/static"
+    cp "$WORK/static/5090/manifest.json" "$OUTDIR/manifest-static-5090.json"
+    rm -f "$WORK/static/5090/"*.engine ;;
   layers)  # parsed and computed layers of the graphs handed to TensorRT: unfused zero-copy vs fused (bf16),
            # and fp8 quantized from the unfused graph (as before the passes ran on this path) vs the fused one
     H=$(ls -d "$WORK/build/onnx/"*-bf16-zc | head -1); H=$(basename "$H"); H=${H%-bf16-zc}
