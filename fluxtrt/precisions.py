@@ -23,7 +23,6 @@ class Precision:
     min_cc: tuple = (0, 0)
     backends: tuple = ("tensorrt-rtx", "tensorrt")
     zero_copy_graph: str | None = None  # the graph dtype a checkpoint stored in it builds from without a copy
-    ranges_from: str | None = None  # the recipe whose calibrated activation ranges it reads (one cache for both)
     instead: str = "int8-wo or int4-wo"  # what to use on a target below min_cc
 
 
@@ -42,16 +41,12 @@ REGISTRY = {p.name: p for p in (
     Precision("int4-wo", "INT4 weights in blocks of 128; activations in bf16", _T, True, False, "bf16"),
     Precision("fp4", "NVFP4: E2M1 weights and activations in blocks of 16 with E4M3 block scales (calibrated "
               "global scales; RTX 50-series)", _T, True, True, "bf16", (10, 0), zero_copy_graph="bf16",
-              ranges_from="fp8", instead="fp8"),
+              instead="fp8"),
 )}
 FLOATS = tuple(n for n, p in REGISTRY.items() if not p.recipe)
 RECIPES = tuple(n for n, p in REGISTRY.items() if p.recipe)
 CALIBRATED = tuple(n for n, p in REGISTRY.items() if p.calibrated)
 
-
-def calibration_recipe(name: str) -> str:
-    """The recipe whose activation ranges `name` is calibrated with (fp4 reads fp8's module ranges)."""
-    return REGISTRY[name].ranges_from or name
 
 
 def is_quantized(name: str) -> bool:

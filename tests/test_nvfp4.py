@@ -212,13 +212,13 @@ def test_fp4_from_a_bf16_checkpoint_is_the_recipe_bit_for_bit(fp4_zero_copy):
     e = manifest.components["transformer"]
     assert e.precision == "fp4" and manifest.compute_capability == "12.0" and e.bytes > 10_000
     q = e.quantization
-    assert q["recipe"] == "fp4" and q["path"] == "zero-copy" and q["quantized_layers"] == 20
+    assert q["recipe"] == "fp4" and q["path"] == "zero-copy" and q["quantized_layers"] == 26  # 20 MatMuls + 6 AdaLN Gemms
     opt = json.loads((root / e.onnx).with_name("optimize.json").read_text())["components"]["transformer"]
     assert 0 < opt["max_rel_err"] <= bound_for("transformer", "fp4", 0.0)
     path = root / e.onnx
     header = onnx.load(str(path), load_external_data=False)
     f4 = [t for t in header.graph.initializer if t.data_type == T.FLOAT4E2M1]
-    assert len(f4) == 20 and all(external_info(t)["location"] == "transformer.onnx.data" for t in f4)
+    assert len(f4) == 26 and all(external_info(t)["location"] == "transformer.onnx.data" for t in f4)
     assert {n.op_type for n in header.graph.node} >= {"TRT_FP4DynamicQuantize", "DequantizeLinear"}
     model = load_onnx(path)
     inits = {t.name: t for t in model.graph.initializer}
@@ -228,7 +228,7 @@ def test_fp4_from_a_bf16_checkpoint_is_the_recipe_bit_for_bit(fp4_zero_copy):
     sd = load_file(next((src.path / "transformer").glob("*.safetensors")))
     checked = 0
     for n in zc.graph.node:
-        parts = linear_weight(n, zc_inits, zc_producers) if n.op_type == "MatMul" else None
+        parts = linear_weight(n, zc_inits, zc_producers) if n.op_type in ("MatMul", "Gemm") else None
         if parts is None or f"{parts[0][0]}__fp4_f4" not in inits:
             continue
         name = f"{parts[0][0]}__fp4"
@@ -239,7 +239,7 @@ def test_fp4_from_a_bf16_checkpoint_is_the_recipe_bit_for_bit(fp4_zero_copy):
         want = torch_nvfp4(torch.cat([sd[k] for k in parts[0]], 0)).numpy()
         assert np.array_equal(written.view(np.uint32), want.view(np.uint32)), name
         checked += 1
-    assert checked == 20
+    assert checked == 26
 
 
 def test_fp4_needs_blackwell_and_says_fp8_otherwise(tmp_path):

@@ -138,8 +138,9 @@ def _fp4_layer(n, wname, parts, transposed, amax, data, data_name):
 
     from . import nvfp4
 
-    _, tensors, nodes, n.input[0], n.input[1] = nvfp4.linear(_joined(parts, transposed), f"{wname}__fp4",
-                                                              n.input[0], amax, ml_dtypes.bfloat16)
+    gemm = n.op_type == "Gemm"  # transB=1 (the AdaLN modulation): the weight is [out, in] as stored
+    _, tensors, nodes, n.input[0], n.input[1] = nvfp4.linear(_joined(parts, transposed or gemm), f"{wname}__fp4",
+                                                              n.input[0], amax, ml_dtypes.bfloat16, not gemm)
     written = sum(_external(data, data_name, t) for t in tensors[:2])
     return nodes, tensors, written
 

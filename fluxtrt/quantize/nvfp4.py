@@ -258,16 +258,18 @@ def emulate(model):
     return m
 
 
-def linear(w: np.ndarray, name: str, x: str, act_amax: float, scale_dtype=np.float32):
-    """One linear layer in NVFP4: its weight [out, in] quantized, and the nodes that give the MatMul its
-    inputs. -> (NVFP4Weight, initializers [codes, block scales, weight global, activation global], nodes,
-    the MatMul's activation input, the MatMul's weight input [in, out])."""
+def linear(w: np.ndarray, name: str, x: str, act_amax: float, scale_dtype=np.float32, transpose: bool = True):
+    """One linear layer in NVFP4: its weight [out, in] quantized, and the nodes that give the MatMul (or a
+    Gemm with transB, `transpose=False`) its inputs. -> (NVFP4Weight, initializers [codes, block scales, weight
+    global, activation global], nodes, the activation input, the weight input: [in, out], or [out, in])."""
     from onnx import helper, numpy_helper
 
     q = quantize(w, scale_dtype=scale_dtype)
     act_global = numpy_helper.from_array(np.asarray(global_scale_of(act_amax, scale_dtype)).astype(scale_dtype),
                                          f"{name}_act_global")
     act, x_dq = activation_nodes(x, f"{name}_act", act_global.name)
-    nodes = dequantize_nodes(name, f"{name}_dq") + [
-        helper.make_node("Transpose", [f"{name}_dq"], [f"{name}_dq_t"], perm=[1, 0], name=f"{name}_Transpose")] + act
-    return q, [*onnx_tensors(q, name, scale_dtype), act_global], nodes, x_dq, f"{name}_dq_t"
+    nodes = dequantize_nodes(name, f"{name}_dq")
+    if not transpose:
+        return q, [*onnx_tensors(q, name, scale_dtype), act_global], nodes + act, x_dq, f"{name}_dq"
+    nodes.append(helper.make_node("Transpose", [f"{name}_dq"], [f"{name}_dq_t"], perm=[1, 0], name=f"{name}_Transpose"))
+    return q, [*onnx_tensors(q, name, scale_dtype), act_global], nodes + act, x_dq, f"{name}_dq_t"

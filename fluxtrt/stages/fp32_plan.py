@@ -12,7 +12,7 @@ from ..components import specs_for
 from ..errors import FluxtrtError
 from ..export import DEFAULT_OPSET, EXPORT_INFO, export_component, write_export_info
 from ..fileio import peak_rss_mb, sha256_file
-from ..precisions import REGISTRY, calibration_recipe, is_quantized
+from ..precisions import REGISTRY, is_quantized
 from ..records import StageRecord
 from .base import (
     OPTIMIZE_INFO,
@@ -117,7 +117,7 @@ def optimize_component(source, component, dtype, fp32_path, folder, out_root, ca
     t0 = time.perf_counter()
     if REGISTRY[dtype].calibrated:
         on_phase("calibrate")
-        cal = calibrate_graph(source, model, calibration_recipe(dtype), out_root, calib)
+        cal = calibrate_graph(source, model, dtype, out_root, calib)
         amax, channel = cal.amax, cal.channel_amax
         record.update(calibration=cal.key, calibration_cached=cal.cached, calibration_samples=cal.samples,
                       calibration_file=str(cal.path.relative_to(Path(out_root))))
