@@ -82,6 +82,20 @@ def prompts_sha256(calib) -> str:
                            "--calibration-prompts (one prompt per line)") from None
 
 
+def validated_or_removed(source, component: str, onnx_path: Path, dtype: str, what: str, validate: bool,
+                         on_phase) -> float | None:
+    """validate_against_pytorch when `validate`; a graph that fails is deleted (never left for a later build
+    to pick up) and the error raised. None when not validated."""
+    if not validate:
+        return None
+    on_phase("validate")
+    try:
+        return validate_against_pytorch(source, component, onnx_path, dtype, what)
+    except FluxtrtError:
+        Path(onnx_path).unlink()
+        raise
+
+
 def validate_against_pytorch(source, component: str, onnx_path: Path, dtype: str, what: str) -> float:
     """ONNX Runtime on `onnx_path` vs the fp32 PyTorch module loaded from the checkpoint, at `dtype`'s bound;
     returns the max relative error or raises."""

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from .. import __version__
 from ..components import specs_for
-from ..errors import FluxtrtError
 from ..export import DEFAULT_OPSET, EXPORT_INFO, export_component, write_export_info
 from ..fileio import peak_rss_mb, sha256_file
 from ..precisions import REGISTRY, is_quantized
@@ -22,7 +21,7 @@ from .base import (
     prompts_sha256,
     record_entry,
     recorded,
-    validate_against_pytorch,
+    validated_or_removed,
     validation_text,
 )
 
@@ -77,14 +76,7 @@ def _ensure_optimized(source, component, dtype, fp32_path, out_root, force, on_p
     t0 = time.perf_counter()
     out_path, report, quant, quant_seconds = optimize_component(source, component, dtype, fp32_path, folder,
                                                                 out_root, calib, on_phase)
-    max_err = None
-    if validate:
-        on_phase("validate")
-        try:
-            max_err = validate_against_pytorch(source, component, out_path, dtype, "optimized")
-        except FluxtrtError:
-            out_path.unlink()
-            raise
+    max_err = validated_or_removed(source, component, out_path, dtype, "optimized", validate, on_phase)
     record_entry(folder, component, StageRecord(inputs=inputs, sha256=sha256_file(out_path), max_rel_err=max_err,
                                                 nodes=[report.rows[0][1], report.rows[-1][2]], quantization=quant))
     seconds = time.perf_counter() - t0 - quant_seconds

@@ -31,7 +31,7 @@ from .base import (
     prompts_sha256,
     record_entry,
     recorded,
-    validate_against_pytorch,
+    validated_or_removed,
     validation_text,
 )
 
@@ -102,14 +102,7 @@ def _ensure_optimized(source, component, graph, zc_path, out_root, force, on_pha
     on_phase("optimize")
     t0 = time.perf_counter()
     report = optimize_linked(zc_path, folder / f"{component}.onnx", component)
-    max_err = None
-    if validate:
-        on_phase("validate")
-        try:
-            max_err = validate_against_pytorch(source, component, report.path, graph, "optimized (zero-copy)")
-        except FluxtrtError:
-            report.path.unlink()
-            raise
+    max_err = validated_or_removed(source, component, report.path, graph, "optimized (zero-copy)", validate, on_phase)
     nodes = [report.rows[0][1], report.rows[-1][2]]
     record_entry(folder, component, StageRecord(inputs=inputs, sha256=sha256_file(report.path), max_rel_err=max_err,
                                                 nodes=nodes, zero_copy=report.zero_copy))
@@ -135,14 +128,7 @@ def _ensure_quantized(source, component, recipe, zc_path, out_root, force, on_ph
     cal = calibrate_native(source, out_root, calib, lambda d, n: on_phase(f"calibrate {d}/{n} prompts"))
     on_phase("quantize")
     q = quantize_linked(zc_path, folder, recipe, cal.amax, lambda d, n: on_phase(f"quantize {d}/{n} weights"))
-    max_err = None
-    if validate:
-        on_phase("validate")
-        try:
-            max_err = validate_against_pytorch(source, component, q.path, recipe, "quantized (zero-copy)")
-        except FluxtrtError:
-            q.path.unlink()  # never left for a later build to pick up
-            raise
+    max_err = validated_or_removed(source, component, q.path, recipe, "quantized (zero-copy)", validate, on_phase)
     record = {"recipe": recipe, "path": "zero-copy", "calibration": cal.key, "calibration_cached": cal.cached,
               "calibration_samples": cal.samples, "calibration_file": str(cal.path.relative_to(Path(out_root))),
               "quantized_layers": q.quantized, "kept_in_high_precision": q.kept, "other_layers": "bf16",
