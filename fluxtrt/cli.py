@@ -103,7 +103,7 @@ MODEL = _opt("tiny", "--model", "-m", help=MODEL_HELP)
 COMPONENTS = _opt(None, "--components", "-c", help="Components, comma-separated: clip, t5, transformer, "
                   "vae_decoder, vae_encoder (default: all).")
 PRECISION = _opt(None, "--precision", "-p", help="Override the config's precision: `bf16` for every component, "
-                 "`fp8` / `int8-wo` / `int4-wo` for every component that has the recipe (the config's precision "
+                 "`fp8` / `fp4` (RTX 50) / `int8-wo` / `int4-wo` for every component that has the recipe (the config's precision "
                  "for the rest), or per component `transformer=fp8,t5=bf16`.")
 VALIDATE = _opt(True, "--validate/--no-validate", help="Compare every ONNX with PyTorch in ONNX Runtime (needs the "
                 "fp32 model in memory: turn it off for full-size models on small machines).")

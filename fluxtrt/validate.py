@@ -17,7 +17,7 @@ RTOL_BY_COMPONENT = {("transformer", "fp16"): 5e-2, ("transformer", "bf16"): 1e-
                      # quantized linear layers on top of bf16 placement
                      ("transformer", "fp8"): 1.5e-1, ("transformer", "fp8-attn"): 1.5e-1,
                      ("transformer", "int8"): 1.5e-1, ("transformer", "int8-wo"): 1.5e-1,
-                     ("transformer", "int4-wo"): 2e-1, ("transformer", "fp4"): 5e-1}
+                     ("transformer", "int4-wo"): 2e-1, ("transformer", "fp4"): 2e-1}
 
 
 def bound_for(component: str, dtype: str, fp32_bound: float) -> float:
