@@ -272,3 +272,34 @@ def test_tiny_fp4_engine_for_5090_from_the_cli(tmp_path):
     assert (tmp_path / "5090-fp4" / e.engine).stat().st_size == e.bytes > 10_000
     header = onnx.load(str(tmp_path / e.onnx), load_external_data=False)
     assert sum(t.data_type == T.FLOAT4E2M1 for t in header.graph.initializer) == e.quantization["quantized_layers"]
+
+
+# `fluxtrt run --backend onnxruntime` on fp4 engines (the emulated graph) against diffusers in fp32, tiny, 3
+# steps at 256x320: the whole pipeline's latents and image differ by the recipe's error only. Measured (two
+# runs, 2026-12-01): latents max |diff| / max |ref| 6.8e-3, 1.3e-2, 2.3e-2 by step; image mean |diff| 0.86/255.
+# Bounds ~2.5x that:
+FP4_LATENT_REL, FP4_IMAGE_MEAN = 6e-2, 2.0
+
+
+@pytest.mark.slow
+def test_fp4_engines_run_on_onnx_runtime_close_to_diffusers(tmp_path):
+    pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installed (pip install -e '.[rtx]')")
+    from fluxtrt.gpus import load_gpu
+    from fluxtrt.models.source import resolve_model
+    from fluxtrt.records import CalibrationSettings
+    from fluxtrt.runtime.pipeline import FluxEngines
+    from fluxtrt.stages.build import build_gpu
+    from tests.test_runtime import reference
+
+    src = resolve_model("tiny")
+    cfg = load_gpu("5090").with_precision({"transformer": "fp4"})
+    build_gpu(src, cfg, tmp_path, ["clip", "t5", "transformer", "vae_decoder"],
+              calibration=CalibrationSettings(size=3, steps=2))
+    seed = int(np.random.default_rng().integers(0, 2**31))
+    ref, ref_latents = reference(src, ["a red fox in the snow"], 256, 320, 3, 3.5, seed)
+    res = FluxEngines(tmp_path / cfg.key, "onnxruntime").generate(["a red fox in the snow"], 256, 320, 3, 3.5, seed,
+                                                                 trace=True)
+    errs = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(res.latents_per_step, ref_latents)]
+    mean = float(np.abs(res.images.astype(int) - ref.astype(int)).mean())
+    print(f"fp4 latents rel err per step {['%.1e' % e for e in errs]}, image mean |diff| {mean:.2f}/255")
+    assert 0 < max(errs) <= FP4_LATENT_REL and mean <= FP4_IMAGE_MEAN

@@ -1,4 +1,5 @@
-"""fp8 straight from a bf16 checkpoint: Q/DQ inserted into the zero-copy bf16 graph, one weight at a time.
+"""fp8 (and fp4 the same way, nvfp4.py) straight from a bf16 checkpoint: Q/DQ inserted into the zero-copy bf16
+graph, one weight at a time.
 
 The fp32 path (qdq.quantize_model) holds the whole fp32 graph in memory; at FLUX.1-dev size that is 47.6 GB.
 Here the input is the zero-copy export (its weights are links into the checkpoint's safetensors): each linear
@@ -70,13 +71,9 @@ def quantize_weight_fp8(parts, transposed: bool):
     -> (E4M3 bytes as [in, sum of outs], bf16-exact scale). One scale per fused weight: the max |w| over its
     parts, as TensorRT's FP8 GEMM takes one weight scale (the cost against a scale per part is measured in
     tests/test_native_build.py)."""
-    import numpy as np
     import torch
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a read-only memory map: only read here
-        ws = [torch.from_numpy(np.frombuffer(raw, dtype=np.int16).reshape(dims)).view(torch.bfloat16).float()
-              for raw, dims in parts]
+    ws = _bf16_tensors(parts)
     scale = _bf16(max(float(w.abs().max()) for w in ws) / FP8_MAX) or 1.0
     q = torch.cat([(w / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn) for w in ws], 0 if transposed else 1)
     if transposed:
@@ -96,15 +93,22 @@ def _external(data, data_name: str, tensor) -> int:
     return len(raw)
 
 
-def _joined(parts, transposed: bool):
-    """bf16 bytes of a linear weight's parts -> the fp32 weight [out, in] (parts joined along out)."""
+def _bf16_tensors(parts):
+    """[(bf16 bytes, dims)] -> fp32 torch tensors (the bytes are read-only memory maps: only read here)."""
     import numpy as np
     import torch
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a read-only memory map: only read here
-        ws = [torch.from_numpy(np.frombuffer(raw, dtype=np.int16).reshape(dims)).view(torch.bfloat16).float()
-              for raw, dims in parts]
+        warnings.simplefilter("ignore")
+        return [torch.from_numpy(np.frombuffer(raw, dtype=np.int16).reshape(dims)).view(torch.bfloat16).float()
+                for raw, dims in parts]
+
+
+def _joined(parts, transposed: bool):
+    """bf16 bytes of a linear weight's parts -> the fp32 weight [out, in] (parts joined along out)."""
+    import torch
+
+    ws = _bf16_tensors(parts)
     w = torch.cat(ws, 0) if transposed else torch.cat(ws, 1).t()
     return w.contiguous().numpy()
 
@@ -115,21 +119,16 @@ def _fp8_layer(n, wname, parts, transposed, amax, data, data_name):
     import numpy as np
     from onnx import TensorProto, helper
 
-    from ..onnxio import set_external
-
     q, scale = quantize_weight_fp8(parts, transposed)
-    offset = data.tell()
-    data.write(q.tobytes())
-    data.write(b"\0" * (-data.tell() % ALIGN))
-    qt = TensorProto(name=f"{wname}__fp8", data_type=TensorProto.FLOAT8E4M3FN, dims=q.shape)
-    set_external(qt, data_name, offset, q.nbytes)
+    qt = TensorProto(name=f"{wname}__fp8", data_type=TensorProto.FLOAT8E4M3FN, dims=q.shape, raw_data=q.tobytes())
+    written = _external(data, data_name, qt)
     out = _Writer()
     n.input[0] = out.qdq(n.input[0], f"{n.name}__act", _bf16(amax / FP8_MAX), "fp8", ml_dtypes.bfloat16)
     sname = out.const(f"{wname}__wscale", np.array(scale, dtype=ml_dtypes.bfloat16))
     out.inits.append(qt)
     out.nodes.append(helper.make_node("DequantizeLinear", [qt.name, sname], [f"{wname}__dq"], name=f"{n.name}__w_dq"))
     n.input[1] = f"{wname}__dq"
-    return out.nodes, out.inits, q.nbytes
+    return out.nodes, out.inits, written
 
 
 def _fp4_layer(n, wname, parts, transposed, amax, data, data_name):
@@ -147,8 +146,8 @@ def _fp4_layer(n, wname, parts, transposed, amax, data, data_name):
 
 def quantize_linked(onnx_in: Path, dest_dir: Path, recipe: str, module_amax: dict,
                     progress: Callable[[int, int], None] = lambda done, total: None) -> NativeQuantResult:
-    """Write `dest_dir/<name>.onnx` (+ `.onnx.data` with the E4M3 weights, + links for the rest) from the
-    zero-copy bf16 graph `onnx_in`. Atomic: nothing appears in dest_dir unless all of it is written."""
+    """Write `dest_dir/<name>.onnx` (+ `.onnx.data` with the E4M3 or NVFP4 weights, + links for the rest) from
+    the zero-copy bf16 graph `onnx_in`. Atomic: nothing appears in dest_dir unless all of it is written."""
     import onnx
     from onnx import TensorProto
 
