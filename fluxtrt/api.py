@@ -206,6 +206,7 @@ class RunOptions:
     engines: Path | None = None
     model: str | None = None
     backend: str = "auto"
+    ort_provider: str = "auto"  # ONNX Runtime's execution provider (--backend onnxruntime): auto, cpu, cuda, ...
     fallback: list = field(default_factory=list)
     torch_dtype: str = "bf16"
     compile: bool = False
@@ -288,6 +289,22 @@ def _gpu_only_flags(opts: RunOptions, backend: str) -> list[str]:
     return []
 
 
+def _ort_provider(requested: str, choice) -> str:
+    """ONNX Runtime's provider when it runs (said once), else the request is only checked for a valid name."""
+    from .runtime.choice import ort_provider
+    from .runtime.executors import ORT_PROVIDERS
+
+    if choice.backend != "onnxruntime":
+        if requested not in ("auto", *ORT_PROVIDERS):
+            raise FluxtrtError(f"--ort-provider {requested}: choose auto, {', '.join(ORT_PROVIDERS)}")
+        if requested != "auto":
+            choice.notes.append(f"--ort-provider has no effect with the {choice.backend} backend")
+        return "cpu"
+    provider = ort_provider(requested)
+    choice.notes.append(f"ONNX Runtime runs on the {provider.upper()} execution provider")
+    return provider
+
+
 def open_pipeline(opts: RunOptions):
     """(FluxEngines, backend choice) for these options: the executor `auto` picks, PyTorch where engines lack."""
     from .runtime.choice import choose_backend
@@ -306,7 +323,8 @@ def open_pipeline(opts: RunOptions):
     if opts.negative_prompt is not None and opts.true_cfg <= 1:
         choice.notes.append("--negative-prompt has no effect without --true-cfg > 1 (as in diffusers' FluxPipeline)")
     budget = opts.weight_streaming_budget << 20 if opts.weight_streaming_budget is not None else None
-    pipe = FluxEngines(engines, choice.backend, opts.low_vram, budget, opts.cuda_graph, model=source,
+    provider = _ort_provider(opts.ort_provider, choice)
+    pipe = FluxEngines(engines, choice.backend, opts.low_vram, budget, opts.cuda_graph, provider, model=source,
                        fallback=sorted(set(opts.fallback) | set(choice.fallback)), torch_dtype=opts.torch_dtype,
                        compile=opts.compile, allow_host_code=opts.allow_host_code, weights=opts.weights,
                        lora=opts.lora, lora_scale=opts.lora_scale)
@@ -397,10 +415,11 @@ def bench(engines: Path | None, model: str | None, backend: str, opts, say=lambd
         raise FluxtrtError("pass --engines DIR, or --backend torch --model MODEL")
     source = resolve_model(model) if engines is None else None
     choice = choose_backend(backend, engines)
+    provider = _ort_provider(opts.ort_provider, choice)
     for note in choice.notes:
         say(note)
     pipe = FluxEngines(engines, choice.backend, model=source, fallback=choice.fallback, torch_dtype=opts.torch_dtype,
-                       compile=opts.compile, cuda_graph=opts.cuda_graph)
+                       compile=opts.compile, cuda_graph=opts.cuda_graph, ort_provider=provider)
     rows, meta = run_bench(pipe, source, choice.backend, opts, say)
     if json_out is not None:
         write_json_atomic(Path(json_out), to_json(rows, meta))

@@ -189,6 +189,7 @@ class BenchOptions:
     compile: bool = False
     cuda_graph: bool = False
     inputs: object = None  # workflows.ImageInputs: img2img, Fill, Control or Kontext instead of text-to-image
+    ort_provider: str = "auto"  # --backend onnxruntime: its execution provider
 
     def check(self) -> "BenchOptions":
         from .errors import FluxtrtError

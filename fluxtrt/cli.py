@@ -123,6 +123,8 @@ MAX_AREA = _opt(None, "--max-area", help="Kontext: output area in px² (default 
 ENGINES = _opt(None, "--engines", "-e", help="Folder written by `fluxtrt build` (OUT/<gpu>).")
 BACKEND = _opt("auto", "--backend", help="tensorrt (engines on an NVIDIA GPU), onnxruntime (the ONNX they were "
                "built from), torch (the PyTorch modules), or auto.")
+ORT_PROVIDER = _opt("auto", "--ort-provider", help="With --backend onnxruntime: cpu, cuda (onnxruntime-gpu), tensorrt, "
+                    "tensorrt-rtx, or auto (cuda where onnxruntime-gpu and a GPU are here, else cpu).")
 TORCH_DTYPE = _opt("bf16", "--torch-dtype", help="dtype of PyTorch components (and the diffusers baseline) on a "
                    "GPU: bf16, fp16, fp32.")
 COMPILE = _opt(False, "--compile", help="torch.compile the PyTorch components (and the baseline's).")
@@ -273,7 +275,8 @@ class _WarningLine:
 def run(
     prompt: Optional[str] = _opt(None, "--prompt", help="What to draw."),
     prompts_file: Optional[Path] = _opt(None, "--prompts-file", help="UTF-8 file, one prompt per line."),
-    engines: Optional[Path] = ENGINES, backend: str = BACKEND, torch_dtype: str = TORCH_DTYPE, compile: bool = COMPILE,
+    engines: Optional[Path] = ENGINES, backend: str = BACKEND, ort_provider: str = ORT_PROVIDER,
+    torch_dtype: str = TORCH_DTYPE, compile: bool = COMPILE,
     model: Optional[str] = _opt(None, "--model", "-m", help="With --backend torch and no --engines: " + MODEL_HELP),
     fallback: Optional[list[str]] = _opt(None, "--fallback", help="Components to run in PyTorch, e.g. t5,transformer."),
     steps: Optional[int] = STEPS, seed: int = _opt(0, "--seed", help="Seed of the CPU generator (as diffusers)."),
@@ -318,7 +321,8 @@ def run(
 @app.command()
 @friendly
 def bench(
-    engines: Optional[Path] = ENGINES, backend: str = BACKEND, torch_dtype: str = TORCH_DTYPE, compile: bool = COMPILE,
+    engines: Optional[Path] = ENGINES, backend: str = BACKEND, ort_provider: str = ORT_PROVIDER,
+    torch_dtype: str = TORCH_DTYPE, compile: bool = COMPILE,
     model: Optional[str] = _opt(None, "--model", "-m", help="With --backend torch: " + MODEL_HELP + " Also "
                                 "random:flux.1-dev / random:flux.1-schnell (full size, random weights)."),
     sizes: str = _opt("512", "--sizes", help="Square image sizes in pixels, comma-separated."),
@@ -340,7 +344,7 @@ def bench(
     try:
         size_list, batch_list = ([int(v) for v in api.split_list([x])] for x in (sizes, batches))
         opts = BenchOptions(size_list, batch_list, steps, runs, warmup, baseline, torch_dtype, compile, cuda_graph,
-                            api.image_inputs(image, mask, control_image))
+                            api.image_inputs(image, mask, control_image), ort_provider)
     except ValueError:
         raise FluxtrtError(f"--sizes and --batch take comma-separated integers, got {sizes!r} / {batches!r}") from None
     rows, meta, written = api.bench(engines, model, backend, opts, say=lambda line: r.console.print(line),

@@ -123,7 +123,9 @@ class TensorSpec:
     dims: tuple  # ints and symbol names (see SYMBOLS) or geometry attribute names prefixed with "geo."
 
     def shape(self, point: ShapePoint, geo: Geometry) -> tuple[int, ...]:
-        sym = point.symbols(geo)
+        return self.shape_from(point.symbols(geo), geo)
+
+    def shape_from(self, sym: dict[str, int], geo: Geometry) -> tuple[int, ...]:
         out = []
         for d in self.dims:
             if isinstance(d, int):
@@ -160,6 +162,21 @@ class ComponentSpec:
 
     def output_shapes(self, point: ShapePoint, geo: Geometry) -> dict[str, tuple[int, ...]]:
         return {t.name: t.shape(point, geo) for t in self.outputs}
+
+    def output_shapes_for(self, input_shapes: dict[str, tuple], geo: Geometry) -> dict[str, tuple[int, ...]]:
+        """The outputs' shapes for these concrete input shapes (an executor preallocating its outputs): the
+        symbols read off the inputs, pixel and latent sizes related by the VAE's scale factor."""
+        sym: dict[str, int] = {}
+        for t in self.inputs:
+            for d, n in zip(t.dims, input_shapes.get(t.name, ())):
+                if isinstance(d, str) and not d.startswith("geo."):
+                    sym[d] = int(n)
+        for px, lat in (("image_height", "latent_height"), ("image_width", "latent_width")):
+            if lat in sym:
+                sym.setdefault(px, sym[lat] * geo.vae_scale_factor)
+            if px in sym:
+                sym.setdefault(lat, sym[px] // geo.vae_scale_factor)
+        return {t.name: t.shape_from(sym, geo) for t in self.outputs}
 
     def profile(self, rng: ShapeRange, geo: Geometry) -> dict[str, tuple[tuple[int, ...], ...]]:
         """TensorRT optimization profile: input name -> (min, opt, max) shapes."""

@@ -64,6 +64,22 @@ def torch_dtype_of_engine(trt_name: str):
         raise FluxtrtError(f"engine tensor type '{trt_name}' has no torch equivalent here; rebuild the engine") from None
 
 
+def from_ort_type(ort_type: str) -> DType:
+    """An ONNX Runtime type string ("tensor(float)", "tensor(bfloat16)", ...) -> our row."""
+    inner = ort_type.removeprefix("tensor(").removesuffix(")")
+    d = next((d for d in TABLE if d.numpy == {"float": "float32"}.get(inner, inner)), None)
+    if d is None:
+        raise FluxtrtError(f"ONNX Runtime tensor type {ort_type} is not one fluxtrt runs; re-export the ONNX")
+    return d
+
+
+def onnx_enum(d: DType) -> int:
+    """Our row -> onnx.TensorProto's integer for it."""
+    from onnx import TensorProto
+
+    return int(getattr(TensorProto, d.onnx))
+
+
 def np_dtype(name: str):
     """numpy name (bfloat16 and float8 through ml_dtypes) -> numpy dtype."""
     import numpy as np

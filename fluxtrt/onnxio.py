@@ -153,6 +153,21 @@ def onnxruntime():
     return ort
 
 
+def ort_value(arr):
+    """A host array as an OrtValue over the same memory; bf16 / fp8 (ml_dtypes, which ONNX Runtime's numpy
+    bridge refuses) passed as raw bytes of their ONNX type."""
+    import numpy as np
+
+    from .dtypes import TABLE, onnx_enum
+
+    ort = onnxruntime()
+    d = next((d for d in TABLE if d.numpy == arr.dtype.name), None)
+    if d is not None and d.name in ("bf16", "fp8"):
+        raw = arr.view(np.uint16 if arr.dtype.itemsize == 2 else np.uint8)
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(raw, onnx_enum(d))
+    return ort.OrtValue.ortvalue_from_numpy(arr)
+
+
 def ort_session(onnx_path: Path, providers=("CPUExecutionProvider",), options=None, overrides=None):
     """An ONNX Runtime session; linked initializers are passed in memory-mapped (ORT refuses the links), and
     `overrides` (name -> array) replace initializers (a weight-free ONNX filled from a checkpoint)."""
@@ -163,7 +178,7 @@ def ort_session(onnx_path: Path, providers=("CPUExecutionProvider",), options=No
     arrays = linked_arrays(onnx_path) if has_linked_data(onnx_path) else {}
     arrays.update({k: np.ascontiguousarray(v) for k, v in (overrides or {}).items()})
     if arrays:
-        values = [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays.values()]
+        values = [ort_value(a) for a in arrays.values()]
         options.add_external_initializers(list(arrays), values)
     session = ort.InferenceSession(str(onnx_path), options, providers=list(providers))
     session._fluxtrt_keepalive = arrays  # the session reads these buffers for its whole life

@@ -125,34 +125,42 @@ def upcast_bf16(model):
 
 
 def cpu_session(onnx_path: Path, overrides: dict | None = None):
-    """An ONNX Runtime CPU session; bf16 graphs are widened to fp32 first (see upcast_bf16), NVFP4 graphs
-    emulated in standard ops (quantize.nvfp4.emulate: ONNX Runtime has no FP4 kernels). `overrides`
-    (name -> array) replaces initializers, e.g. weights filled from a checkpoint into a weight-free ONNX."""
+    """An ONNX Runtime CPU session (see runnable_session)."""
+    return runnable_session(onnx_path, overrides=overrides)
+
+
+def runnable_session(onnx_path: Path, providers=("CPUExecutionProvider",), overrides: dict | None = None):
+    """An ONNX Runtime session over any graph fluxtrt writes. On the CPU provider bf16 graphs are widened to
+    fp32 first (see upcast_bf16: it has no bf16 kernels); a GPU provider runs them as they are. NVFP4 graphs are
+    emulated in standard ops everywhere (nvfp4.emulate: ONNX Runtime has no FP4 kernels). `overrides`
+    (name -> array) replaces initializers, e.g. weights filled from a checkpoint into a weight-free ONNX.
+    `providers`: ONNX Runtime's list (names or (name, options) pairs), the first one preferred."""
     import onnx
     from onnx import TensorProto, numpy_helper
 
     from .onnxio import load_onnx, onnxruntime, ort_session
 
     ort = onnxruntime()
-
+    on_cpu = [p if isinstance(p, str) else p[0] for p in providers][0] == "CPUExecutionProvider"
     header = onnx.load(str(onnx_path), load_external_data=False)
-    has_bf16 = any(vi.type.tensor_type.elem_type == TensorProto.BFLOAT16
-                   for vi in list(header.graph.input) + list(header.graph.output)) or any(
-        t.data_type == TensorProto.BFLOAT16 for t in header.graph.initializer)
+    has_bf16 = on_cpu and (any(vi.type.tensor_type.elem_type == TensorProto.BFLOAT16
+                               for vi in list(header.graph.input) + list(header.graph.output)) or any(
+        t.data_type == TensorProto.BFLOAT16 for t in header.graph.initializer))
     has_fp4 = any(t.data_type == TensorProto.FLOAT4E2M1 for t in header.graph.initializer)
     if not has_bf16 and not has_fp4:
-        return ort_session(onnx_path, overrides=overrides)
+        return ort_session(onnx_path, providers, overrides=overrides)
     overrides = overrides or {}
     model = load_onnx(onnx_path, skip=set(overrides))
     for t in model.graph.initializer:
         if t.name in overrides:
             t.CopyFrom(numpy_helper.from_array(overrides[t.name], t.name))
-    model = upcast_bf16(model)
+    if has_bf16:
+        model = upcast_bf16(model)
     if has_fp4:
-        from .quantize.nvfp4 import emulate
+        from .nvfp4 import emulate
 
         model = emulate(model)
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model.SerializeToString(), providers=list(providers))
 
 
 def validate_onnx(onnx_path: Path, module, spec: ComponentSpec, geo: Geometry, dtype: str = "fp32",

@@ -122,3 +122,86 @@ def test_peak_memory_is_at_least_what_torch_saw(tiny_gpu):
           f"torch's {torch_peak:.3f}")
     assert res.timings.peak_memory_gb >= 0.99 * torch_peak > 0
     assert again.timings.peak_memory_gb >= 0.99 * torch_peak
+
+
+# ---- ONNX Runtime on the GPU (onnxruntime-gpu: the CUDA execution provider, IOBinding on the pipeline's stream)
+
+
+@pytest.fixture(scope="module")
+def tiny_fp32_engines(tmp_path_factory):
+    """fp32 tiny engines: ONNX Runtime runs the ONNX they were built from. FLUXTRT_TEST_ENGINES names a folder
+    built elsewhere (the H200 has no TensorRT-RTX unless staged; scripts/ort_gpu_check.sh carries one), else
+    they are built here."""
+    import os
+    from pathlib import Path
+
+    from fluxtrt.gpus import load_gpu
+    from fluxtrt.models.source import resolve_model
+
+    ort = pytest.importorskip("onnxruntime")
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip(f"onnxruntime {ort.__version__} has no CUDA provider (pip install 'fluxtrt[gpu]')")
+    if os.environ.get("FLUXTRT_TEST_ENGINES"):
+        return resolve_model("tiny"), Path(os.environ["FLUXTRT_TEST_ENGINES"])
+    pytest.importorskip("tensorrt_rtx", reason="no FLUXTRT_TEST_ENGINES and no tensorrt-rtx to build them")
+    from fluxtrt.stages.build import build_gpu
+
+    root = tmp_path_factory.mktemp("ort-gpu")
+    cfg = load_gpu("4090").with_precision({c: "fp32" for c in load_gpu("4090").precision})
+    build_gpu(resolve_model("tiny"), cfg, root, components=["clip", "t5", "transformer", "vae_decoder"])
+    return resolve_model("tiny"), root / "4090"
+
+
+@pytest.mark.parametrize("h,w,batch", [(256, 256, 1), (256, 384, 2)])
+def test_tiny_on_onnx_runtime_cuda_matches_diffusers(tiny_fp32_engines, h, w, batch):
+    """fp32 on both sides, TF32 off on both (ONNX Runtime: use_tf32=0; PyTorch: matmul and cuDNN)."""
+    from fluxtrt.runtime.pipeline import FluxEngines
+
+    src, engines = tiny_fp32_engines
+    prompts = ["a red fox in the snow", "a lighthouse at night"][:batch]
+    pipe = FluxEngines(engines, "onnxruntime", ort_provider="cuda")
+    assert {str(ex.device) for ex in pipe.executors.values()} == {"cuda:0"}
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, False
+    ours = pipe.generate(prompts, h, w, 6, 3.5, seed=11)
+    dpipe = src.load_pipeline(torch.float32, "cuda")
+    ref = dpipe(prompts, height=h, width=w, num_inference_steps=6, guidance_scale=3.5,
+                generator=torch.Generator().manual_seed(11), output_type="np").images
+    ref = (ref * 255).round().astype("uint8")
+    diff = int(np.abs(ours.images.astype(int) - ref.astype(int)).max())
+    print(f"tiny {h}x{w} batch {batch} on ONNX Runtime CUDA: max |ours - diffusers| = {diff}/255")
+    assert diff <= MAX_UINT8_DIFF
+
+
+def test_onnx_runtime_cuda_queues_the_step_without_waiting(tiny_fp32_engines):
+    """The transformer call returns before the GPU has run it: ~0.5 s of GPU sleep queued first on the
+    pipeline's stream, then 4 calls, which must come back in well under that (any host synchronisation or
+    device-to-host copy inside them would wait for the sleep); the results equal a synchronous call's. The
+    loop then runs under torch's sync check too."""
+    import time
+
+    from fluxtrt.components import ShapePoint, specs_for
+    from fluxtrt.runtime.pipeline import FluxEngines
+
+    _, engines = tiny_fp32_engines
+    pipe = FluxEngines(engines, "onnxruntime", ort_provider="cuda")
+    pipe.generate(["warm up"], 256, 256, 2, seed=0)
+    ex = pipe.executors["transformer"]
+    spec = specs_for(pipe.geo, ["transformer"])["transformer"]
+    feeds = {k: v.cuda() for k, v in spec.sample_inputs(ShapePoint(1, 256, 256), pipe.geo, seed=3).items()}
+    with torch.cuda.stream(pipe.stream):
+        want = ex.infer(feeds)["noise_pred"].clone()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s at H200 clocks (measured below)
+        end.record()
+        t0 = time.perf_counter()
+        outs = [ex.infer(feeds)["noise_pred"] for _ in range(4)]
+        host = time.perf_counter() - t0
+        torch.cuda.synchronize()
+    slept = start.elapsed_time(end) / 1000
+    print(f"GPU sleep {slept:.3f} s; 4 ONNX Runtime transformer calls returned after {host * 1000:.1f} ms")
+    assert slept > 0.2 and host < slept / 4
+    assert all(torch.equal(o, want) for o in outs)
+    pipe.sync_check = True  # torch.cuda.set_sync_debug_mode("error") around the loop
+    assert pipe.generate(["a cat"], 256, 256, 3, seed=1).images.shape == (1, 256, 256, 3)

@@ -1,4 +1,4 @@
-"""NVFP4 weights (quantize/nvfp4.py): the bytes written dequantize, in ONNX's own reference implementation, to
+"""NVFP4 weights (nvfp4.py): the bytes written dequantize, in ONNX's own reference implementation, to
 the recipe's fake-quant bit for bit; values are the nearest E2M1 points; a corrupted block scale is caught;
 TensorRT-RTX builds the ModelOpt NVFP4 form for sm120 on this CPU (slow)."""
 
@@ -12,8 +12,8 @@ from onnx import TensorProto as T
 from onnx import helper as h
 from onnx.reference import ReferenceEvaluator
 
+from fluxtrt import nvfp4
 from fluxtrt.errors import FluxtrtError
-from fluxtrt.quantize import nvfp4
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
 
@@ -97,7 +97,7 @@ def test_onnxruntime_dequantizes_fp4_where_it_can():
 
 @pytest.mark.slow
 def test_tensorrt_rtx_builds_nvfp4_matmul_for_sm120_only():
-    """Weights through quantize/nvfp4.py, activations through TRT_FP4DynamicQuantize: an sm120 engine on this
+    """Weights through nvfp4.py, activations through TRT_FP4DynamicQuantize: an sm120 engine on this
     CPU; sm89 refuses (fp4 is Blackwell-only)."""
     trt = pytest.importorskip("tensorrt_rtx")
     rng = np.random.default_rng()

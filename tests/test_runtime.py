@@ -399,3 +399,16 @@ def test_nan_from_a_component_is_reported_by_name(fp32_engines):
     ex.infer = lambda feeds: {k: v * float("nan") for k, v in orig(feeds).items()}
     with pytest.raises(NonFiniteError, match="t5 produced NaN/Inf .*--precision t5=bf16"):
         pipe.generate(["a cat"], 256, 256, 2)
+
+
+def test_cli_refuses_an_onnx_runtime_provider_it_lacks(fp32_engines, tmp_path):
+    """--ort-provider cuda with the CPU onnxruntime: one line naming the fix, exit 2, no image."""
+    from typer.testing import CliRunner
+
+    from fluxtrt.cli import app
+
+    _, engines = fp32_engines("tiny-schnell")
+    res = CliRunner().invoke(app, ["run", "--engines", str(engines), "--backend", "onnxruntime", "--ort-provider",
+                                   "cuda", "--prompt", "a cat", "--steps", "1", "--out", str(tmp_path / "no.png")])
+    assert res.exit_code == 2 and "--ort-provider cuda" in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "no.png").exists()

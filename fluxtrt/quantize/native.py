@@ -135,7 +135,7 @@ def _fp4_layer(n, wname, parts, transposed, amax, data, data_name):
     """NVFP4 weight (codes and block scales to the data file) and activation quantizer for MatMul `n`."""
     import ml_dtypes
 
-    from . import nvfp4
+    from .. import nvfp4
 
     gemm = n.op_type == "Gemm"  # transB=1 (the AdaLN modulation): the weight is [out, in] as stored
     _, tensors, nodes, n.input[0], n.input[1] = nvfp4.linear(_joined(parts, transposed or gemm), f"{wname}__fp4",
@@ -153,8 +153,8 @@ def quantize_linked(onnx_in: Path, dest_dir: Path, recipe: str, module_amax: dic
 
     from .. import weightmap
     from ..fileio import publish, staging_dir
+    from ..nvfp4 import ensure_opsets
     from ..onnxio import copy_links, external_info, read_external
-    from .nvfp4 import ensure_opsets
 
     if recipe not in NATIVE_RECIPES:
         raise FluxtrtError(f"recipe {recipe} cannot be built from the zero-copy graph; build it with --copy-weights")

@@ -227,7 +227,7 @@ def quantize_model(model: onnx.ModelProto, recipe: str, act_amax: dict | None = 
             if recipe == "fp4":  # global scales bf16-exact: precision placement stores them in bf16 unchanged
                 import ml_dtypes
 
-                from . import nvfp4
+                from .. import nvfp4
 
                 gemm = n.op_type == "Gemm"  # transB=1: its weight is already [out, in]
                 _, tensors, nodes, n.input[0], n.input[1] = nvfp4.linear(
@@ -262,7 +262,7 @@ def quantize_model(model: onnx.ModelProto, recipe: str, act_amax: dict | None = 
     del g.initializer[:]
     g.initializer.extend(kept_inits + out.inits)
     if recipe == "fp4":
-        from .nvfp4 import ensure_opsets
+        from ..nvfp4 import ensure_opsets
 
         ensure_opsets(model)
     return model, p
@@ -274,8 +274,8 @@ def sensitivity(model: onnx.ModelProto, act_amax: dict, feeds_list: list[dict], 
     against the unquantized graph: [(relative error, MatMul, kept reason or ''), ...], worst first."""
     import copy
 
+    from ..nvfp4 import emulate
     from ..onnxio import onnxruntime
-    from .nvfp4 import emulate
 
     ort = onnxruntime()
 

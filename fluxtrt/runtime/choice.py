@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import FluxtrtError
+from ..errors import BackendUnavailableError, FluxtrtError
 from ..records import RUN_COMPONENTS, Manifest, read_manifest
 
 BACKENDS = ("auto", "tensorrt", "onnxruntime", "torch")
@@ -45,6 +45,32 @@ def choose_backend(requested: str, engines: Path | None) -> BackendChoice:
         notes.append(f"{', '.join(too_big)} engine(s) do not fit the free GPU memory and were not built with weight "
                      "streaming: running them with PyTorch on the CPU")
     return BackendChoice("tensorrt", missing + [f"{c}@cpu" for c in too_big], notes)
+
+
+def ort_provider(requested: str = "auto") -> str:
+    """--ort-provider: `auto` is CUDA where onnxruntime-gpu and a CUDA GPU are both here, else the CPU; a named
+    provider this ONNX Runtime does not offer (or a GPU one without a GPU) is refused with the fix."""
+    from ..onnxio import onnxruntime
+    from .executors import ORT_PROVIDERS
+
+    if requested not in ("auto", *ORT_PROVIDERS):
+        raise FluxtrtError(f"--ort-provider {requested}: choose auto, {', '.join(ORT_PROVIDERS)}")
+    ort = onnxruntime()
+    have = ort.get_available_providers()
+    import torch
+
+    gpu = torch.cuda.is_available()
+    if requested == "auto":
+        return "cuda" if gpu and "CUDAExecutionProvider" in have else "cpu"
+    if ORT_PROVIDERS[requested][0] not in have:
+        fix = ("pip install 'fluxtrt[gpu]' (onnxruntime-gpu, instead of onnxruntime)" if requested == "cuda" else
+               f"an onnxruntime build with {ORT_PROVIDERS[requested][0]} and its libraries")
+        raise BackendUnavailableError(f"--ort-provider {requested}: this ONNX Runtime {ort.__version__} offers "
+                                      f"{', '.join(have)}; install {fix}, or use --ort-provider cpu")
+    if requested != "cpu" and not gpu:
+        raise BackendUnavailableError(f"--ort-provider {requested} needs a CUDA GPU and PyTorch with CUDA; this "
+                                      "machine has none: use --ort-provider cpu")
+    return requested
 
 
 def engines_that_do_not_fit(manifest: Manifest, skip=()) -> list[str]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..checkpoint import CheckpointReader
-from ..dtypes import torch_dtype
+from ..dtypes import from_ort_type, torch_dtype
 from ..errors import BackendUnavailableError, FluxtrtError
 from ..records import ComponentEntry, ManifestError
 
@@ -113,20 +113,55 @@ class WeightSource:
         return out
 
 
+# --ort-provider -> ONNX Runtime's execution providers, preferred first (CUDA also backs the TensorRT EP's gaps)
+ORT_PROVIDERS = {
+    "cpu": ("CPUExecutionProvider",),
+    "cuda": ("CUDAExecutionProvider", "CPUExecutionProvider"),
+    "tensorrt": ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"),
+    "tensorrt-rtx": ("NvTensorRTRTXExecutionProvider", "CPUExecutionProvider"),
+}
+
+
 class OnnxRuntimeExecutor(Executor):
+    """The ONNX an engine was built from, in ONNX Runtime. Inputs and outputs are bound to torch tensors on the
+    executor's device (IOBinding: no numpy, any graph dtype, bf16 included), outputs preallocated from the
+    component's spec. On a GPU provider the session runs on the pipeline's stream (`user_compute_stream`) and
+    does not synchronise the host at the end of a run, so the denoising loop queues work like the other
+    executors. TF32 is off (`use_tf32=0`): ONNX Runtime's CUDA default, unlike PyTorch's, would round fp32
+    matmuls to 10-bit mantissas."""
+
     kind = "onnxruntime"
 
-    def __init__(self, component: str, entry: ComponentEntry, onnx_path: Path, providers: list[str] | None = None,
-                 weights: WeightSource | None = None):
+    def __init__(self, component: str, entry: ComponentEntry, onnx_path: Path, spec, geo, provider: str = "cpu",
+                 weights: WeightSource | None = None, device_id: int = 0):
         super().__init__(component, entry)
-        self.onnx_path = Path(onnx_path)
-        self.providers = providers or ["CPUExecutionProvider"]
+        if provider not in ORT_PROVIDERS:
+            raise FluxtrtError(f"--ort-provider {provider}: choose auto, {', '.join(ORT_PROVIDERS)}")
+        self.onnx_path, self.provider, self.device_id = Path(onnx_path), provider, device_id
+        self.spec, self.geo = spec, geo  # the component's spec and the model's sizes: output shapes
         self.session = None
         self.weights = weights
+        self.stream = None  # the pipeline's torch CUDA stream (GPU providers)
+
+    @property
+    def device(self):
+        import torch
+
+        return torch.device("cpu") if self.provider == "cpu" else torch.device("cuda", self.device_id)
+
+    def providers(self) -> list:
+        """ONNX Runtime's provider list for this executor, options included."""
+        opts = {"device_id": str(self.device_id)}
+        if self.stream is not None:
+            opts.update(has_user_compute_stream="1", user_compute_stream=str(self.stream.cuda_stream))
+        named = {"CUDAExecutionProvider": dict(opts, use_tf32="0"), "TensorrtExecutionProvider": opts,
+                 "NvTensorRTRTXExecutionProvider": opts}
+        return [(p, named[p]) if p in named else p for p in ORT_PROVIDERS[self.provider]]
 
     def activate(self) -> None:
         from ..fileio import sha256_file
-        from ..validate import cpu_session
+        from ..onnxio import onnxruntime
+        from ..validate import runnable_session
 
         if not self.onnx_path.exists():
             raise ManifestError(f"{self.component}: the ONNX file {self.onnx_path} the engine was built from is gone; "
@@ -136,13 +171,11 @@ class OnnxRuntimeExecutor(Executor):
             raise ManifestError(f"{self.component}: {self.onnx_path} does not match the manifest's sha256; "
                                 "rebuild with `fluxtrt build --force`")
         overrides = self.weights.arrays() if self.weights is not None else None
-        if self.providers == ["CPUExecutionProvider"]:
-            self.session = cpu_session(self.onnx_path, overrides)
-        else:
-            from ..onnxio import ort_session
-
-            self.session = ort_session(self.onnx_path, self.providers, overrides=overrides)
-        self.types = {i.name: i.type for i in self.session.get_inputs()}
+        self.session = runnable_session(self.onnx_path, self.providers(), overrides)
+        self.run_options = onnxruntime().RunOptions()
+        # no cudaStreamSynchronize at the end of each run: the pipeline's stream orders the work
+        self.run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+        self.io = {i.name: from_ort_type(i.type) for i in self.session.get_inputs() + self.session.get_outputs()}
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.active = True
 
@@ -151,21 +184,32 @@ class OnnxRuntimeExecutor(Executor):
         self.active = False
 
     def infer_impl(self, feeds: dict) -> dict:
-        import numpy as np
+        import contextlib
+
         import torch
 
-        np_feeds = {}
-        for name, t in feeds.items():
-            arr = t.detach().cpu().numpy()
-            if self.types[name] == "tensor(float16)":
-                arr = arr.astype(np.float16)
-            elif self.types[name] == "tensor(float)":
-                arr = arr.astype(np.float32)
-            np_feeds[name] = arr
-        outs = self.session.run(self.output_names, np_feeds)
-        return {n: torch.from_numpy(np.asarray(o)) for n, o in zip(self.output_names, outs)}
+        from ..dtypes import onnx_enum
 
-
+        dev = self.device
+        on_stream = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        with on_stream:
+            binding = self.session.io_binding()
+            bound = {}  # the tensors ONNX Runtime reads and writes: alive until the run has been queued
+            for name, t in feeds.items():
+                d = self.io[name]
+                bound[name] = t.to(dev, getattr(torch, d.numpy), non_blocking=True).contiguous()
+                binding.bind_input(name, dev.type, self.device_id, onnx_enum(d), list(bound[name].shape),
+                                   bound[name].data_ptr())
+            outs = {}
+            for name, shape in self.spec.output_shapes_for({n: tuple(t.shape) for n, t in feeds.items()},
+                                                           self.geo).items():
+                d = self.io[name]
+                outs[name] = torch.empty(shape, dtype=getattr(torch, d.numpy), device=dev)
+                binding.bind_output(name, dev.type, self.device_id, onnx_enum(d), list(shape), outs[name].data_ptr())
+            self.session.run_with_iobinding(binding, self.run_options)
+        if self.stream is not None:  # whoever reads the outputs next waits for this stream, on the device
+            torch.cuda.current_stream().wait_stream(self.stream)
+        return outs
 
 
 def check_gpu_for(manifest, backend) -> None:

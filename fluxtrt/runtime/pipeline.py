@@ -79,7 +79,7 @@ class FluxEngines:
     from (ONNX Runtime), or the model's PyTorch modules (torch), mixed per component with `fallback`."""
 
     def __init__(self, engine_dir: Path | None = None, backend: str = "tensorrt", low_vram: bool = False,
-                 weight_streaming_budget: int | None = None, cuda_graph: bool = False, providers=None,
+                 weight_streaming_budget: int | None = None, cuda_graph: bool = False, ort_provider: str = "cpu",
                  model=None, fallback=(), torch_dtype: str = "bf16", device: str | None = None,
                  compile: bool = False, allow_host_code: bool = False, weights: Path | None = None,
                  lora: Path | None = None, lora_scale: float = 1.0, kernel_specialization: str = "eager"):
@@ -108,7 +108,7 @@ class FluxEngines:
             self._tensorrt_executors(engine_names, sources, weight_streaming_budget, cuda_graph, allow_host_code,
                                      kernel_specialization)
         elif engine_names and backend == "onnxruntime":
-            self._onnxruntime_executors(engine_names, sources, providers)
+            self._onnxruntime_executors(engine_names, sources, ort_provider)
         elif engine_names:
             raise FluxtrtError(f"unknown backend '{backend}'; choose tensorrt, onnxruntime or torch")
         self._memory_base = None
@@ -117,7 +117,7 @@ class FluxEngines:
             self._memory_base = (total - free, torch.cuda.memory_allocated())  # before any executor loads
             self.stream = torch.cuda.Stream()  # the one stream everything runs on
             for ex in self.executors.values():
-                if isinstance(ex, TensorRTExecutor):
+                if isinstance(ex, (TensorRTExecutor, OnnxRuntimeExecutor)):
                     ex.stream = self.stream
         self._tokenizers = None
         self._embeds: dict[str, tuple] = {}  # prompt -> (pooled [D], t5 [T, D']) reused within a run
@@ -186,7 +186,8 @@ class FluxEngines:
                 allow_host_code, weights=sources[name], kernel_specialization=kernel_specialization,
                 low_vram=self.low_vram)
 
-    def _onnxruntime_executors(self, names, sources, providers) -> None:
+    def _onnxruntime_executors(self, names, sources, provider) -> None:
+        specs = specs_for(self.geo, names)
         for name in names:
             e, ws = self.manifest.component(name), sources[name]
             onnx_path = self.dir / e.weightfree_onnx if ws is not None else self.dir.parent / e.onnx
@@ -194,7 +195,7 @@ class FluxEngines:
                 raise ManifestError(f"{name}: this engine folder has no ONNX of its build machine (an unpacked "
                                     "archive?); ONNX Runtime runs its weight-free ONNX with your checkpoint: "
                                     "--backend onnxruntime --weights YOUR_FLUX_FOLDER")
-            self.executors[name] = OnnxRuntimeExecutor(name, e, onnx_path, providers, weights=ws)
+            self.executors[name] = OnnxRuntimeExecutor(name, e, onnx_path, specs[name], self.geo, provider, weights=ws)
 
     def _release(self, *names) -> None:
         """--low-vram: free these stages' executors (a TensorRT executor may say its cache was not saved)."""

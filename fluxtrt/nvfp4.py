@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import FluxtrtError
+from .errors import FluxtrtError
 
 BLOCK = 16
 E2M1_MAX = 6.0
