@@ -173,10 +173,12 @@ def test_tiny_on_onnx_runtime_cuda_matches_diffusers(tiny_fp32_engines, h, w, ba
 
 
 def test_onnx_runtime_cuda_queues_the_step_without_waiting(tiny_fp32_engines):
-    """The transformer call returns before the GPU has run it: ~0.5 s of GPU sleep queued first on the
-    pipeline's stream, then 4 calls, which must come back in well under that (any host synchronisation or
-    device-to-host copy inside them would wait for the sleep); the results equal a synchronous call's. The
-    loop then runs under torch's sync check too."""
+    """A transformer call returns before the GPU has run it: ~0.5 s of GPU sleep queued first on the
+    pipeline's stream, then two calls, each of which must come back in well under that (a host synchronisation
+    or device-to-host copy inside would wait for the sleep); the results equal a synchronous call's. Two, not
+    more: CUDA's launch queue holds ~1024 pending launches (measured on the H200: the 1025th torch launch behind
+    a sleep blocks) and one tiny transformer call on ONNX Runtime is ~300 kernels, so the fourth call waits for
+    room whatever issues it. The loop then runs under torch's sync check too."""
     import time
 
     from fluxtrt.components import ShapePoint, specs_for
@@ -195,13 +197,16 @@ def test_onnx_runtime_cuda_queues_the_step_without_waiting(tiny_fp32_engines):
         start.record()
         torch.cuda._sleep(1_000_000_000)  # ~0.5 s at H200 clocks (measured below)
         end.record()
-        t0 = time.perf_counter()
-        outs = [ex.infer(feeds)["noise_pred"] for _ in range(4)]
-        host = time.perf_counter() - t0
+        outs, hosts = [], []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            outs.append(ex.infer(feeds)["noise_pred"])
+            hosts.append(time.perf_counter() - t0)
         torch.cuda.synchronize()
     slept = start.elapsed_time(end) / 1000
-    print(f"GPU sleep {slept:.3f} s; 4 ONNX Runtime transformer calls returned after {host * 1000:.1f} ms")
-    assert slept > 0.2 and host < slept / 4
+    print(f"GPU sleep {slept:.3f} s; ONNX Runtime transformer calls returned after "
+          f"{', '.join(f'{h * 1000:.1f}' for h in hosts)} ms")
+    assert slept > 0.2 and max(hosts) < slept / 4
     assert all(torch.equal(o, want) for o in outs)
     pipe.sync_check = True  # torch.cuda.set_sync_debug_mode("error") around the loop
     assert pipe.generate(["a cat"], 256, 256, 3, seed=1).images.shape == (1, 256, 256, 3)
