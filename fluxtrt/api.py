@@ -485,3 +485,23 @@ def artifacts(gpus: str, model: str, engines: Path, out_dir: Path, precision=Non
         archive, sha = pack(Path(engines) / cfg.key, Path(out_dir))
         out.append((cfg, archive, sha))
     return out
+
+
+def validate_engines(engines: Path, components=None, ort_provider: str = "auto", device: str | None = None,
+                     model: str | None = None, json_out: Path | None = None, say=lambda line: None):
+    """`fluxtrt validate` (crosscheck.py): rows of ONNX Runtime vs PyTorch per component and shape, written as
+    JSON lines too when asked (atomically; the folder is checked before any work)."""
+    from .crosscheck import cross_check
+    from .fileio import write_bytes_atomic
+
+    if json_out is not None:
+        from .runtime.images import check_writable
+
+        check_writable(Path(json_out))
+    rows = cross_check(engines, components, ort_provider, device, model, say=say)
+    if json_out is not None:
+        import json
+
+        text = "".join(json.dumps(r.to_json()) + "\n" for r in rows)
+        write_bytes_atomic(Path(json_out), text.encode(), check_free=False)
+    return rows

@@ -356,6 +356,32 @@ def bench(
 
 @app.command()
 @friendly
+def validate(
+    engines: Path = _opt(Path("engines/4090"), "--engines", help="A folder written by `fluxtrt build` (its ONNX in "
+                         "the build root's onnx/)."),
+    ort_provider: str = ORT_PROVIDER,
+    components: Optional[list[str]] = _opt(None, "--component", "-c", help="Components, comma-separated (default: "
+                                           "every one built)."),
+    device: Optional[str] = _opt(None, "--device", help="Where PyTorch runs: cuda or cpu (default: with ONNX Runtime)."),
+    model: Optional[str] = _opt(None, "--model", "-m", help="The PyTorch side (default: the model the engines were "
+                                "built from)."),
+    json_out: Optional[Path] = _opt(None, "--json", help="Also write the rows as JSON lines."),
+):
+    """Check each built component's ONNX in ONNX Runtime against its PyTorch module on the same inputs and device,
+    at the profile's opt and min shapes, beside how much the module differs from itself with another attention
+    kernel. Exit 1 when a row fails."""
+    _quiet_libraries()
+    from . import api
+
+    comps = api.split_list(components) if components else None
+    rows = api.validate_engines(engines, comps, ort_provider, device, model, json_out, say=r.console.print)
+    r.crosscheck_rows(rows)
+    if not all(row.ok for row in rows):
+        raise typer.Exit(1)
+
+
+@app.command()
+@friendly
 def serve(
     engines: Optional[Path] = ENGINES, backend: str = BACKEND, torch_dtype: str = TORCH_DTYPE,
     model: Optional[str] = _opt(None, "--model", "-m", help="With --backend torch and no --engines: " + MODEL_HELP),

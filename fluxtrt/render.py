@@ -168,6 +168,18 @@ def bench_rows(rows, meta) -> None:
                                      "speedup vs diffusers"), body))
 
 
+def crosscheck_rows(rows) -> None:
+    body = []
+    for r in rows:
+        ref = f"{r.reference:.1e}" if r.reference > 0 else "0 (identical)"
+        body.append((r.component, r.precision, f"{r.batch}x{r.width}x{r.height}", f"{r.onnx_error:.1e}",
+                     f"{r.onnx_mean_error:.1e}", ref, f"{r.ratio:.1f}" if r.reference > 0 else "-", f"{r.bound:.0e}",
+                     r.against, "[green]ok[/]" if r.ok else "[red]FAIL[/]"))
+    out.print(table("ONNX Runtime vs PyTorch (max |diff| / max |ref|; reference: the module with SDPA's math "
+                    "kernel vs its default)", ("component", "graph", "batch x size", "error", "mean", "reference",
+                                              "ratio", "bound", "against", ""), body))
+
+
 def inspection(m, checks) -> None:
     out.print(f"[bold]{escape(m.gpu_name)}[/] ({m.gpu}, {m.sm}) built by {m.backend} {m.backend_version}, fluxtrt "
               f"{m.fluxtrt}; model {escape(m.model.id)} ({m.model.variant}, {m.model.hash[:12]}); shapes "

@@ -15,6 +15,7 @@
 #   bash scripts/fullsize_footprint.sh OUTDIR layers          # parsed / computed layers, unfused vs fused (after both)
 #   bash scripts/fullsize_footprint.sh OUTDIR build-fp4       # fluxtrt build --gpu 5090 -p transformer=fp4 (sm120)
 #   bash scripts/fullsize_footprint.sh OUTDIR static-all      # every component, 5090, 1024² batch 1 (memory table)
+#   bash scripts/fullsize_footprint.sh OUTDIR validate        # fluxtrt validate --ort-provider cuda (GPU, onnxruntime-gpu)
 # Work files go to $WORK (default /root/fullsize); results are appended to OUTDIR/footprint.jsonl.
 set -uo pipefail
 OUTDIR=${1:?OUTDIR}; STEP=${2:?step}
@@ -91,5 +92,11 @@ quantize_linked(Path('$WORK/build/onnx/$H-bf16-zc/transformer.onnx'), Path('$WOR
       "$WORK/build/onnx/$H-bf16-zc-opt/transformer.onnx" "$WORK/fp8-unfused/transformer.onnx" \
       "$WORK/build/onnx/$H-fp8-zc/transformer.onnx" | tee "$OUTDIR/layers.jsonl"
     rm -rf "$WORK/fp8-unfused" ;;
+  validate)  # the graphs of the builds above (bf16 and fp8 transformer) in ONNX Runtime CUDA vs PyTorch on the GPU
+    for G in "$WORK/build/4090" "$WORK/build/4090-bf16"; do
+      [ -f "$G/manifest.json" ] && $M --label "validate-ort-cuda-$(basename "$G")" -- \
+        python3 -m fluxtrt.cli validate --engines "$G" --model "$FULL" --ort-provider cuda --device cuda \
+        --json "$OUTDIR/validate-$(basename "$G").jsonl"
+    done ;;
   *) echo "unknown step $STEP" >&2; exit 2 ;;
 esac

@@ -412,3 +412,29 @@ def test_cli_refuses_an_onnx_runtime_provider_it_lacks(fp32_engines, tmp_path):
                                    "cuda", "--prompt", "a cat", "--steps", "1", "--out", str(tmp_path / "no.png")])
     assert res.exit_code == 2 and "--ort-provider cuda" in res.output and "Traceback" not in res.output
     assert not (tmp_path / "no.png").exists()
+
+
+def test_validate_command_checks_each_graph_against_pytorch(fp32_engines, tmp_path, reweighted_copy):
+    """`fluxtrt validate`: every row at the profile's opt and min shapes, error within the component's bound,
+    a reference pair beside it; against a model with other weights every row fails and the exit code is 1."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from fluxtrt.cli import app
+    from fluxtrt.validate import bound_for
+
+    src, engines = fp32_engines("tiny")
+    comps = "transformer,vae_decoder"
+    res = CliRunner().invoke(app, ["validate", "--engines", str(engines), "-c", comps, "--json", str(tmp_path / "v.jsonl")])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in (tmp_path / "v.jsonl").read_text().splitlines()]
+    manifest = json.loads((engines / "manifest.json").read_text())
+    opt, lo = manifest["shape_range"]["opt"], manifest["shape_range"]["min"]
+    assert [(r["component"], [r["batch"], r["height"], r["width"]]) for r in rows] == [
+        (c, s) for c in comps.split(",") for s in (opt, [2, lo[1], lo[2]])]
+    for r in rows:
+        assert 0 < r["onnx_error"] <= bound_for(r["component"], "fp32", 1) and r["ok"] and r["reference"] >= 0
+    other = reweighted_copy(src, tmp_path / "other", seed=int(np.random.default_rng().integers(1, 1000)))
+    res = CliRunner().invoke(app, ["validate", "--engines", str(engines), "-c", "transformer", "-m", str(other.path)])
+    assert res.exit_code == 1 and "FAIL" in res.output
