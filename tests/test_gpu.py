@@ -30,13 +30,18 @@ def test_tiny_on_gpu_matches_diffusers(tiny_gpu, h, w, batch):
     """fp32 on both sides: our pipeline over the torch executor vs diffusers' FluxPipeline, same GPU."""
     prompts = ["a red fox in the snow", "a lighthouse at night"][:batch]
     ours = _pipe(tiny_gpu, torch_dtype="fp32").generate(prompts, h, w, 6, 3.5, seed=11)
-    dpipe = tiny_gpu.load_pipeline(torch.float32, "cuda")
+    assert _diff_to_diffusers(tiny_gpu, prompts, h, w, ours.images, "torch executor") <= MAX_UINT8_DIFF
+
+
+def _diff_to_diffusers(src, prompts, h, w, images, label: str) -> int:
+    """max |ours - diffusers' fp32 FluxPipeline on this GPU| in uint8 steps, 6 steps, guidance 3.5, seed 11."""
+    dpipe = src.load_pipeline(torch.float32, "cuda")
     ref = dpipe(prompts, height=h, width=w, num_inference_steps=6, guidance_scale=3.5,
                 generator=torch.Generator().manual_seed(11), output_type="np").images
     ref = (ref * 255).round().astype("uint8")
-    diff = int(np.abs(ours.images.astype(int) - ref.astype(int)).max())
-    print(f"tiny {h}x{w} batch {batch}: max |ours - diffusers| = {diff}/255")
-    assert diff <= MAX_UINT8_DIFF
+    diff = int(np.abs(images.astype(int) - ref.astype(int)).max())
+    print(f"tiny {h}x{w} batch {len(prompts)}, {label}: max |ours - diffusers| = {diff}/255")
+    return diff
 
 
 @pytest.mark.parametrize("cuda_graph", [True, False], ids=["cuda-graph", "eager"])
@@ -163,13 +168,7 @@ def test_tiny_on_onnx_runtime_cuda_matches_diffusers(tiny_fp32_engines, h, w, ba
     assert {str(ex.device) for ex in pipe.executors.values()} == {"cuda:0"}
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, False
     ours = pipe.generate(prompts, h, w, 6, 3.5, seed=11)
-    dpipe = src.load_pipeline(torch.float32, "cuda")
-    ref = dpipe(prompts, height=h, width=w, num_inference_steps=6, guidance_scale=3.5,
-                generator=torch.Generator().manual_seed(11), output_type="np").images
-    ref = (ref * 255).round().astype("uint8")
-    diff = int(np.abs(ours.images.astype(int) - ref.astype(int)).max())
-    print(f"tiny {h}x{w} batch {batch} on ONNX Runtime CUDA: max |ours - diffusers| = {diff}/255")
-    assert diff <= MAX_UINT8_DIFF
+    assert _diff_to_diffusers(src, prompts, h, w, ours.images, "ONNX Runtime CUDA") <= MAX_UINT8_DIFF
 
 
 def test_onnx_runtime_cuda_queues_the_step_without_waiting(tiny_fp32_engines):
