@@ -274,15 +274,17 @@ def image_inputs(image=None, mask=None, control_image=None, strength=None, max_a
                        max_area)
 
 
-def _gpu_only_flags(opts: RunOptions, backend: str) -> list[str]:
-    """GPU flags that have no effect with this backend: said, not silently dropped."""
-    flags = [f for f, on in (("--cuda-graph", opts.cuda_graph), ("--low-vram", opts.low_vram),
+def _gpu_only_flags(opts: RunOptions, backend: str, ort_provider: str = "cpu") -> list[str]:
+    """GPU flags that have no effect with this backend: said, not silently dropped. (--low-vram frees ONNX
+    Runtime's sessions stage by stage: it counts on a GPU provider.)"""
+    flags = [f for f, on in (("--cuda-graph", opts.cuda_graph),
+                             ("--low-vram", opts.low_vram and (backend != "onnxruntime" or ort_provider == "cpu")),
                              ("--weight-streaming-budget", opts.weight_streaming_budget is not None),
                              ("--allow-host-code", opts.allow_host_code)) if on]
     if backend == "onnxruntime":
         flags += ["--compile"] if opts.compile else []
-        return [f"{', '.join(flags)} ha{'s' if len(flags) == 1 else 've'} no effect with ONNX Runtime (CPU)"] \
-            if flags else []
+        return [f"{', '.join(flags)} ha{'s' if len(flags) == 1 else 've'} no effect with ONNX Runtime "
+                f"({ort_provider.upper()})"] if flags else []
     if backend == "torch":
         ignored = [f for f in flags if f in ("--weight-streaming-budget", "--allow-host-code")]
         return [f"{', '.join(ignored)}: TensorRT engine options, unused by the PyTorch modules"] if ignored else []
@@ -291,13 +293,10 @@ def _gpu_only_flags(opts: RunOptions, backend: str) -> list[str]:
 
 def _ort_provider(requested: str, choice) -> str:
     """ONNX Runtime's provider when it runs (said once), else the request is only checked for a valid name."""
-    from .runtime.choice import ort_provider
-    from .runtime.executors import ORT_PROVIDERS
+    from .runtime.choice import known_ort_provider, ort_provider
 
     if choice.backend != "onnxruntime":
-        if requested not in ("auto", *ORT_PROVIDERS):
-            raise FluxtrtError(f"--ort-provider {requested}: choose auto, {', '.join(ORT_PROVIDERS)}")
-        if requested != "auto":
+        if known_ort_provider(requested) != "auto":
             choice.notes.append(f"--ort-provider has no effect with the {choice.backend} backend")
         return "cpu"
     provider = ort_provider(requested)
@@ -319,11 +318,11 @@ def open_pipeline(opts: RunOptions):
 
         source = resolve_model(opts.model)
     choice = choose_backend(opts.backend, engines)
-    choice.notes += _gpu_only_flags(opts, choice.backend)
+    provider = _ort_provider(opts.ort_provider, choice)
+    choice.notes += _gpu_only_flags(opts, choice.backend, provider)
     if opts.negative_prompt is not None and opts.true_cfg <= 1:
         choice.notes.append("--negative-prompt has no effect without --true-cfg > 1 (as in diffusers' FluxPipeline)")
     budget = opts.weight_streaming_budget << 20 if opts.weight_streaming_budget is not None else None
-    provider = _ort_provider(opts.ort_provider, choice)
     pipe = FluxEngines(engines, choice.backend, opts.low_vram, budget, opts.cuda_graph, provider, model=source,
                        fallback=sorted(set(opts.fallback) | set(choice.fallback)), torch_dtype=opts.torch_dtype,
                        compile=opts.compile, allow_host_code=opts.allow_host_code, weights=opts.weights,

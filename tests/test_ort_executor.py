@@ -146,6 +146,6 @@ def test_gpu_provider_options_follow_the_pipeline_stream(tmp_path):
                                                  "user_compute_stream": "140000123"})
     assert cuda[0] == "CUDAExecutionProvider" and cuda[1]["use_tf32"] == "0" and cpu == "CPUExecutionProvider"
     assert str(ex.device) == "cuda:0"
-    with pytest.raises(FluxtrtError, match="choose auto, cpu, cuda"):
+    with pytest.raises(FluxtrtError, match="choose cpu, cuda, tensorrt, tensorrt-rtx"):
         OnnxRuntimeExecutor("toy", None, tmp_path / "toy.onnx", spec, None, "directml")
 

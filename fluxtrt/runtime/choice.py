@@ -47,14 +47,22 @@ def choose_backend(requested: str, engines: Path | None) -> BackendChoice:
     return BackendChoice("tensorrt", missing + [f"{c}@cpu" for c in too_big], notes)
 
 
+def known_ort_provider(requested: str) -> str:
+    """An --ort-provider name, checked (auto or a key of executors.ORT_PROVIDERS)."""
+    from .executors import ORT_PROVIDERS
+
+    if requested not in ("auto", *ORT_PROVIDERS):
+        raise FluxtrtError(f"--ort-provider {requested}: choose auto, {', '.join(ORT_PROVIDERS)}")
+    return requested
+
+
 def ort_provider(requested: str = "auto") -> str:
     """--ort-provider: `auto` is CUDA where onnxruntime-gpu and a CUDA GPU are both here, else the CPU; a named
     provider this ONNX Runtime does not offer (or a GPU one without a GPU) is refused with the fix."""
     from ..onnxio import onnxruntime
     from .executors import ORT_PROVIDERS
 
-    if requested not in ("auto", *ORT_PROVIDERS):
-        raise FluxtrtError(f"--ort-provider {requested}: choose auto, {', '.join(ORT_PROVIDERS)}")
+    known_ort_provider(requested)
     ort = onnxruntime()
     have = ort.get_available_providers()
     import torch

@@ -136,7 +136,7 @@ class OnnxRuntimeExecutor(Executor):
                  weights: WeightSource | None = None, device_id: int = 0):
         super().__init__(component, entry)
         if provider not in ORT_PROVIDERS:
-            raise FluxtrtError(f"--ort-provider {provider}: choose auto, {', '.join(ORT_PROVIDERS)}")
+            raise FluxtrtError(f"ONNX Runtime provider {provider}: choose {', '.join(ORT_PROVIDERS)}")
         self.onnx_path, self.provider, self.device_id = Path(onnx_path), provider, device_id
         self.spec, self.geo = spec, geo  # the component's spec and the model's sizes: output shapes
         self.session = None
