@@ -249,6 +249,21 @@ def check_servable(engines: Path | None, model: str | None, backend: str) -> Non
                            "use `fluxtrt run` for them")
 
 
+SERVE_SHUTDOWN_S = 15  # Ray Serve's own shutdown, at most; then Ray itself is stopped (its processes killed)
+
+
+def _bounded(fn, seconds: float, say) -> None:
+    """fn() in a daemon thread, waited for at most `seconds` (Ray Serve's shutdown can hang for a minute after a
+    replica was killed; Ctrl-C must still stop the server promptly)."""
+    import threading
+
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        say(f"Ray Serve did not stop within {seconds} s; stopping Ray")
+
+
 def serve_forever(engines: Path | None, model: str | None, backend: str, host: str, port: int, replicas: int,
                   max_batch: int | None, max_queue: int, address: str | None, say=print, torch_dtype: str = "bf16") -> None:
     """Start (or join) Ray, run the app, say the URL, block until Ctrl-C / SIGTERM, then shut down."""
@@ -288,7 +303,7 @@ def serve_forever(engines: Path | None, model: str | None, backend: str, host: s
         say("stopping ...")
     finally:
         try:
-            serve.shutdown()
+            _bounded(serve.shutdown, SERVE_SHUTDOWN_S, say)
         finally:
             if started_ray:
                 ray.shutdown()
