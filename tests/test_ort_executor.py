@@ -119,7 +119,7 @@ def test_provider_choice(monkeypatch):
     with pytest.raises(FluxtrtError, match="--ort-provider rocm: choose auto, cpu, cuda, tensorrt, tensorrt-rtx"):
         ort_provider("rocm")
     monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
-    with pytest.raises(BackendUnavailableError, match=r"offers CPUExecutionProvider; install pip install "
+    with pytest.raises(BackendUnavailableError, match=r"offers CPUExecutionProvider; pip install "
                                                       r"'fluxtrt\[gpu\]'.*or use --ort-provider cpu"):
         ort_provider("cuda")
     monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])

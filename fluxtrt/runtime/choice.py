@@ -72,9 +72,9 @@ def ort_provider(requested: str = "auto") -> str:
         return "cuda" if gpu and "CUDAExecutionProvider" in have else "cpu"
     if ORT_PROVIDERS[requested][0] not in have:
         fix = ("pip install 'fluxtrt[gpu]' (onnxruntime-gpu, instead of onnxruntime)" if requested == "cuda" else
-               f"an onnxruntime build with {ORT_PROVIDERS[requested][0]} and its libraries")
+               f"install an onnxruntime build with {ORT_PROVIDERS[requested][0]} and its libraries")
         raise BackendUnavailableError(f"--ort-provider {requested}: this ONNX Runtime {ort.__version__} offers "
-                                      f"{', '.join(have)}; install {fix}, or use --ort-provider cpu")
+                                      f"{', '.join(have)}; {fix}, or use --ort-provider cpu")
     if requested != "cpu" and not gpu:
         raise BackendUnavailableError(f"--ort-provider {requested} needs a CUDA GPU and PyTorch with CUDA; this "
                                       "machine has none: use --ort-provider cpu")
