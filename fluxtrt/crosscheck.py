@@ -18,8 +18,6 @@ from pathlib import Path
 
 from .errors import FluxtrtError
 
-TORCH_DTYPE = {"fp32": "fp32", "fp16": "fp16"}  # graph precision -> PyTorch dtype; everything else: bf16
-
 
 @dataclass
 class CrossCheckRow:
@@ -69,7 +67,7 @@ def cross_check(engines: Path, components=None, provider: str = "auto", device: 
 
     engines = Path(engines)
     manifest = read_manifest(engines)
-    names = list(components or [c for c in manifest.components])
+    names = list(components or manifest.components)
     unknown = [c for c in names if c not in manifest.components]
     if unknown:
         raise FluxtrtError(f"-c {', '.join(unknown)}: these engines have {', '.join(manifest.components)}")
@@ -87,9 +85,10 @@ def cross_check(engines: Path, components=None, provider: str = "auto", device: 
     try:
         rows = []
         for name in names:
-            rows += _component(engines, manifest, name, specs[name], src, geo, provider, device, seed)
-            for r in rows[-2:]:
+            new = _component(engines, manifest, name, specs[name], src, geo, provider, device, seed)
+            for r in new:
                 say(f"{name} {r.batch}x{r.height}x{r.width}: {r.onnx_error:.2e} (reference {r.reference:.2e})")
+            rows += new
         return rows
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
@@ -99,7 +98,7 @@ def _component(engines, manifest, name, spec, src, geo, provider, device, seed) 
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from .dtypes import torch_dtype
+    from .dtypes import FLOAT_NAMES, torch_dtype
     from .runtime.executors import OnnxRuntimeExecutor
     from .validate import bound_for
 
@@ -107,7 +106,7 @@ def _component(engines, manifest, name, spec, src, geo, provider, device, seed) 
     ex = OnnxRuntimeExecutor(name, entry, engines.parent / entry.onnx, spec, geo, provider)
     if device == "cuda":
         ex.stream = torch.cuda.current_stream()
-    tname = TORCH_DTYPE.get(entry.precision, "bf16")
+    tname = entry.precision if entry.precision in FLOAT_NAMES else "bf16"  # quantized: the unquantized bf16
     dtype = torch_dtype(tname)
     module = spec.wrap(src.load_component(spec.subfolder, dtype, device)).eval()
     out = spec.outputs[0].name
@@ -127,7 +126,7 @@ def _component(engines, manifest, name, spec, src, geo, provider, device, seed) 
         finite = bool(torch.isfinite(got).all())
         rows.append(CrossCheckRow(name, entry.precision, tname, point.batch, point.height, point.width, err, mean,
                                   pair, bound, finite and (err <= bound or err <= 2 * pair),
-                                  "module" if entry.precision in ("fp32", "fp16", "bf16") else "unquantized module"))
+                                  "module" if entry.precision in FLOAT_NAMES else "unquantized module"))
     ex.deactivate()
     del module
     return rows

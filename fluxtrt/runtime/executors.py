@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..checkpoint import CheckpointReader
-from ..dtypes import from_ort_type, torch_dtype
+from ..dtypes import from_ort_type, onnx_enum, torch_dtype
 from ..errors import BackendUnavailableError, FluxtrtError
 from ..records import ComponentEntry, ManifestError
 
@@ -175,7 +175,9 @@ class OnnxRuntimeExecutor(Executor):
         self.run_options = onnxruntime().RunOptions()
         # no cudaStreamSynchronize at the end of each run: the pipeline's stream orders the work
         self.run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
-        self.io = {i.name: from_ort_type(i.type) for i in self.session.get_inputs() + self.session.get_outputs()}
+        # name -> (torch dtype, ONNX type enum), looked up once: infer binds every call
+        self.io = {i.name: (torch_dtype(d.name), onnx_enum(d)) for i in self.session.get_inputs()
+                   + self.session.get_outputs() for d in [from_ort_type(i.type)]}
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.active = True
 
@@ -188,24 +190,22 @@ class OnnxRuntimeExecutor(Executor):
 
         import torch
 
-        from ..dtypes import onnx_enum
-
         dev = self.device
         on_stream = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with on_stream:
             binding = self.session.io_binding()
             bound = {}  # the tensors ONNX Runtime reads and writes: alive until the run has been queued
             for name, t in feeds.items():
-                d = self.io[name]
-                bound[name] = t.to(dev, getattr(torch, d.numpy), non_blocking=True).contiguous()
-                binding.bind_input(name, dev.type, self.device_id, onnx_enum(d), list(bound[name].shape),
+                dtype, onnx_type = self.io[name]
+                bound[name] = t.to(dev, dtype, non_blocking=True).contiguous()
+                binding.bind_input(name, dev.type, self.device_id, onnx_type, list(bound[name].shape),
                                    bound[name].data_ptr())
             outs = {}
             for name, shape in self.spec.output_shapes_for({n: tuple(t.shape) for n, t in feeds.items()},
                                                            self.geo).items():
-                d = self.io[name]
-                outs[name] = torch.empty(shape, dtype=getattr(torch, d.numpy), device=dev)
-                binding.bind_output(name, dev.type, self.device_id, onnx_enum(d), list(shape), outs[name].data_ptr())
+                dtype, onnx_type = self.io[name]
+                outs[name] = torch.empty(shape, dtype=dtype, device=dev)
+                binding.bind_output(name, dev.type, self.device_id, onnx_type, list(shape), outs[name].data_ptr())
             self.session.run_with_iobinding(binding, self.run_options)
         if self.stream is not None:  # whoever reads the outputs next waits for this stream, on the device
             torch.cuda.current_stream().wait_stream(self.stream)
