@@ -27,6 +27,15 @@ from .qdq import FP8_MAX, _Writer, linear_weight, plan
 
 NATIVE_RECIPES = ("fp8", "fp4")
 ALIGN = 64
+QDQ_KEY = "fluxtrt.qdq"  # metadata: quantized MatMul -> the modules it computes and its scale initializers
+
+
+def read_qdq(model) -> dict:
+    """{MatMul name: {"modules": [PyTorch linear modules, a fused projection's parts in order], "act_scale":
+    initializer, "weight_scale": initializer (fp8)}} as quantize_linked recorded it; {} for other graphs."""
+    import json
+
+    return next((json.loads(p.value) for p in model.metadata_props if p.key == QDQ_KEY), {})
 
 
 @dataclass
@@ -79,6 +88,36 @@ def quantize_weight_fp8(parts, transposed: bool):
     if transposed:
         q = q.t()
     return q.contiguous().view(torch.uint8).numpy(), scale
+
+
+def fp8_fake_quant(x, scale: float):
+    """What an E4M3 QuantizeLinear/DequantizeLinear pair with a per-tensor `scale` computes (fp32; saturating,
+    round to nearest even), the arithmetic quantize_weight_fp8 writes weights with."""
+    import torch
+
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
+
+
+def fake_quantize_fp8(module, record: dict, scales: dict) -> int:
+    """Make `module` (a PyTorch component, in place) compute what an fp8 graph of quantize_linked computes:
+    every linear layer the graph quantized gets the graph's weight, dequantized with the graph's weight scale,
+    and an input pre-hook quantizing with the graph's activation scale. `record`: read_qdq of the graph;
+    `scales`: initializer name -> value. Returns the linear layers changed."""
+    import torch
+
+    done = 0
+    for r in record.values():
+        if "weight_scale" not in r:
+            continue
+        sx, sw = float(scales[r["act_scale"]]), float(scales[r["weight_scale"]])
+        for name in r["modules"]:
+            lin = module.get_submodule(name)
+            with torch.no_grad():
+                lin.weight.copy_(fp8_fake_quant(lin.weight, sw).to(lin.weight.dtype))
+            lin.register_forward_pre_hook(lambda mod, args, s=sx: (fp8_fake_quant(args[0], s).to(args[0].dtype),)
+                                          + tuple(args[1:]))
+            done += 1
+    return done
 
 
 def _external(data, data_name: str, tensor) -> int:
@@ -148,6 +187,8 @@ def quantize_linked(onnx_in: Path, dest_dir: Path, recipe: str, module_amax: dic
                     progress: Callable[[int, int], None] = lambda done, total: None) -> NativeQuantResult:
     """Write `dest_dir/<name>.onnx` (+ `.onnx.data` with the E4M3 or NVFP4 weights, + links for the rest) from
     the zero-copy bf16 graph `onnx_in`. Atomic: nothing appears in dest_dir unless all of it is written."""
+    import json
+
     import onnx
     from onnx import TensorProto
 
@@ -172,7 +213,7 @@ def quantize_linked(onnx_in: Path, dest_dir: Path, recipe: str, module_amax: dic
         raise FluxtrtError(f"{onnx_in}: weight {bad[0]} is not bf16; the zero-copy fp8 path reads bf16 checkpoints")
     name = onnx_in.stem
     data_name = f"{name}.onnx.data"
-    new_nodes, added_inits, done, weight_bytes = [], [], 0, 0
+    new_nodes, added_inits, done, weight_bytes, record = [], [], 0, 0, {}
     with staging_dir(Path(dest_dir), name) as tmp:
         with open(tmp / data_name, "wb") as data:
             for n in g.node:
@@ -180,6 +221,9 @@ def quantize_linked(onnx_in: Path, dest_dir: Path, recipe: str, module_amax: dic
                     wnames, transposed = chosen[n.name]
                     parts = [(read_external(onnx_in, inits[w]), tuple(inits[w].dims)) for w in wnames]
                     amax = activation_amax(wnames, prov, module_amax)
+                    record[n.name] = {"modules": [module_of(k) for w in wnames for k in weightmap.source_keys(prov[w])]}
+                    if recipe == "fp8":
+                        record[n.name].update(act_scale=f"{n.name}__act__scale", weight_scale=f"{wnames[0]}__wscale")
                     layer = _fp4_layer if recipe == "fp4" else _fp8_layer
                     nodes_, inits_, written = layer(n, wnames[0], parts, transposed, amax, data, data_name)
                     new_nodes += nodes_
@@ -203,6 +247,8 @@ def quantize_linked(onnx_in: Path, dest_dir: Path, recipe: str, module_amax: dic
         if recipe == "fp4":
             ensure_opsets(model)
         weightmap.write(model, prov)
+        entry = model.metadata_props.add()
+        entry.key, entry.value = QDQ_KEY, json.dumps(record, sort_keys=True, separators=(",", ":"))
         copy_links(onnx_in, tmp / f"{name}.onnx")
         onnx.save(model, str(tmp / f"{name}.onnx"))
         staged = sorted(tmp.iterdir(), key=lambda f: f.suffix == ".onnx")  # the .onnx last

@@ -115,7 +115,7 @@ def _ensure_quantized(source, component, recipe, zc_path, out_root, force, on_ph
     from ..quantize.native import quantize_linked
 
     folder = Path(out_root) / "onnx" / f"{source.content_hash[:12]}-{recipe}-zc"
-    inputs = {"source_sha256": sha256_file(zc_path), "recipe": recipe, "fluxtrt": __version__,
+    inputs = {"source_sha256": sha256_file(zc_path), "recipe": recipe, "fluxtrt": __version__, "qdq_record": 1,
               "calibration": {"prompts_sha256": prompts_sha256(calib), "size": calib.size, "steps": calib.steps,
                               "opt_resolution": calib.opt_resolution}}
     entry = None if force else _reusable(folder, OPTIMIZE_INFO, component, inputs, validate)
