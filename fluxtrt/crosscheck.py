@@ -7,16 +7,17 @@ the same dtype. A deep network with random weights amplifies rounding (measured:
 N(0, 0.02) weights, PyTorch bf16 against fp32 differ by 43-55%), so a fixed bound alone says little at full
 size: a row passes when the error is within the component's bound, or within twice that reference pair.
 
-fp32 graphs are compared with the fp32 module with TF32 off on both sides (ONNX Runtime's `use_tf32=0`,
-PyTorch's matmul and cuDNN flags); bf16 graphs with the bf16 module. An fp8 graph quantized from a bf16
-checkpoint (quantize/native.py: it records which modules each Q/DQ'd MatMul computes) runs widened to fp32
-(ONNX Runtime has no bf16 Q/DQ kernel) and is compared with the fp32 module fake-quantized with the graph's
-own scales, which proves the Q/DQ graph computes what the recipe says; its error against the unquantized fp32
-module (the recipe's error) is reported beside it and does not decide. A fake-quant row is judged on its mean
-error, not its max: where ONNX Runtime's fp32 sum and PyTorch's differ in the last bit, an activation can round
-to the neighbouring E4M3 value on one side only, which moves a few elements by a whole quantization step
-(measured on tiny: max 2e-3, mean 3e-5, against 5e-3 mean for the unquantized module). Other quantized graphs
-are compared with the unquantized bf16 module only."""
+fp32 graphs are compared with the fp32 module with TF32 off on both sides (ONNX Runtime's `use_tf32=0`, PyTorch's
+matmul and cuDNN flags); bf16 graphs with the bf16 module, or with the fp32 one where ONNX Runtime runs them
+widened to fp32 (validate.runnable_session: on its CPU provider, or for an op without a bf16 kernel). An fp8
+graph quantized from a bf16 checkpoint (quantize/native.py: it records which modules each Q/DQ'd MatMul computes)
+runs widened to fp32 (ONNX Runtime has no bf16 Q/DQ kernel) and is compared with the fp32 module fake-quantized
+with the graph's own scales, which proves the Q/DQ graph computes what the recipe says; its error against the
+unquantized fp32 module (the recipe's error) is reported beside it and does not decide. A fake-quant row is
+judged on its mean error, not its max: where ONNX Runtime's fp32 sum and PyTorch's differ in the last bit, an
+activation can round to the neighbouring E4M3 value on one side only, which moves a few elements by a whole
+quantization step (measured on tiny: max 2e-3, mean 3e-5, against 5e-3 mean for the unquantized module). Other
+quantized graphs are compared with the unquantized bf16 module only."""
 
 from __future__ import annotations
 
@@ -120,12 +121,13 @@ def _component(engines, manifest, name, spec, src, geo, provider, device, seed) 
 
         ex.stream = torch.cuda.current_stream()
     record = read_qdq(onnx.load(str(onnx_path), load_external_data=False)) if entry.precision == "fp8" else {}
-    tname = entry.precision if entry.precision in FLOAT_NAMES else "fp32" if record else "bf16"
     points = shape_points(manifest, geo)
     feeds = [{n: v.to(device) for n, v in spec.sample_inputs(point, geo, seed + k).items()}
              for k, point in enumerate(points)]
     got = [ex.infer(f)[spec.outputs[0].name] for f in feeds]
+    widened = getattr(ex.session, "_fluxtrt_widened", False)  # ONNX Runtime computed it in fp32
     ex.deactivate()
+    tname = "fp32" if widened else entry.precision if entry.precision in FLOAT_NAMES else "bf16"
     module = src.load_component(spec.subfolder, torch_dtype(tname), device).eval()
     bound = bound_for(name, entry.precision, spec.rtol_fp32)
     rows = []

@@ -135,6 +135,14 @@ def has_bf16_qdq(model) -> bool:
                for n in model.graph.node)
 
 
+def _has_bf16(model) -> bool:
+    from onnx import TensorProto
+
+    g = model.graph
+    return any(vi.type.tensor_type.elem_type == TensorProto.BFLOAT16 for vi in list(g.input) + list(g.output)) or \
+        any(t.data_type == TensorProto.BFLOAT16 for t in g.initializer)
+
+
 def _widened_session(onnx_path: Path, header, providers, overrides: dict):
     """A session over `header` (the graph without its data) widened to fp32: every initializer that lives in a
     file (or is overridden) is handed to ONNX Runtime as an OrtValue over a numpy array, bf16 ones widened;
@@ -163,6 +171,7 @@ def _widened_session(onnx_path: Path, header, providers, overrides: dict):
     options.add_external_initializers(list(arrays), [ort_value(a) for a in arrays.values()])
     session = ort.InferenceSession(header.SerializeToString(), options, providers=list(providers))
     session._fluxtrt_keepalive = arrays  # the session reads these buffers for its whole life
+    session._fluxtrt_widened = True  # computes in fp32 (what a comparison should take as its dtype)
     return session
 
 
@@ -174,7 +183,8 @@ def cpu_session(onnx_path: Path, overrides: dict | None = None):
 def runnable_session(onnx_path: Path, providers=("CPUExecutionProvider",), overrides: dict | None = None):
     """An ONNX Runtime session over any graph fluxtrt writes. Widened to fp32 first (see upcast_bf16): bf16
     graphs on the CPU provider (it has no bf16 kernels) and, on every provider, graphs with bf16 Q/DQ (no
-    provider has that kernel); a GPU provider runs other bf16 graphs as they are. NVFP4 graphs are emulated in
+    provider has that kernel); a GPU provider runs other bf16 graphs as they are, or widened where it lacks a
+    bf16 kernel for one of their ops. NVFP4 graphs are emulated in
     standard ops everywhere (nvfp4.emulate: ONNX Runtime has no FP4 kernels). `overrides` (name -> array)
     replaces initializers, e.g. weights filled from a checkpoint into a weight-free ONNX. `providers`: ONNX
     Runtime's list (names or (name, options) pairs), the first one preferred."""
@@ -186,15 +196,17 @@ def runnable_session(onnx_path: Path, providers=("CPUExecutionProvider",), overr
     ort = onnxruntime()
     on_cpu = [p if isinstance(p, str) else p[0] for p in providers][0] == "CPUExecutionProvider"
     header = onnx.load(str(onnx_path), load_external_data=False)
-    has_bf16 = on_cpu and (any(vi.type.tensor_type.elem_type == TensorProto.BFLOAT16
-                               for vi in list(header.graph.input) + list(header.graph.output)) or any(
-        t.data_type == TensorProto.BFLOAT16 for t in header.graph.initializer))
-    widen = has_bf16 or has_bf16_qdq(header)
+    widen = (on_cpu and _has_bf16(header)) or has_bf16_qdq(header)
     has_fp4 = any(t.data_type == TensorProto.FLOAT4E2M1 for t in header.graph.initializer)
     if not has_fp4:
         if widen:
             return _widened_session(Path(onnx_path), header, providers, overrides or {})
-        return ort_session(onnx_path, providers, overrides=overrides)
+        try:
+            return ort_session(onnx_path, providers, overrides=overrides)
+        except Exception as e:  # a bf16 op no provider implements (ONNX Runtime's NOT_IMPLEMENTED): run it as fp32
+            if "NOT_IMPLEMENTED" not in str(e) or not _has_bf16(header):
+                raise
+            return _widened_session(Path(onnx_path), header, providers, overrides or {})
     overrides = overrides or {}
     model = load_onnx(onnx_path, skip=set(overrides))
     for t in model.graph.initializer:

@@ -15,8 +15,17 @@
 #   bash scripts/fullsize_footprint.sh OUTDIR layers          # parsed / computed layers, unfused vs fused (after both)
 #   bash scripts/fullsize_footprint.sh OUTDIR build-fp4       # fluxtrt build --gpu 5090 -p transformer=fp4 (sm120)
 #   bash scripts/fullsize_footprint.sh OUTDIR static-all      # every component, 5090, 1024² batch 1 (memory table)
-#   bash scripts/fullsize_footprint.sh OUTDIR validate        # fluxtrt validate --ort-provider cuda (GPU, onnxruntime-gpu)
-# Work files go to $WORK (default /root/fullsize); results are appended to OUTDIR/footprint.jsonl.
+# ONNX Runtime on the GPU (issue 20; onnxruntime-gpu staged), after checkpoint-all (+ calibrate, build-fp8):
+#   bash scripts/fullsize_footprint.sh OUTDIR build-others    # clip, t5, vae_decoder, vae_encoder for the 4090 (its
+#                                                   # config's precisions) to $WORK/build2; engines deleted (disk)
+#   bash scripts/fullsize_footprint.sh OUTDIR bf16-entry      # after build-fp4: its bf16 transformer graph into that
+#                                                   # manifest (no 24 GB bf16 engine: the disk holds 64 GB)
+#   bash scripts/fullsize_footprint.sh OUTDIR validate        # fluxtrt validate --ort-provider cuda, each component
+#   bash scripts/fullsize_footprint.sh OUTDIR validate-fp8    # the same for build-fp8's transformer
+#   bash scripts/fullsize_footprint.sh OUTDIR generate        # 28 steps at 1024² on ORT CUDA vs diffusers bf16
+#   bash scripts/fullsize_footprint.sh OUTDIR bench-ort       # fluxtrt bench on ORT CUDA, --baseline diffusers
+# Work files go to $WORK (default /root/fullsize); results are appended to OUTDIR/footprint.jsonl. CPU-only
+# builds use the cores in $CORES (default 0-15; two builds side by side: 0-7 and 8-15).
 set -uo pipefail
 OUTDIR=${1:?OUTDIR}; STEP=${2:?step}
 WORK=${WORK:-/root/fullsize}
@@ -26,7 +35,11 @@ export FLUXTRT_CACHE=$WORK/cache
 CKPT=$WORK/flux1-dev-random
 FULL=$WORK/flux1-dev-random-all
 # CPU-only builds: no GPU visible (calibration comes from the cache `calibrate` filled), 16 cores
-CPU16="env CUDA_VISIBLE_DEVICES= taskset -c 0-15"
+CORES=${CORES:-0-15}
+# the ONNX Runtime steps: provider, PyTorch device, image size and steps (a CPU rehearsal on a small model:
+# PROVIDER=cpu DEVICE=cpu SIZE=256 STEPS=3 DTYPE=fp32)
+PROVIDER=${PROVIDER:-cuda}; DEVICE=${DEVICE:-cuda}; SIZE=${SIZE:-1024}; STEPS=${STEPS:-28}; DTYPE=${DTYPE:-bf16}
+CPU16="env CUDA_VISIBLE_DEVICES= taskset -c $CORES"
 M="python3 scripts/measure.py --json $OUTDIR/footprint.jsonl"
 case "$STEP" in
   checkpoint)
@@ -61,13 +74,13 @@ case "$STEP" in
       python3 scripts/write_random_checkpoint.py --model random:flux.1-dev --out "$FULL" \
       --components transformer,text_encoder,text_encoder_2,vae --dtype bf16 --device cuda ;;
   calibrate)
-    $M --label calibrate-fp8-cuda --written "$WORK/build/calibration" -- \
-      python3 -m fluxtrt.cli calibrate --model "$FULL" --out "$WORK/build" --device cuda ;;
+    $M --label calibrate-fp8-$DEVICE --written "$WORK/build/calibration" -- \
+      python3 -m fluxtrt.cli calibrate --model "$FULL" --out "$WORK/build" --device $DEVICE ;;
   build-fp8|build-bf16|build-fp4)
     P=${STEP#build-}
     GPU=4090; SM=sm89; [ "$P" = fp4 ] && { GPU=5090; SM=sm120; }  # NVFP4 is Blackwell-only
     python3 -c 'import tensorrt_rtx as t; print("tensorrt_rtx", t.__version__)' | tee -a "$OUTDIR/machine.txt"
-    $CPU16 $M --label "fluxtrt-build-$P-$SM-cpu16" --written "$WORK/build" -- \
+    $CPU16 $M --label "fluxtrt-build-$P-$SM-cores-$CORES" --written "$WORK/build" -- \
       python3 -m fluxtrt.cli build --gpu $GPU --model "$FULL" -c transformer -p "transformer=$P" --no-validate \
       --out "$WORK/build"
     G="$WORK/build/$GPU"; [ -d "$WORK/build/$GPU-$P" ] && G="$WORK/build/$GPU-$P"  # -p other than the config's
@@ -92,11 +105,56 @@ quantize_linked(Path('$WORK/build/onnx/$H-bf16-zc/transformer.onnx'), Path('$WOR
       "$WORK/build/onnx/$H-bf16-zc-opt/transformer.onnx" "$WORK/fp8-unfused/transformer.onnx" \
       "$WORK/build/onnx/$H-fp8-zc/transformer.onnx" | tee "$OUTDIR/layers.jsonl"
     rm -rf "$WORK/fp8-unfused" ;;
-  validate)  # the graphs of the builds above (bf16 and fp8 transformer) in ONNX Runtime CUDA vs PyTorch on the GPU
-    for G in "$WORK/build/4090" "$WORK/build/4090-bf16"; do
-      [ -f "$G/manifest.json" ] && $M --label "validate-ort-cuda-$(basename "$G")" -- \
-        python3 -m fluxtrt.cli validate --engines "$G" --model "$FULL" --ort-provider cuda --device cuda \
-        --json "$OUTDIR/validate-$(basename "$G").jsonl"
+  build-others)  # its own root and cache, so it can run beside build-fp4/build-fp8 (on other cores); each
+                 # engine is deleted once built (ONNX Runtime runs the ONNX; the manifest keeps every entry)
+    export FLUXTRT_CACHE=$WORK/cache2
+    for C in clip t5 vae_decoder vae_encoder; do
+      $CPU16 $M --label "fluxtrt-build-$C-sm89-cores-$CORES" --written "$WORK/build2" -- \
+        python3 -m fluxtrt.cli build --gpu 4090 --model "$FULL" -c $C --no-validate --out "$WORK/build2"
+      rm -f "$WORK/build2/4090/"*.engine
+    done
+    cp "$WORK/build2/4090/manifest.json" "$OUTDIR/manifest-others-4090.json" ;;
+  bf16-entry)  # the graph `build -p transformer=bf16` hands TensorRT (the bf16-zc-opt stage the fp4 build made)
+               # entered in build2's 4090 manifest, from the fp4 build's transformer entry (same profile)
+    python3 - "$WORK" <<'PY'
+import json, sys
+from pathlib import Path
+from fluxtrt.fileio import sha256_file
+w = Path(sys.argv[1])
+entry = json.loads(next((w / "build").glob("5090*/manifest.json")).read_text())["components"]["transformer"]
+opt = next((w / "build" / "onnx").glob("*-bf16-zc-opt"))
+link = w / "build2" / "onnx" / opt.name  # holds build2's own T5 graph: the transformer's files linked beside it
+link.mkdir(parents=True, exist_ok=True)
+for f in opt.glob("transformer.*"):
+    if not (link / f.name).exists():
+        (link / f.name).symlink_to(f)
+entry.update(onnx=f"onnx/{opt.name}/transformer.onnx", onnx_sha256=sha256_file(link / "transformer.onnx"),
+             precision="bf16", quantization=None)
+path = w / "build2" / "4090" / "manifest.json"
+m = json.loads(path.read_text())
+m["components"]["transformer"] = entry
+path.write_text(json.dumps(m, indent=1))
+print("transformer entry:", entry["onnx"])
+PY
+    ;;
+  validate)  # each component's graph in ONNX Runtime CUDA vs PyTorch on the GPU, one process per component
+    for C in ${COMPONENTS:-clip t5 transformer vae_decoder vae_encoder}; do
+      $M --label "validate-ort-cuda-4090-$C" -- \
+        python3 -m fluxtrt.cli validate --engines "$WORK/build2/4090" -c $C --model "$FULL" \
+        --ort-provider $PROVIDER --device $DEVICE --json "$OUTDIR/validate-4090-$C.jsonl"
     done ;;
+  validate-fp8)  # after build-fp8: the Q/DQ graph (run widened to fp32) vs the fake-quant and unquantized module
+    $M --label "validate-ort-cuda-4090-fp8-transformer" -- \
+      python3 -m fluxtrt.cli validate --engines "$WORK/build/4090-fp8" -c transformer --model "$FULL" \
+      --ort-provider $PROVIDER --device $DEVICE --json "$OUTDIR/validate-4090-fp8-transformer.jsonl" ;;
+  generate)
+    $M --label "generate-$SIZE-$STEPS-ort-$PROVIDER-vs-diffusers-$DTYPE" -- \
+      python3 scripts/fullsize_generation.py --engines "$WORK/build2/4090" --model "$FULL" --provider $PROVIDER \
+      --device $DEVICE --size $SIZE --steps $STEPS --dtype $DTYPE --json "$OUTDIR/generation.jsonl" \
+      --image "$OUTDIR/generation" ;;
+  bench-ort)
+    python3 -m fluxtrt.cli bench --engines "$WORK/build2/4090" --backend onnxruntime --ort-provider $PROVIDER \
+      --baseline diffusers --torch-dtype $DTYPE --sizes $SIZE --steps $STEPS --runs 2 --warmup 1 \
+      --json "$OUTDIR/bench-ort-$PROVIDER.json" ;;
   *) echo "unknown step $STEP" >&2; exit 2 ;;
 esac

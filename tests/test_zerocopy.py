@@ -197,3 +197,33 @@ def test_zero_copy_export_identifies_the_model_by_layout(tmp_path):
     time.sleep(0.01)
     shard.write_bytes(shard.read_bytes())  # same bytes, rewritten: a new mtime
     assert resolve_model(str(folder)).layout_hash != before
+
+
+def test_scalars_made_on_meta_while_tracing_keep_their_values():
+    """A zero-copy trace runs on `meta`; transformers 5.17's eager attention mask makes `torch.tensor(0.0,
+    device=mask.device)` there, which had no value, so the exported T5 wanted a checkpoint tensor
+    'encoder.lifted_tensor_0'. While tracing, such scalars are made on the CPU and keep their values."""
+    import torch
+
+    from fluxtrt.export.trace import constants_keep_values
+
+    v = float(np.random.default_rng().uniform(1.0, 2.0))
+
+    class Masked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4, device="meta")
+
+        def forward(self, x):
+            h = self.lin(x)
+            return torch.where(h > 0, torch.tensor(v, device=h.device, dtype=h.dtype), h)
+
+    with constants_keep_values():
+        ep = torch.export.export(Masked(), (torch.empty(2, 4, device="meta"),))
+        vector = torch.tensor([v, v], device="meta")
+    consts = list(ep.constants.values())
+    assert len(consts) == 1 and consts[0].device.type == "cpu" and consts[0].item() == pytest.approx(v)
+    assert vector.device.type == "meta"  # only scalars move: a CPU vector would not mix with meta tensors
+    assert torch.tensor(v, device="meta").device.type == "meta"  # torch.tensor is itself again afterwards
+    ep_plain = torch.export.export(Masked(), (torch.empty(2, 4, device="meta"),))
+    assert [c.device.type for c in ep_plain.constants.values()] == ["meta"]  # what failed before

@@ -193,6 +193,31 @@ def record_provenance(ir_model, raw, index) -> dict:
     return prov
 
 
+@contextlib.contextmanager
+def constants_keep_values():
+    """A zero-copy trace runs on `meta`, so a constant the module makes from Python numbers on its activations'
+    device (transformers 5.17's eager attention mask: `torch.tensor(0.0, device=mask.device)`) has no value:
+    the exporter lifts it to an initializer that no checkpoint holds ("has no tensor 'encoder.lifted_tensor_0'").
+    While tracing, such scalars are made on the CPU instead (a 0-d CPU tensor mixes with tensors on any
+    device), so they keep their values and stay graph constants."""
+    import torch
+
+    make = torch.tensor
+
+    def tensor(data, *args, device=None, **kwargs):
+        if device is not None and torch.device(device).type == "meta":
+            t = make(data, *args, device="cpu", **kwargs)
+            if t.dim() == 0:
+                return t
+        return make(data, *args, device=device, **kwargs)
+
+    torch.tensor = tensor
+    try:
+        yield
+    finally:
+        torch.tensor = make
+
+
 def trace_on_meta(source, spec: ComponentSpec, dtype: str, args, opset: int, replicate_blocks: bool):
     """Trace the component built on `meta`; with repeated blocks, trace three of each and replicate the middle
     one to the real depth (replicate.py), falling back to a full trace where the pattern does not hold.
@@ -204,7 +229,8 @@ def trace_on_meta(source, spec: ComponentSpec, dtype: str, args, opset: int, rep
     if depths:
         raw, buffers = zerocopy.empty_component(source.path, spec.subfolder, torch_dtype(dtype), overrides)
         module = spec.wrap(raw).eval()
-        program = trace(module, args, spec, opset)
+        with constants_keep_values():
+            program = trace(module, args, spec, opset)
         try:
             replicate(program.model, depths, wrapper_prefix(module))
             return program, raw, buffers, depths
@@ -213,4 +239,5 @@ def trace_on_meta(source, spec: ComponentSpec, dtype: str, args, opset: int, rep
 
             warnings.warn(f"{spec.name}: block replication does not apply ({e}); tracing every block", stacklevel=2)
     raw, buffers = zerocopy.empty_component(source.path, spec.subfolder, torch_dtype(dtype))
-    return trace(spec.wrap(raw).eval(), args, spec, opset), raw, buffers, {}
+    with constants_keep_values():
+        return trace(spec.wrap(raw).eval(), args, spec, opset), raw, buffers, {}
