@@ -36,6 +36,6 @@ case "$MODE" in
     end=$((SECONDS + ${3:-540}))
     while [ $SECONDS -lt $end ] && ! grep -q "all done" "$OUTDIR/steps.log" 2>/dev/null; do sleep 5; done
     cat "$OUTDIR/steps.log"; free -g | head -2; df -h "$WORK" | tail -1; nvidia-smi --query-gpu=memory.used --format=csv
-    tail -3 "$OUTDIR"/*.log
+    tail -n 3 "$OUTDIR"/*.log
     tar czf "$OUT/results.tgz" -C "$OUTDIR" --exclude='*.png' . && cp "$OUTDIR"/*.png "$OUT/" 2>/dev/null; ls -la "$OUT" ;;
 esac
