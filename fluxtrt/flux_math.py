@@ -39,12 +39,15 @@ def unpack_latents(latents: torch.Tensor, height: int, width: int, vae_scale_fac
 
 
 def initial_noise(batch: int, latent_channels: int, height: int, width: int, vae_scale_factor: int,
-                  generator: torch.Generator) -> torch.Tensor:
-    """The packed starting latents, drawn from a CPU generator exactly as diffusers' prepare_latents does."""
+                  generator: torch.Generator, dtype=torch.float32) -> torch.Tensor:
+    """The packed starting latents (fp32), drawn from a CPU generator exactly as diffusers' prepare_latents does
+    in a pipeline of `dtype`: its randn_tensor draws in that dtype, and torch's CPU generator gives a bf16
+    draw other values than an fp32 one (measured: torch 2.11, independent noise; torch 2.13 rounds the fp32
+    draw), so the dtype is part of what a seed means."""
     h = 2 * (int(height) // (vae_scale_factor * 2))
     w = 2 * (int(width) // (vae_scale_factor * 2))
-    noise = torch.randn((batch, latent_channels, h, w), generator=generator, device="cpu", dtype=torch.float32)
-    return pack_latents(noise)
+    noise = torch.randn((batch, latent_channels, h, w), generator=generator, device="cpu", dtype=dtype)
+    return pack_latents(noise.float())
 
 
 def calculate_shift(image_seq_len: int, base_seq_len: int = 256, max_seq_len: int = 4096,

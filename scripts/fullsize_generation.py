@@ -53,7 +53,9 @@ def diffusers_run(src, prompt, size, steps, seed, dtype, device, math: bool):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engines", type=Path, required=True, help="a `fluxtrt build` GPU folder (its ONNX is run)")
+    ap.add_argument("--engines", type=Path, help="a `fluxtrt build` GPU folder (its ONNX is run)")
+    ap.add_argument("--backend", default="onnxruntime", choices=["onnxruntime", "torch"],
+                    help="torch: fluxtrt's pipeline over the PyTorch modules of --model (no --engines)")
     ap.add_argument("--model", required=True)
     ap.add_argument("--provider", default="cuda")
     ap.add_argument("--device", default="cuda")
@@ -77,8 +79,11 @@ def main() -> None:
     ref, ref_lat, ref_s = diffusers_run(src, args.prompt, args.size, args.steps, args.seed, dtype, args.device, False)
     alt, alt_lat, alt_s = diffusers_run(src, args.prompt, args.size, args.steps, args.seed, dtype, args.device, True)
     t0 = time.perf_counter()
-    pipe = FluxEngines(args.engines, "onnxruntime", ort_provider=args.provider, torch_dtype=args.dtype,
-                       device=args.device)
+    if args.backend == "torch":
+        pipe = FluxEngines(None, "torch", model=src, torch_dtype=args.dtype, device=args.device)
+    else:
+        pipe = FluxEngines(args.engines, "onnxruntime", ort_provider=args.provider, torch_dtype=args.dtype,
+                           device=args.device)
     load_s = time.perf_counter() - t0
     res = pipe.generate([args.prompt], args.size, args.size, args.steps, 3.5, args.seed, trace=True)
     res = pipe.generate([args.prompt], args.size, args.size, args.steps, 3.5, args.seed, trace=True)  # warm
@@ -89,8 +94,9 @@ def main() -> None:
         rows.append({"step": i + 1, "error": err, "mean_error": mean, "reference": pair, "reference_mean": pair_mean})
     img_err = np.abs(res.images.astype(int) - ref.astype(int))
     img_pair = np.abs(alt.astype(int) - ref.astype(int))
-    summary = {"size": args.size, "steps": args.steps, "dtype": args.dtype, "provider": args.provider,
-               "precisions": {n: e.precision for n, e in pipe.manifest.components.items()},
+    summary = {"size": args.size, "steps": args.steps, "dtype": args.dtype, "backend": args.backend,
+               "provider": args.provider if args.backend == "onnxruntime" else None,
+               "precisions": {n: e.precision for n, e in pipe.manifest.components.items()} if pipe.manifest else None,
                "image_max_diff": int(img_err.max()), "image_mean_diff": float(img_err.mean()),
                "reference_image_max_diff": int(img_pair.max()), "reference_image_mean_diff": float(img_pair.mean()),
                "diffusers_s": ref_s, "diffusers_math_s": alt_s, "fluxtrt_load_s": load_s,

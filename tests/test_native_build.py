@@ -282,6 +282,7 @@ def test_zero_copy_engines_run_like_diffusers(tiny_bf16, tmp_path, reweighted_co
     the fp32 path: `fluxtrt run`'s pipeline on ONNX Runtime matches diffusers (fp32 compute on the same stored
     weights) step by step."""
     pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installed (pip install -e '.[rtx]')")
+    from fluxtrt.flux_math import initial_noise
     from fluxtrt.gpus import load_gpu
     from fluxtrt.runtime.pipeline import FluxEngines
     from fluxtrt.stages.build import build_gpu
@@ -293,9 +294,13 @@ def test_zero_copy_engines_run_like_diffusers(tiny_bf16, tmp_path, reweighted_co
     assert paths["t5"].endswith("-bf16-zc-opt/t5.onnx") and paths["transformer"].endswith("-bf16-zc-opt/transformer.onnx")
     assert paths["clip"].endswith("-fp32-opt/clip.onnx")
     seed = int(np.random.default_rng().integers(0, 2**31))
-    ref, ref_latents = reference(tiny_bf16, ["a red fox in the snow"], 256, 320, 4, 3.5, seed)
-    res = FluxEngines(tmp_path / "4090", "onnxruntime").generate(["a red fox in the snow"], 256, 320, 4, 3.5, seed,
-                                                                 trace=True)
+    pipe = FluxEngines(tmp_path / "4090", "onnxruntime")
+    assert pipe.noise_dtype() == torch.bfloat16  # bf16 engines draw the noise as FluxPipeline in bf16 does
+    geo = tiny_bf16.geometry  # diffusers' fp32 reference (widened ONNX on this CPU) starts from the same noise
+    noise = initial_noise(1, geo.latent_channels, 256, 320, geo.vae_scale_factor, torch.Generator().manual_seed(seed),
+                          torch.bfloat16)
+    ref, ref_latents = reference(tiny_bf16, ["a red fox in the snow"], 256, 320, 4, 3.5, seed, latents=noise)
+    res = pipe.generate(["a red fox in the snow"], 256, 320, 4, 3.5, seed, trace=True)
     for i, (a, b) in enumerate(zip(res.latents_per_step, ref_latents)):
         err = float((a - b).abs().max())
         assert err < 1e-3, f"latents diverge from diffusers at step {i}: {err:.2e}"

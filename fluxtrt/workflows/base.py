@@ -85,6 +85,7 @@ class Context:
     width: int
     steps: int
     inputs: ImageInputs = field(default_factory=ImageInputs)
+    noise_dtype: torch.dtype = torch.float32  # the dtype diffusers' pipeline would draw the noise in
 
 
 class Workflow:
@@ -205,7 +206,8 @@ def noise(ctx: Context) -> torch.Tensor:
     """The packed starting noise [B, N, 4C], drawn from the CPU generator as diffusers' randn_tensor. (Packing is
     a permutation: mixing it with packed image latents equals diffusers' mix-then-pack bit for bit.)"""
     g = ctx.geo
-    return fm.initial_noise(ctx.batch, g.latent_channels, ctx.height, ctx.width, g.vae_scale_factor, ctx.generator)
+    return fm.initial_noise(ctx.batch, g.latent_channels, ctx.height, ctx.width, g.vae_scale_factor, ctx.generator,
+                            ctx.noise_dtype)
 
 
 def schedule(ctx: Context, strength: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
