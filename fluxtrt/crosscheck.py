@@ -53,7 +53,8 @@ class CrossCheckRow:
         return asdict(self) | {"ratio": self.ratio}
 
 
-def _rel(a, b) -> tuple[float, float]:
+def relative_errors(a, b) -> tuple[float, float]:
+    """(max |a - b| / max |b|, mean |a - b| / mean |b|), in float64."""
     a, b = a.double(), b.double()
     d = (a - b).abs()
     return float(d.max() / b.abs().max().clamp_min(1e-30)), float(d.mean() / b.abs().mean().clamp_min(1e-30))
@@ -173,8 +174,8 @@ def _rows(name, precision, tname, spec, module, feeds, got, points, bound, again
             ref = wrapped(*args)
             with sdpa_kernel([SDPBackend.MATH]):
                 alt = wrapped(*args)
-        err, mean = _rel(out.to(ref.device), ref)
-        pair, pair_mean = _rel(alt, ref)
+        err, mean = relative_errors(out.to(ref.device), ref)
+        pair, pair_mean = relative_errors(alt, ref)
         e, r = (mean, pair_mean) if metric == "mean" else (err, pair)
         ok = bool(torch.isfinite(out).all()) and (e <= bound or e <= 2 * r)
         rows.append(CrossCheckRow(name, precision, tname, point.batch, point.height, point.width, err, mean, pair,

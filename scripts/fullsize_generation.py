@@ -16,12 +16,6 @@ import time
 from pathlib import Path
 
 
-def rel(a, b) -> tuple[float, float]:
-    a, b = a.double(), b.double()
-    d = (a - b).abs()
-    return float(d.max() / b.abs().max()), float(d.mean() / b.abs().mean())
-
-
 def diffusers_run(src, prompt, size, steps, seed, dtype, device, math: bool):
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -70,6 +64,7 @@ def main() -> None:
 
     import numpy as np
 
+    from fluxtrt.crosscheck import relative_errors
     from fluxtrt.dtypes import torch_dtype
     from fluxtrt.models.source import resolve_model
     from fluxtrt.runtime.pipeline import FluxEngines
@@ -89,8 +84,8 @@ def main() -> None:
     res = pipe.generate([args.prompt], args.size, args.size, args.steps, 3.5, args.seed, trace=True)  # warm
     rows = []
     for i, (ours, r, a) in enumerate(zip(res.latents_per_step, ref_lat, alt_lat)):
-        err, mean = rel(ours.float().cpu(), r)
-        pair, pair_mean = rel(a, r)
+        err, mean = relative_errors(ours.float().cpu(), r)
+        pair, pair_mean = relative_errors(a, r)
         rows.append({"step": i + 1, "error": err, "mean_error": mean, "reference": pair, "reference_mean": pair_mean})
     img_err = np.abs(res.images.astype(int) - ref.astype(int))
     img_pair = np.abs(alt.astype(int) - ref.astype(int))

@@ -84,18 +84,23 @@ def quantize_weight_fp8(parts, transposed: bool):
 
     ws = _bf16_tensors(parts)
     scale = _bf16(max(float(w.abs().max()) for w in ws) / FP8_MAX) or 1.0
-    q = torch.cat([(w / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn) for w in ws], 0 if transposed else 1)
+    q = torch.cat([to_e4m3(w, scale) for w in ws], 0 if transposed else 1)
     if transposed:
         q = q.t()
     return q.contiguous().view(torch.uint8).numpy(), scale
 
 
-def fp8_fake_quant(x, scale: float):
-    """What an E4M3 QuantizeLinear/DequantizeLinear pair with a per-tensor `scale` computes (fp32; saturating,
-    round to nearest even), the arithmetic quantize_weight_fp8 writes weights with."""
+def to_e4m3(x, scale: float):
+    """x / scale as E4M3 (divided in fp32, saturating, round to nearest even): QuantizeLinear's arithmetic."""
     import torch
 
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def fp8_fake_quant(x, scale: float):
+    """What an E4M3 QuantizeLinear/DequantizeLinear pair with a per-tensor `scale` computes, in fp32: the
+    arithmetic quantize_weight_fp8 writes weights with."""
+    return to_e4m3(x, scale).float() * scale
 
 
 def fake_quantize_fp8(module, record: dict, scales: dict) -> int:
