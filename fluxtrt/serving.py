@@ -250,6 +250,7 @@ def check_servable(engines: Path | None, model: str | None, backend: str) -> Non
 
 
 SERVE_SHUTDOWN_S = 15  # Ray Serve's own shutdown, at most; then Ray itself is stopped (its processes killed)
+STOP_DEADLINE_S = 25  # from Ctrl-C to the process's end, whatever Ray does (its shutdown or exit hooks can hang)
 
 
 def _bounded(fn, seconds: float, say) -> None:
@@ -302,8 +303,23 @@ def serve_forever(engines: Path | None, model: str | None, backend: str, host: s
     except KeyboardInterrupt:
         say("stopping ...")
     finally:
+        _exit_by(STOP_DEADLINE_S, say)
         try:
             _bounded(serve.shutdown, SERVE_SHUTDOWN_S, say)
         finally:
             if started_ray:
                 ray.shutdown()
+
+
+def _exit_by(seconds: float, say) -> None:
+    """End the process `seconds` from now if it is still alive: after a replica was killed, Ray's shutdown and
+    its exit hooks were seen to hang past a minute (CI), and Ctrl-C must still stop the server."""
+    import threading
+
+    def hard_exit():
+        say(f"Ray did not stop within {seconds} s; exiting")
+        os._exit(130)
+
+    timer = threading.Timer(seconds, hard_exit)
+    timer.daemon = True
+    timer.start()
