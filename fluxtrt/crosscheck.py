@@ -121,7 +121,8 @@ def _component(engines, manifest, name, spec, src, geo, provider, device, seed) 
         import torch
 
         ex.stream = torch.cuda.current_stream()
-    record = read_qdq(onnx.load(str(onnx_path), load_external_data=False)) if entry.precision == "fp8" else {}
+    header = onnx.load(str(onnx_path), load_external_data=False) if entry.precision == "fp8" else None
+    record = read_qdq(header) if header is not None else {}
     points = shape_points(manifest, geo)
     feeds = [{n: v.to(device) for n, v in spec.sample_inputs(point, geo, seed + k).items()}
              for k, point in enumerate(points)]
@@ -135,7 +136,7 @@ def _component(engines, manifest, name, spec, src, geo, provider, device, seed) 
     if record:  # the recipe's error first, then the same module fake-quantized with the graph's scales
         rows += _rows(name, entry.precision, tname, spec, module, feeds, got, points, bound, "unquantized module",
                       "max", decides=False)
-        _fake_quantize(module, onnx_path, record)
+        _fake_quantize(module, onnx_path, header, record)
         bound = bound_for(name, "fp32", spec.rtol_fp32)
     against = "fake-quant module" if record else "module" if entry.precision in FLOAT_NAMES else "unquantized module"
     rows += _rows(name, entry.precision, tname, spec, module, feeds, got, points, bound, against,
@@ -144,14 +145,13 @@ def _component(engines, manifest, name, spec, src, geo, provider, device, seed) 
     return rows
 
 
-def _fake_quantize(module, onnx_path: Path, record: dict) -> None:
+def _fake_quantize(module, onnx_path: Path, header, record: dict) -> None:
+    """`module` made to compute what the fp8 graph (`header`: the graph without its weights) computes."""
     from onnx import numpy_helper
 
-    from .onnxio import load_onnx
     from .quantize.native import fake_quantize_fp8
 
     wanted = {r[k] for r in record.values() for k in ("act_scale", "weight_scale") if k in r}
-    header = load_onnx(onnx_path, load_data=False)
     scales = {t.name: float(numpy_helper.to_array(t).astype("float32")) for t in header.graph.initializer
               if t.name in wanted}
     if fake_quantize_fp8(module, record, scales) == 0:

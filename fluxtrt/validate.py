@@ -184,10 +184,10 @@ def runnable_session(onnx_path: Path, providers=("CPUExecutionProvider",), overr
     """An ONNX Runtime session over any graph fluxtrt writes. Widened to fp32 first (see upcast_bf16): bf16
     graphs on the CPU provider (it has no bf16 kernels) and, on every provider, graphs with bf16 Q/DQ (no
     provider has that kernel); a GPU provider runs other bf16 graphs as they are, or widened where it lacks a
-    bf16 kernel for one of their ops. NVFP4 graphs are emulated in
-    standard ops everywhere (nvfp4.emulate: ONNX Runtime has no FP4 kernels). `overrides` (name -> array)
-    replaces initializers, e.g. weights filled from a checkpoint into a weight-free ONNX. `providers`: ONNX
-    Runtime's list (names or (name, options) pairs), the first one preferred."""
+    bf16 kernel for one of their ops. NVFP4 graphs are emulated in standard ops everywhere (nvfp4.emulate:
+    ONNX Runtime has no FP4 kernels). `overrides` (name -> array) replaces initializers, e.g. weights filled
+    from a checkpoint into a weight-free ONNX. `providers`: ONNX Runtime's list (names or (name, options)
+    pairs), the first one preferred."""
     import onnx
     from onnx import TensorProto, numpy_helper
 

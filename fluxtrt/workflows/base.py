@@ -172,13 +172,14 @@ def load_image(value, flag: str):
 
 def sample_latents(parameters: torch.Tensor, generator: torch.Generator | None, ctx: Context) -> torch.Tensor:
     """diffusers' `retrieve_latents(vae.encode(x), generator)` then `(x - shift) * scale`: a sample of the VAE's
-    diagonal Gaussian (mean + std * noise from the generator), or its mean when `generator` is None (argmax)."""
+    diagonal Gaussian (mean + std * noise from the generator, drawn in the matched pipeline's dtype as its
+    randn_tensor does: see flux_math.initial_noise), or its mean when `generator` is None (argmax)."""
     mean, logvar = torch.chunk(parameters.float(), 2, dim=1)
     if generator is None:
         latents = mean
     else:
         std = torch.exp(0.5 * torch.clamp(logvar, -30.0, 20.0))
-        latents = mean + std * torch.randn(mean.shape, generator=generator, dtype=mean.dtype)
+        latents = mean + std * torch.randn(mean.shape, generator=generator, dtype=ctx.noise_dtype).float()
     return (latents - ctx.shift_factor) * ctx.scaling_factor
 
 
