@@ -487,7 +487,8 @@ def artifacts(gpus: str, model: str, engines: Path, out_dir: Path, precision=Non
 
 
 def validate_engines(engines: Path, components=None, ort_provider: str = "auto", device: str | None = None,
-                     model: str | None = None, json_out: Path | None = None, say=lambda line: None):
+                     model: str | None = None, json_out: Path | None = None, say=lambda line: None,
+                     fp32: bool = False):
     """`fluxtrt validate` (crosscheck.py): rows of ONNX Runtime vs PyTorch per component and shape, written as
     JSON lines too when asked (atomically; the folder is checked before any work)."""
     from .crosscheck import cross_check
@@ -497,7 +498,7 @@ def validate_engines(engines: Path, components=None, ort_provider: str = "auto",
         from .runtime.images import check_writable
 
         check_writable(Path(json_out))
-    rows = cross_check(engines, components, ort_provider, device, model, say=say)
+    rows = cross_check(engines, components, ort_provider, device, model, say=say, fp32=fp32)
     if json_out is not None:
         import json
 

@@ -366,15 +366,17 @@ def validate(
     model: Optional[str] = _opt(None, "--model", "-m", help="The PyTorch side (default: the model the engines were "
                                 "built from)."),
     json_out: Optional[Path] = _opt(None, "--json", help="Also write the rows as JSON lines."),
+    fp32: bool = _opt(False, "--fp32", help="Run bf16 graphs widened to fp32 against the fp32 module (TF32 off): "
+                      "the graph's own arithmetic, apart from bf16 rounding, within the fp32 bound."),
 ):
     """Check each built component's ONNX in ONNX Runtime against its PyTorch module on the same inputs and device,
     at the profile's opt and min shapes, beside how much the module differs from itself with another attention
-    kernel. Exit 1 when a row fails."""
+    kernel (or, for an fp32 module without one, from itself in fp64). Exit 1 when a row fails."""
     _quiet_libraries()
     from . import api
 
     comps = api.split_list(components) if components else None
-    rows = api.validate_engines(engines, comps, ort_provider, device, model, json_out, say=r.console.print)
+    rows = api.validate_engines(engines, comps, ort_provider, device, model, json_out, say=r.console.print, fp32=fp32)
     r.crosscheck_rows(rows)
     if not all(row.ok for row in rows if row.decides):
         raise typer.Exit(1)

@@ -17,7 +17,12 @@ unquantized fp32 module (the recipe's error) is reported beside it and does not 
 judged on its mean error, not its max: where ONNX Runtime's fp32 sum and PyTorch's differ in the last bit, an
 activation can round to the neighbouring E4M3 value on one side only, which moves a few elements by a whole
 quantization step (measured on tiny: max 2e-3, mean 3e-5, against 5e-3 mean for the unquantized module). Other
-quantized graphs are compared with the unquantized bf16 module only."""
+quantized graphs are compared with the unquantized bf16 module only.
+
+`--fp32` (fp32=True) runs bf16 graphs widened to fp32 on every provider (weights widened exactly, bf16 casts made
+fp32) against the fp32 module: the graph's own arithmetic, apart from bf16 rounding, judged by the fp32 bound.
+A module that never calls SDPA (T5) computes the same with either kernel; for its fp32 rows the reference is the
+fp32 module against itself in fp64 instead (how far one correct fp32 computation is from the exact one)."""
 
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ class CrossCheckRow:
     against: str  # "module", "fake-quant module" or "unquantized module"
     decides: bool = True  # False: reported only (an fp8 graph's error against the unquantized module)
     metric: str = "max"  # what decides: "max" errors, or "mean" ones (fake-quant rows, below)
+    reference_kind: str = "attention"  # the pair: SDPA's math vs default kernel, or "fp64": fp32 vs fp64 module
 
     @property
     def ratio(self) -> float:
@@ -69,7 +75,8 @@ def shape_points(manifest, geo) -> list:
 
 
 def cross_check(engines: Path, components=None, provider: str = "auto", device: str | None = None,
-                model: str | None = None, seed: int | None = None, say=lambda line: None) -> list[CrossCheckRow]:
+                model: str | None = None, seed: int | None = None, say=lambda line: None,
+                fp32: bool = False) -> list[CrossCheckRow]:
     import torch
 
     from .components import specs_for
@@ -91,13 +98,13 @@ def cross_check(engines: Path, components=None, provider: str = "auto", device: 
     geo = src.geometry
     specs = specs_for(geo, names)
     seed = seed if seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
-    say(f"ONNX Runtime on {provider.upper()}, PyTorch on {device}; seed {seed}")
+    say(f"ONNX Runtime on {provider.upper()}, PyTorch on {device}; seed {seed}" + ("; bf16 graphs in fp32" if fp32 else ""))
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
         rows = []
         for name in names:
-            new = _component(engines, manifest, name, specs[name], src, geo, provider, device, seed)
+            new = _component(engines, manifest, name, specs[name], src, geo, provider, device, seed, fp32)
             for r in new:
                 say(f"{name} {r.batch}x{r.height}x{r.width}: {r.onnx_error:.2e} (reference {r.reference:.2e})")
             rows += new
@@ -106,7 +113,7 @@ def cross_check(engines: Path, components=None, provider: str = "auto", device: 
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
 
-def _component(engines, manifest, name, spec, src, geo, provider, device, seed) -> list[CrossCheckRow]:
+def _component(engines, manifest, name, spec, src, geo, provider, device, seed, fp32=False) -> list[CrossCheckRow]:
     import onnx
 
     from .dtypes import FLOAT_NAMES, torch_dtype
@@ -116,7 +123,7 @@ def _component(engines, manifest, name, spec, src, geo, provider, device, seed) 
 
     entry = manifest.component(name)
     onnx_path = engines.parent / entry.onnx
-    ex = OnnxRuntimeExecutor(name, entry, onnx_path, spec, geo, provider)
+    ex = OnnxRuntimeExecutor(name, entry, onnx_path, spec, geo, provider, widen=fp32)
     if device == "cuda":
         import torch
 
@@ -131,7 +138,8 @@ def _component(engines, manifest, name, spec, src, geo, provider, device, seed) 
     ex.deactivate()
     tname = "fp32" if widened else entry.precision if entry.precision in FLOAT_NAMES else "bf16"
     module = src.load_component(spec.subfolder, torch_dtype(tname), device).eval()
-    bound = bound_for(name, entry.precision, spec.rtol_fp32)
+    quantized = entry.precision not in FLOAT_NAMES
+    bound = bound_for(name, "fp32" if widened and not quantized else entry.precision, spec.rtol_fp32)
     rows = []
     if record:  # the recipe's error first, then the same module fake-quantized with the graph's scales
         rows += _rows(name, entry.precision, tname, spec, module, feeds, got, points, bound, "unquantized module",
@@ -160,24 +168,38 @@ def _fake_quantize(module, onnx_path: Path, header, record: dict) -> None:
 
 def _rows(name, precision, tname, spec, module, feeds, got, points, bound, against, metric, decides=True):
     """One row per shape point: the ONNX outputs `got` against `module` on the same `feeds`, beside the module
-    against itself with SDPA's math kernel."""
+    against itself with SDPA's math kernel (in fp64 where that changes nothing, for fp32 modules)."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     wrapped = spec.wrap(module)
     dtype = next(module.parameters()).dtype
-    rows = []
-    for f, out, point in zip(feeds, got, points):
-        args = [(f[t.name].to(dtype) if f[t.name].is_floating_point() else f[t.name]) for t in spec.inputs
-                if t.name in f]
+
+    def args_for(f, dt):
+        return [(f[t.name].to(dt) if f[t.name].is_floating_point() else f[t.name]) for t in spec.inputs if t.name in f]
+
+    refs, pairs = [], []
+    for f in feeds:
         with torch.inference_mode():
-            ref = wrapped(*args)
+            ref = wrapped(*args_for(f, dtype))
             with sdpa_kernel([SDPBackend.MATH]):
-                alt = wrapped(*args)
+                alt = wrapped(*args_for(f, dtype))
+        refs.append(ref)
+        pairs.append(relative_errors(alt, ref))
+        del alt
+    kind = "attention"
+    if dtype == torch.float32 and all(p == (0.0, 0.0) for p in pairs):  # no SDPA in it: fp32 vs exact instead
+        kind, pairs = "fp64", []
+        module.to(torch.float64)
+        for f, ref in zip(feeds, refs):
+            with torch.inference_mode():
+                pairs.append(relative_errors(ref, wrapped(*args_for(f, torch.float64))))
+        module.to(dtype)
+    rows = []
+    for out, ref, (pair, pair_mean), point in zip(got, refs, pairs, points):
         err, mean = relative_errors(out.to(ref.device), ref)
-        pair, pair_mean = relative_errors(alt, ref)
         e, r = (mean, pair_mean) if metric == "mean" else (err, pair)
         ok = bool(torch.isfinite(out).all()) and (e <= bound or e <= 2 * r)
         rows.append(CrossCheckRow(name, precision, tname, point.batch, point.height, point.width, err, mean, pair,
-                                  pair_mean, bound, ok, against, decides, metric))
+                                  pair_mean, bound, ok, against, decides, metric, kind))
     return rows

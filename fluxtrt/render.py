@@ -171,14 +171,15 @@ def bench_rows(rows, meta) -> None:
 def crosscheck_rows(rows) -> None:
     body = []
     for r in rows:
-        ref = f"{r.reference:.1e}" if r.reference > 0 else "0 (identical)"
+        ref = (f"{r.reference:.1e}" if r.reference > 0 else "0 (identical)") + (" fp64" if r.reference_kind == "fp64" else "")
         body.append((r.component, r.precision, f"{r.batch}x{r.width}x{r.height}", f"{r.onnx_error:.1e}",
                      f"{r.onnx_mean_error:.1e}", ref, f"{r.ratio:.1f}" if r.reference > 0 else "-", f"{r.bound:.0e}",
                      r.against, ("[green]ok[/]" if r.ok else "[red]FAIL[/]") if r.decides
                      else "[dim]reported[/]"))
     out.print(table("ONNX Runtime vs PyTorch (max |diff| / max |ref|; reference: the module with SDPA's math "
-                    "kernel vs its default)", ("component", "graph", "batch x size", "error", "mean", "reference",
-                                              "ratio", "bound", "against", ""), body))
+                    "kernel vs its default, or marked fp64: the fp32 module vs itself in fp64)",
+                    ("component", "graph", "batch x size", "error", "mean", "reference", "ratio", "bound", "against",
+                     ""), body))
 
 
 def inspection(m, checks) -> None:

@@ -180,14 +180,16 @@ def cpu_session(onnx_path: Path, overrides: dict | None = None):
     return runnable_session(onnx_path, overrides=overrides)
 
 
-def runnable_session(onnx_path: Path, providers=("CPUExecutionProvider",), overrides: dict | None = None):
+def runnable_session(onnx_path: Path, providers=("CPUExecutionProvider",), overrides: dict | None = None,
+                     widen: bool = False):
     """An ONNX Runtime session over any graph fluxtrt writes. Widened to fp32 first (see upcast_bf16): bf16
     graphs on the CPU provider (it has no bf16 kernels) and, on every provider, graphs with bf16 Q/DQ (no
     provider has that kernel); a GPU provider runs other bf16 graphs as they are, or widened where it lacks a
     bf16 kernel for one of their ops. NVFP4 graphs are emulated in standard ops everywhere (nvfp4.emulate:
     ONNX Runtime has no FP4 kernels). `overrides` (name -> array) replaces initializers, e.g. weights filled
     from a checkpoint into a weight-free ONNX. `providers`: ONNX Runtime's list (names or (name, options)
-    pairs), the first one preferred."""
+    pairs), the first one preferred. `widen`: run a bf16 graph widened to fp32 on any provider (`fluxtrt
+    validate --fp32`: the graph's arithmetic checked apart from bf16 rounding)."""
     import onnx
     from onnx import TensorProto, numpy_helper
 
@@ -196,7 +198,7 @@ def runnable_session(onnx_path: Path, providers=("CPUExecutionProvider",), overr
     ort = onnxruntime()
     on_cpu = [p if isinstance(p, str) else p[0] for p in providers][0] == "CPUExecutionProvider"
     header = onnx.load(str(onnx_path), load_external_data=False)
-    widen = (on_cpu and _has_bf16(header)) or has_bf16_qdq(header)
+    widen = (widen and _has_bf16(header)) or (on_cpu and _has_bf16(header)) or has_bf16_qdq(header)
     has_fp4 = any(t.data_type == TensorProto.FLOAT4E2M1 for t in header.graph.initializer)
     if not has_fp4:
         if widen:

@@ -18,9 +18,12 @@
 # ONNX Runtime on the GPU (issue 20; onnxruntime-gpu staged), after checkpoint-all (+ calibrate, build-fp8):
 #   bash scripts/fullsize_footprint.sh OUTDIR build-others    # clip, t5, vae_decoder, vae_encoder for the 4090 (its
 #                                                   # config's precisions) to $WORK/build2; engines deleted (disk)
-#   bash scripts/fullsize_footprint.sh OUTDIR bf16-entry      # after build-fp4: its bf16 transformer graph into that
-#                                                   # manifest (no 24 GB bf16 engine: the disk holds 64 GB)
+#   bash scripts/fullsize_footprint.sh OUTDIR bf16-graph      # the zero-copy bf16 transformer graph `build -p
+#                                                   # transformer=bf16` hands TensorRT (export + graph passes, no engine)
+#   bash scripts/fullsize_footprint.sh OUTDIR bf16-entry      # after build-fp4 or bf16-graph: that graph entered in
+#                                                   # build2's manifest (no 24 GB bf16 engine: the disk holds 64 GB)
 #   bash scripts/fullsize_footprint.sh OUTDIR validate        # fluxtrt validate --ort-provider cuda, each component
+#                                                   # (COMPONENTS="t5 ..." some; FP32=1: --fp32, bf16 graphs in fp32)
 #   bash scripts/fullsize_footprint.sh OUTDIR validate-fp8    # the same for build-fp8's transformer
 #   bash scripts/fullsize_footprint.sh OUTDIR generate        # 28 steps at 1024² on ORT CUDA vs diffusers bf16
 #   bash scripts/fullsize_footprint.sh OUTDIR bench-ort       # fluxtrt bench on ORT CUDA, --baseline diffusers
@@ -68,6 +71,7 @@ case "$STEP" in
       --gpu 4090 --out "$WORK/engines/transformer.engine"
     rm -rf "$WORK/engines" ;;
   checkpoint-all)
+    [ -f "$FULL/model_index.json" ] && { echo "$FULL exists: kept"; exit 0; }
     { nproc; free -g | head -2; df -h "$WORK" | tail -1; python3 -c 'import torch; print("torch", torch.__version__)'; } \
       | tee "$OUTDIR/machine.txt"
     $M --label write-random-checkpoint-all --written "$FULL" -- \
@@ -108,20 +112,32 @@ quantize_linked(Path('$WORK/build/onnx/$H-bf16-zc/transformer.onnx'), Path('$WOR
   build-others)  # its own root and cache, so it can run beside build-fp4/build-fp8 (on other cores); each
                  # engine is deleted once built (ONNX Runtime runs the ONNX; the manifest keeps every entry)
     export FLUXTRT_CACHE=$WORK/cache2
-    for C in clip t5 vae_decoder vae_encoder; do
+    for C in ${COMPONENTS:-clip t5 vae_decoder vae_encoder}; do
       $CPU16 $M --label "fluxtrt-build-$C-sm89-cores-$CORES" --written "$WORK/build2" -- \
         python3 -m fluxtrt.cli build --gpu 4090 --model "$FULL" -c $C --no-validate --out "$WORK/build2"
       rm -f "$WORK/build2/4090/"*.engine
     done
     cp "$WORK/build2/4090/manifest.json" "$OUTDIR/manifest-others-4090.json" ;;
-  bf16-entry)  # the graph `build -p transformer=bf16` hands TensorRT (the bf16-zc-opt stage the fp4 build made)
-               # entered in build2's 4090 manifest, from the fp4 build's transformer entry (same profile)
-    python3 - "$WORK" <<'PY'
+  bf16-graph)  # the stages `build -p transformer=bf16` runs before TensorRT (zero-copy export, graph passes) into
+               # $WORK/build, on the CPU; no engine
+    $CPU16 $M --label "bf16-transformer-graph-cores-$CORES" --written "$WORK/build" -- python3 -c "
+from pathlib import Path
+from fluxtrt.models.source import resolve_model
+from fluxtrt.records import CalibrationSettings
+from fluxtrt.stages.zerocopy_plan import ensure_native
+path, res = ensure_native(resolve_model('$FULL'), 'transformer', 'bf16', Path('$WORK/build'), False, print,
+                          CalibrationSettings(), validate=False)
+print(path, *res, sep='\n')" ;;
+  bf16-entry)  # the graph `build -p transformer=bf16` hands TensorRT (the bf16-zc-opt stage of build-fp4 or
+               # bf16-graph) entered in build2's 4090 manifest, from the fp4 build's transformer entry (same
+               # profile) or, without one, $TEMPLATE's (default: the full-size bf16 build's, kept in docs/bench)
+    python3 - "$WORK" "${TEMPLATE:-docs/bench/fullsize_manifest_bf16_fused.json}" <<'PY'
 import json, sys
 from pathlib import Path
 from fluxtrt.fileio import sha256_file
 w = Path(sys.argv[1])
-entry = json.loads(next((w / "build").glob("5090*/manifest.json")).read_text())["components"]["transformer"]
+template = next((w / "build").glob("5090*/manifest.json"), Path(sys.argv[2]))
+entry = json.loads(template.read_text())["components"]["transformer"]
 opt = next((w / "build" / "onnx").glob("*-bf16-zc-opt"))
 link = w / "build2" / "onnx" / opt.name  # holds build2's own T5 graph: the transformer's files linked beside it
 link.mkdir(parents=True, exist_ok=True)
@@ -138,10 +154,11 @@ print("transformer entry:", entry["onnx"])
 PY
     ;;
   validate)  # each component's graph in ONNX Runtime CUDA vs PyTorch on the GPU, one process per component
+    X=; [ "${FP32:-0}" = 1 ] && X=-fp32
     for C in ${COMPONENTS:-clip t5 transformer vae_decoder vae_encoder}; do
-      $M --label "validate-ort-cuda-4090-$C" -- \
+      $M --label "validate-ort-$PROVIDER-4090-$C$X" -- \
         python3 -m fluxtrt.cli validate --engines "$WORK/build2/4090" -c $C --model "$FULL" \
-        --ort-provider $PROVIDER --device $DEVICE --json "$OUTDIR/validate-4090-$C.jsonl"
+        --ort-provider $PROVIDER --device $DEVICE ${X:+--fp32} --json "$OUTDIR/validate-4090-$C$X.jsonl"
     done ;;
   validate-fp8)  # after build-fp8: the Q/DQ graph (run widened to fp32) vs the fake-quant and unquantized module
     $M --label "validate-ort-cuda-4090-fp8-transformer" -- \

@@ -9,11 +9,12 @@
 # must be staged in /tmp/site first. Each step's start and end go to OUTDIR/steps.log.
 #   setsid nohup bash scripts/fullsize_ort_session.sh OUTDIR run > OUTDIR/run.log 2>&1 &
 #   bash scripts/fullsize_ort_session.sh OUTDIR poll 540   # waits up to 540 s, then packs OUTDIR into $OUT
+# MODE rest instead of run: only what the first run left (see below).
 set -uo pipefail
 OUTDIR=${1:?OUTDIR}; MODE=${2:?run or poll}
 WORK=${WORK:-/root/fullsize}
 F="bash scripts/fullsize_footprint.sh $OUTDIR"
-step() { echo "$(date +%T) start $*" >> "$OUTDIR/steps.log"; "$@"; echo "$(date +%T) end $* rc=$?" >> "$OUTDIR/steps.log"; }
+step() { echo "$(date +%T) start $*" >> "$OUTDIR/steps.log"; "$@"; local rc=$?; echo "$(date +%T) end $* rc=$rc" >> "$OUTDIR/steps.log"; }
 case "$MODE" in
   run)
     mkdir -p "$OUTDIR"
@@ -31,6 +32,20 @@ case "$MODE" in
     step $F bench-ort
     wait $lane1
     step $F validate-fp8
+    echo "$(date +%T) all done" >> "$OUTDIR/steps.log" ;;
+  rest)  # what the first run left of issue 20 (no TensorRT-RTX transformer engine, no calibration): the bf16
+         # transformer graph (cores 0-7) beside the other components' builds (cores 8-15), then on the GPU T5
+         # computed in fp32 (validate --fp32), the whole generation on ORT CUDA, the transformer in fp32
+    mkdir -p "$OUTDIR"
+    step $F checkpoint-all
+    CORES=0-7 step $F bf16-graph > "$OUTDIR/lane1.log" 2>&1 &
+    lane1=$!
+    CORES=8-15 COMPONENTS="clip t5 vae_decoder" step $F build-others > "$OUTDIR/lane2.log" 2>&1
+    FP32=1 COMPONENTS=t5 step $F validate
+    wait $lane1
+    step $F bf16-entry
+    step $F generate
+    FP32=1 COMPONENTS=transformer step $F validate
     echo "$(date +%T) all done" >> "$OUTDIR/steps.log" ;;
   poll)
     end=$((SECONDS + ${3:-540}))

@@ -313,6 +313,14 @@ def test_zero_copy_engines_run_like_diffusers(tiny_bf16, tmp_path, reweighted_co
 
     normal = image(None)
     assert np.array_equal(image(tiny_bf16.path), normal)
+    # `fluxtrt validate --fp32`: both bf16 graphs computed in fp32 against the fp32 module, within the fp32 bound
+    from fluxtrt.api import validate_engines
+
+    rows = validate_engines(tmp_path / "4090", ["t5", "transformer"], "cpu", "cpu", fp32=True)
+    assert [(r.component, r.torch_dtype, r.bound) for r in rows] == [(c, "fp32", 1e-4) for c in ("t5", "t5",
+                                                                       "transformer", "transformer")]
+    assert all(r.ok and 0 < r.onnx_error <= 1e-4 for r in rows), rows
+    assert [r.reference_kind for r in rows] == ["fp64", "fp64", "attention", "attention"]
     other = reweighted_copy(tiny_bf16, tmp_path / "other", seed=seed % 1000 + 1)
     assert np.abs(image(other.path).astype(int) - normal.astype(int)).max() > 10
 

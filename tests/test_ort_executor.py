@@ -64,7 +64,7 @@ def test_bf16_bound_as_bf16_through_iobinding(tmp_path, monkeypatch):
 
     spec, w = _toy_bf16_graph(tmp_path / "toy.onnx")
     # the session as a GPU provider would make it: bf16 kept (the CPU path would widen the graph to fp32)
-    monkeypatch.setattr("fluxtrt.validate.runnable_session", lambda p, providers, overrides: ort_session(p, providers))
+    monkeypatch.setattr("fluxtrt.validate.runnable_session", lambda p, providers, *_: ort_session(p, providers))
     ex = OnnxRuntimeExecutor("toy", _entry(tmp_path / "toy.onnx"), tmp_path / "toy.onnx", spec,
                              resolve_model("tiny").geometry)
     x = torch.randn(3, int(np.random.default_rng().integers(5, 50)), 4)
@@ -72,6 +72,26 @@ def test_bf16_bound_as_bf16_through_iobinding(tmp_path, monkeypatch):
     want = (2 * x.to(torch.bfloat16).float() + torch.from_numpy(w)).to(torch.bfloat16)
     assert y.dtype == torch.bfloat16 and y.shape == x.shape and torch.equal(y, want)
     assert [i.type for i in ex.session.get_inputs()] == ["tensor(bfloat16)"]
+
+
+def test_fp32_widens_a_bf16_graph_a_gpu_provider_keeps(tmp_path):
+    """`fluxtrt validate --fp32`: a bf16 graph that a GPU provider runs as bf16 is run widened to fp32 instead
+    (weights widened exactly, bf16 casts made fp32), and computes the fp32 result exactly."""
+    import warnings
+
+    from fluxtrt.validate import runnable_session
+
+    _, w = _toy_bf16_graph(tmp_path / "toy.onnx")
+    gpu_first = ["CUDAExecutionProvider", "CPUExecutionProvider"]  # this machine's ONNX Runtime falls back to CPU
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kept = runnable_session(tmp_path / "toy.onnx", gpu_first)
+        wide = runnable_session(tmp_path / "toy.onnx", gpu_first, None, True)
+    assert [i.type for i in kept.get_inputs()] == ["tensor(bfloat16)"] and not getattr(kept, "_fluxtrt_widened", False)
+    assert [i.type for i in wide.get_inputs()] == ["tensor(float)"] and wide._fluxtrt_widened
+    x = np.random.default_rng().standard_normal((2, 7, 4)).astype(np.float32)
+    y = wide.run(None, {"x": x})[0]
+    assert y.dtype == np.float32 and np.array_equal(y, 2 * x + w)
 
 
 @pytest.fixture(scope="module")

@@ -416,7 +416,8 @@ def test_cli_refuses_an_onnx_runtime_provider_it_lacks(fp32_engines, tmp_path):
 
 def test_validate_command_checks_each_graph_against_pytorch(fp32_engines, tmp_path, reweighted_copy):
     """`fluxtrt validate`: every row at the profile's opt and min shapes, error within the component's bound,
-    a reference pair beside it; against a model with other weights every row fails and the exit code is 1."""
+    a reference pair beside it (T5 calls no SDPA: its fp32 module against itself in fp64); against a model with
+    other weights every row fails and the exit code is 1."""
     import json
 
     from typer.testing import CliRunner
@@ -425,7 +426,7 @@ def test_validate_command_checks_each_graph_against_pytorch(fp32_engines, tmp_pa
     from fluxtrt.validate import bound_for
 
     src, engines = fp32_engines("tiny")
-    comps = "transformer,vae_decoder"
+    comps = "t5,transformer,vae_decoder"
     res = CliRunner().invoke(app, ["validate", "--engines", str(engines), "-c", comps, "--json", str(tmp_path / "v.jsonl")])
     assert res.exit_code == 0, res.output
     rows = [json.loads(line) for line in (tmp_path / "v.jsonl").read_text().splitlines()]
@@ -435,6 +436,9 @@ def test_validate_command_checks_each_graph_against_pytorch(fp32_engines, tmp_pa
         (c, s) for c in comps.split(",") for s in (opt, [2, lo[1], lo[2]])]
     for r in rows:
         assert 0 < r["onnx_error"] <= bound_for(r["component"], "fp32", 1) and r["ok"] and r["reference"] >= 0
+        assert r["reference_kind"] == ("fp64" if r["component"] == "t5" else "attention"), r
+        if r["component"] == "t5":  # fp32 rounding against the exact result: nonzero, as small as fp32's
+            assert 0 < r["reference"] <= 1e-4 and r["reference_mean"] > 0, r
     other = reweighted_copy(src, tmp_path / "other", seed=int(np.random.default_rng().integers(1, 1000)))
     res = CliRunner().invoke(app, ["validate", "--engines", str(engines), "-c", "transformer", "-m", str(other.path)])
     assert res.exit_code == 1 and "FAIL" in res.output

@@ -133,7 +133,7 @@ class OnnxRuntimeExecutor(Executor):
     kind = "onnxruntime"
 
     def __init__(self, component: str, entry: ComponentEntry, onnx_path: Path, spec, geo, provider: str = "cpu",
-                 weights: WeightSource | None = None, device_id: int = 0):
+                 weights: WeightSource | None = None, device_id: int = 0, widen: bool = False):
         super().__init__(component, entry)
         if provider not in ORT_PROVIDERS:
             raise FluxtrtError(f"ONNX Runtime provider {provider}: choose {', '.join(ORT_PROVIDERS)}")
@@ -142,6 +142,7 @@ class OnnxRuntimeExecutor(Executor):
         self.session = None
         self.weights = weights
         self.stream = None  # the pipeline's torch CUDA stream (GPU providers)
+        self.widen = widen  # a bf16 graph computed in fp32 on every provider (validate.runnable_session)
 
     @property
     def device(self):
@@ -171,7 +172,7 @@ class OnnxRuntimeExecutor(Executor):
             raise ManifestError(f"{self.component}: {self.onnx_path} does not match the manifest's sha256; "
                                 "rebuild with `fluxtrt build --force`")
         overrides = self.weights.arrays() if self.weights is not None else None
-        self.session = runnable_session(self.onnx_path, self.providers(), overrides)
+        self.session = runnable_session(self.onnx_path, self.providers(), overrides, self.widen)
         self.run_options = onnxruntime().RunOptions()
         # no cudaStreamSynchronize at the end of each run: the pipeline's stream orders the work
         self.run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
