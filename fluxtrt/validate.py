@@ -168,6 +168,9 @@ def _widened_session(onnx_path: Path, header, providers, overrides: dict):
         arrays[t.name] = np.ascontiguousarray(arr)  # its file reference stays: ONNX Runtime takes the OrtValue
     upcast_bf16(header, skip=set(arrays))
     options = ort.SessionOptions()
+    # no graph optimizations: constant folding would add a transposed copy of every linked matrix beside these
+    # arrays (the full-size transformer in fp32 then took 124.7 GB of host memory and was killed)
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.add_external_initializers(list(arrays), [ort_value(a) for a in arrays.values()])
     session = ort.InferenceSession(header.SerializeToString(), options, providers=list(providers))
     session._fluxtrt_keepalive = arrays  # the session reads these buffers for its whole life

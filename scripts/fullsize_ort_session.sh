@@ -47,6 +47,17 @@ case "$MODE" in
     step $F generate
     FP32=1 COMPONENTS=transformer step $F validate
     echo "$(date +%T) all done" >> "$OUTDIR/steps.log" ;;
+  fp32)  # the bf16 transformer graph computed in fp32 (validate --fp32) alone: its graph and, for a manifest to
+         # enter it in, CLIP's build side by side, then the check on the GPU
+    mkdir -p "$OUTDIR"
+    step $F checkpoint-all
+    CORES=0-7 step $F bf16-graph > "$OUTDIR/lane1.log" 2>&1 &
+    lane1=$!
+    CORES=8-15 COMPONENTS=clip step $F build-others > "$OUTDIR/lane2.log" 2>&1
+    wait $lane1
+    step $F bf16-entry
+    FP32=1 COMPONENTS=transformer step $F validate
+    echo "$(date +%T) all done" >> "$OUTDIR/steps.log" ;;
   poll)
     end=$((SECONDS + ${3:-540}))
     while [ $SECONDS -lt $end ] && ! grep -q "all done" "$OUTDIR/steps.log" 2>/dev/null; do sleep 5; done

@@ -436,8 +436,9 @@ def test_validate_command_checks_each_graph_against_pytorch(fp32_engines, tmp_pa
         (c, s) for c in comps.split(",") for s in (opt, [2, lo[1], lo[2]])]
     for r in rows:
         assert 0 < r["onnx_error"] <= bound_for(r["component"], "fp32", 1) and r["ok"] and r["reference"] >= 0
-        assert r["reference_kind"] == ("fp64" if r["component"] == "t5" else "attention"), r
-        if r["component"] == "t5":  # fp32 rounding against the exact result: nonzero, as small as fp32's
+        # T5 calls SDPA only in some transformers versions; without it, its pair is fp32 against fp64
+        assert r["reference_kind"] == "attention" or (r["component"] == "t5" and r["reference_kind"] == "fp64"), r
+        if r["component"] == "t5":  # either way two correct fp32 computations differ, and by little
             assert 0 < r["reference"] <= 1e-4 and r["reference_mean"] > 0, r
     other = reweighted_copy(src, tmp_path / "other", seed=int(np.random.default_rng().integers(1, 1000)))
     res = CliRunner().invoke(app, ["validate", "--engines", str(engines), "-c", "transformer", "-m", str(other.path)])
