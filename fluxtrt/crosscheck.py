@@ -21,8 +21,11 @@ quantized graphs are compared with the unquantized bf16 module only.
 
 `--fp32` (fp32=True) runs bf16 graphs widened to fp32 on every provider (weights widened exactly, bf16 casts made
 fp32) against the fp32 module: the graph's own arithmetic, apart from bf16 rounding, judged by the fp32 bound.
-A module that never calls SDPA (T5) computes the same with either kernel; for its fp32 rows the reference is the
-fp32 module against itself in fp64 instead (how far one correct fp32 computation is from the exact one)."""
+Where an fp32 graph is compared with its own fp32 module, the reference is that module against itself in fp64
+(how far one correct fp32 computation is from the exact one), which every op's rounding enters, not only
+attention's: at full size the two attention kernels in fp32 differ by 1.2e-6 while ONNX Runtime's fp32
+transformer differs from PyTorch's by 5.9e-5 (H200). Fake-quant rows, whose rounding to E4M3 dominates, and a
+module that never calls SDPA in bf16 keep the attention pair (T5's is then 0: only the bound decides)."""
 
 from __future__ import annotations
 
@@ -168,7 +171,8 @@ def _fake_quantize(module, onnx_path: Path, header, record: dict) -> None:
 
 def _rows(name, precision, tname, spec, module, feeds, got, points, bound, against, metric, decides=True):
     """One row per shape point: the ONNX outputs `got` against `module` on the same `feeds`, beside the module
-    against itself with SDPA's math kernel (in fp64 where that changes nothing, for fp32 modules)."""
+    against itself with SDPA's math kernel, or, for an fp32 module compared as it is (or one the kernels do not
+    change), against itself in fp64."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -188,7 +192,7 @@ def _rows(name, precision, tname, spec, module, feeds, got, points, bound, again
         pairs.append(relative_errors(alt, ref))
         del alt
     kind = "attention"
-    if dtype == torch.float32 and all(p == (0.0, 0.0) for p in pairs):  # no SDPA in it: fp32 vs exact instead
+    if dtype == torch.float32 and (against == "module" or all(p == (0.0, 0.0) for p in pairs)):  # fp32 vs exact
         kind, pairs = "fp64", []
         module.to(torch.float64)
         for f, ref in zip(feeds, refs):
