@@ -22,7 +22,8 @@ def test_each_pass_alone_keeps_outputs(exported, tmp_path, component):
     spec = specs_for(src.geometry)[component]
     original = onnx.load(str(out / f"{component}.onnx"))
     for name in PASSES:
-        model, _ = optimize_model(original, ["infer_shapes", name] if name.startswith("fuse") else [name])
+        needs_shapes = name.startswith("fuse") or name == "exact_attention_scale"
+        model, _ = optimize_model(original, ["infer_shapes", name] if needs_shapes else [name])
         path = tmp_path / f"{name}.onnx"
         save_model(model, path)
         report = compare_onnx(out / f"{component}.onnx", path, spec, src.geometry, PASS_BOUND)
@@ -205,6 +206,65 @@ def test_cli_optimize_prints_counts(exported, tmp_path):
     assert "fuse_rmsnorm" in res.output and "TensorRT layers" in res.output and "precision:bf16" in res.output
     res = CliRunner().invoke(app, ["optimize", "--in", str(out), "--out", str(tmp_path), "--passes", "nope"])
     assert res.exit_code == 2 and "unknown pass(es) nope" in res.output
+
+
+def _sdpa_graph(dtype, head_dim):
+    """torch.onnx's own graph of F.scaled_dot_product_attention (default scale) on [1, 4, 64, head_dim] inputs."""
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    q, k, v = (torch.randn(1, 4, 64, head_dim, dtype=dtype) for _ in range(3))
+    return torch.onnx.export(Attention(), (q, k, v), dynamo=True, opset_version=19, verbose=False).model_proto
+
+
+def _scale_factors(model):
+    from onnx import numpy_helper
+
+    consts = {t.name: float(numpy_helper.to_array(t).astype("float64").reshape(-1)[0])
+              for t in model.graph.initializer if math.prod(t.dims) == 1}
+    consts |= {n.output[0]: float(onnx.numpy_helper.to_array(n.attribute[0].t).astype("float64").reshape(-1)[0])
+               for n in model.graph.node if n.op_type == "Constant"}
+    return [next(consts[i] for i in n.input if i in consts) for n in model.graph.node if n.op_type == "Mul"]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32-placed-bf16"])
+def test_attention_scale_is_exact_as_the_dtype_allows(dtype):
+    """FLUX's head_dim 128: the exporter scales q and k by sqrt(1/sqrt(128)) rounded to the graph's dtype (bf16:
+    every logit x0.99714); after the pass their product is 1/sqrt(128) within 1.1e-4, and a bf16 graph's
+    attention computed in fp32 (ONNX Runtime, the graph widened) is >= 10x closer to fp64 SDPA than before."""
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+
+    from fluxtrt.optimize.precision import place_precision
+    from fluxtrt.validate import runnable_session
+
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
+    before = _sdpa_graph(tdt, 128)
+    after, report = optimize_model(before, ["infer_shapes", "exact_attention_scale"], None)
+    if dtype == "fp32-placed-bf16":  # the fp32 path: the pass runs at fp32, precision placement rounds after it
+        before, after = place_precision(before, "bf16"), place_precision(after, "bf16")
+    exact = 1 / math.sqrt(128)
+    old, new = math.prod(_scale_factors(before)), math.prod(_scale_factors(after))
+    assert abs(old / exact - 1) > 4e-4 and abs(new / exact - 1) <= 1.1e-4, (old, new)
+    assert report.rows[-1][1] == report.rows[-1][2]  # constants replaced, no node added
+    if dtype == "fp16":
+        return  # ONNX Runtime's CPU provider computes fp16 graphs in fp16: the constants above are the check
+    rng = np.random.default_rng()
+    q, k, v = (torch.from_numpy(rng.standard_normal((1, 4, 64, 128), dtype=np.float32) * 2).to(tdt) for _ in range(3))
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    errs = []
+    for model in (before, after):
+        path = Path(tempfile.mkdtemp()) / "attention.onnx"
+        onnx.save(model, str(path))
+        session = runnable_session(path, widen=True)
+        feeds = dict(zip([i.name for i in session.get_inputs()], (t.float().numpy() for t in (q, k, v))))
+        got = torch.from_numpy(session.run(None, feeds)[0]).double()
+        errs.append(float((got - want).abs().max() / want.abs().max()))
+    print(f"{dtype}: attention vs fp64 SDPA, before {errs[0]:.2e}, after {errs[1]:.2e}")
+    assert errs[1] * 10 <= errs[0], errs
 
 
 def test_default_passes_are_registered():

@@ -452,6 +452,55 @@ def share_rotary_casts(graph: gs.Graph) -> gs.Graph:
     return graph.cleanup().toposort()
 
 
+def _scale_mul(t):
+    """(Mul node, its scalar constant, the other input) when `t` is Mul(x, scalar constant), else None."""
+    if len(t.inputs) != 1 or t.inputs[0].op != "Mul":
+        return None
+    mul = t.inputs[0]
+    consts = [i for i in mul.inputs if _const(i) and not linked(i) and int(np.prod(i.shape)) == 1]
+    if len(mul.inputs) != 2 or len(consts) != 1:
+        return None
+    return mul, consts[0], _other(mul, consts[0])
+
+
+def exact_attention_scale(graph: gs.Graph) -> gs.Graph:
+    """Attention's softmax scale as exact as the graph's dtype allows. The exporter writes SDPA as
+    softmax(Mul(q, c) @ Mul(k^T, c)) with c = sqrt(1/sqrt(d)) in q's dtype: in bf16, for FLUX's d = 128, c is
+    0.296875 instead of 0.297302, so every logit is scaled by c^2 = 0.99714 of PyTorch's (fp16: 1.00041). Here
+    q's side takes the nearest power of two (exact in any dtype) and k's side the rest, rounded once: the
+    product is off by at most half a unit of the last place (d = 128: 1.1e-4 in bf16 and fp16; exact for d = 16
+    or 64). On an fp32 graph the same split is written in fp32, so that precision placement rounds only k's side.
+    Scales other than the default 1/sqrt(d) are left alone. Needs q's last dim (infer_shapes first)."""
+    count = 0
+    for soft in [n for n in graph.nodes if n.op == "Softmax"]:
+        mm = soft.inputs[0].inputs[0] if soft.inputs[0].inputs else None
+        while mm is not None and mm.op == "Add":  # an attention mask or position bias added to the logits
+            mm = next((i.inputs[0] for i in mm.inputs if i.inputs and i.inputs[0].op in ("MatMul", "Add")), None)
+        if mm is None or mm.op != "MatMul" or len(mm.inputs) != 2:
+            continue
+        q_side, k_side = _scale_mul(mm.inputs[0]), _scale_mul(mm.inputs[1])
+        if q_side is None or k_side is None:
+            continue
+        d = (q_side[2].shape or [None])[-1]
+        if not isinstance(d, (int, np.integer)) or d <= 0:
+            continue
+        scale = 1.0 / np.sqrt(float(d))
+        root = np.sqrt(scale)
+        dt = np.asarray(q_side[1].values).dtype
+        if not all(_const(c, root, tol=1e-7) for _, c, _ in (q_side, k_side)):
+            continue
+        p = 2.0 ** np.round(np.log2(root))
+        q_val = np.full(q_side[1].shape, p, dtype=np.float64).astype(dt)
+        k_val = np.full(k_side[1].shape, scale / p, dtype=np.float64).astype(dt)
+        if np.array_equal(np.asarray(q_side[1].values), q_val) and np.array_equal(np.asarray(k_side[1].values), k_val):
+            continue  # already split so (e.g. d = 16 or 64: both factors powers of two)
+        for (mul, c, _), val, tag in ((q_side, q_val, "q"), (k_side, k_val, "k")):
+            mul.inputs[list(mul.inputs).index(c)] = gs.Constant(f"{c.name}_exact_{tag}", np.ascontiguousarray(val))
+        count += 1
+    graph.cleanup()
+    return graph
+
+
 PASSES = {
     "cleanup": cleanup,
     "fold_constants": fold_constants,
@@ -461,6 +510,7 @@ PASSES = {
     "fuse_gelu_tanh": fuse_gelu_tanh,
     "simplify_rotary": simplify_rotary,
     "share_rotary_casts": share_rotary_casts,
+    "exact_attention_scale": exact_attention_scale,
 }
 DEFAULT_PASSES = ("cleanup", "fold_constants", "infer_shapes", "fuse_projections", "fuse_rmsnorm",
-                  "fuse_gelu_tanh", "simplify_rotary", "share_rotary_casts", "cleanup")
+                  "fuse_gelu_tanh", "simplify_rotary", "share_rotary_casts", "exact_attention_scale", "cleanup")
