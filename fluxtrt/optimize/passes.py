@@ -471,7 +471,6 @@ def exact_attention_scale(graph: gs.Graph) -> gs.Graph:
     product is off by at most half a unit of the last place (d = 128: 1.1e-4 in bf16 and fp16; exact for d = 16
     or 64). On an fp32 graph the same split is written in fp32, so that precision placement rounds only k's side.
     Scales other than the default 1/sqrt(d) are left alone. Needs q's last dim (infer_shapes first)."""
-    count = 0
     for soft in [n for n in graph.nodes if n.op == "Softmax"]:
         mm = soft.inputs[0].inputs[0] if soft.inputs[0].inputs else None
         while mm is not None and mm.op == "Add":  # an attention mask or position bias added to the logits
@@ -496,7 +495,6 @@ def exact_attention_scale(graph: gs.Graph) -> gs.Graph:
             continue  # already split so (e.g. d = 16 or 64: both factors powers of two)
         for (mul, c, _), val, tag in ((q_side, q_val, "q"), (k_side, k_val, "k")):
             mul.inputs[list(mul.inputs).index(c)] = gs.Constant(f"{c.name}_exact_{tag}", np.ascontiguousarray(val))
-        count += 1
     graph.cleanup()
     return graph
 
