@@ -289,6 +289,7 @@ def serve_forever(engines: Path | None, model: str | None, backend: str, host: s
         ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False,
                  **({} if address else {"num_cpus": max(os.cpu_count() or 1, replicas + 1)}))
     signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    deadline = None
     try:
         serve.start(http_options={"host": host, "port": port})
         try:
@@ -301,9 +302,11 @@ def serve_forever(engines: Path | None, model: str | None, backend: str, host: s
         while True:
             time.sleep(0.5)
     except KeyboardInterrupt:
+        deadline = _exit_by(STOP_DEADLINE_S, say)  # before saying anything: a write can block (a full pipe)
         say("stopping ...")
     finally:
-        _exit_by(STOP_DEADLINE_S, say)
+        if deadline is None:
+            _exit_by(STOP_DEADLINE_S, say)
         try:
             _bounded(serve.shutdown, SERVE_SHUTDOWN_S, say)
         finally:
@@ -311,15 +314,25 @@ def serve_forever(engines: Path | None, model: str | None, backend: str, host: s
                 ray.shutdown()
 
 
-def _exit_by(seconds: float, say) -> None:
+def _exit_by(seconds: float, say):
     """End the process `seconds` from now if it is still alive: after a replica was killed, Ray's shutdown and
-    its exit hooks were seen to hang past a minute (CI), and Ctrl-C must still stop the server."""
+    its exit hooks were seen to hang past a minute (CI), and Ctrl-C must still stop the server. The last word
+    is said from its own thread, waited for 1 s: a blocked stdout must not keep the process alive. Should no
+    Python thread run by then (one stuck in native code holding the GIL), SIGALRM's default action ends the
+    process 2 s later, in the kernel."""
+    import signal
     import threading
 
     def hard_exit():
-        say(f"Ray did not stop within {seconds} s; exiting")
+        said = threading.Thread(target=say, args=(f"Ray did not stop within {seconds} s; exiting",), daemon=True)
+        said.start()
+        said.join(1.0)
         os._exit(130)
 
     timer = threading.Timer(seconds, hard_exit)
     timer.daemon = True
     timer.start()
+    if hasattr(signal, "alarm") and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(int(seconds) + 2)
+    return timer

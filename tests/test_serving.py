@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -195,7 +196,9 @@ class Server:
         while time.time() < deadline:
             line = self.proc.stdout.readline()
             self.output.append(line)
-            if "serving on" in line:
+            if "serving on" in line:  # from here on a thread drains the pipe: a full one would block the server
+                threading.Thread(target=lambda: self.output.extend(iter(self.proc.stdout.readline, "")),
+                                 daemon=True).start()
                 return
             if not line and self.proc.poll() is not None:
                 break
@@ -239,6 +242,22 @@ def decode(item) -> np.ndarray:
 @pytest.mark.slow
 def test_batcher_matches_single_runs_onnxruntime(tiny_engines):
     check_batched_equals_single(FluxEngines(tiny_engines, "onnxruntime"), lambda p: ContinuousBatcher(p))
+
+
+@pytest.mark.parametrize("stuck", ["sleeping", "holding the GIL"])
+def test_stop_deadline_ends_the_process(stuck):
+    """After Ctrl-C `fluxtrt serve` ends by its deadline whatever the rest of the process does: the timer thread
+    exits with 130 (saying so); a thread holding the GIL in native code (here a regex that backtracks for
+    hours) cannot stop SIGALRM's default action 2 s later."""
+    code = ("import re, time\nfrom fluxtrt.serving import _exit_by\n_exit_by(1, print)\n"
+            + ("time.sleep(60)" if stuck == "sleeping" else "re.match(r'(a+)+$', 'a' * 64 + 'b')"))
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    seconds = time.time() - t0
+    if stuck == "sleeping":
+        assert proc.returncode == 130 and "did not stop within 1 s" in proc.stdout and seconds < 10, proc
+    else:
+        assert proc.returncode == -signal.SIGALRM and seconds < 12, (proc, seconds)
 
 
 @pytest.mark.slow
@@ -289,7 +308,8 @@ def test_server_under_load_bad_requests_killed_replica_and_ctrl_c(tiny_engines):
         assert server.post({"prompt": "a dog", "size": "256x256", "steps": 1})[0] == 200  # the new replica serves
     finally:
         seconds = server.stop()
-    assert server.proc.returncode is not None and seconds < 30, f"Ctrl-C took {seconds:.1f} s"
+    assert server.proc.returncode is not None and seconds < 30, \
+        f"Ctrl-C took {seconds:.1f} s; the server's last words:\n" + "".join(server.output[-15:])
 
 
 @pytest.mark.slow
