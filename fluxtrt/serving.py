@@ -298,6 +298,7 @@ def serve_forever(engines: Path | None, model: str | None, backend: str, host: s
         except RuntimeError as e:  # the replicas' own error is in Ray's logs
             raise FluxtrtError(f"the replicas did not start ({str(e).splitlines()[0]}); see Ray's logs in "
                                "/tmp/ray/session_latest/logs/serve/") from None
+        stop_watchdog(STOP_DEADLINE_S + 1)
         say(f"fluxtrt serving on http://{host}:{port}{ROUTE} ({replicas} replica(s); Ctrl-C stops)")
         while True:
             time.sleep(0.5)
@@ -317,10 +318,8 @@ def serve_forever(engines: Path | None, model: str | None, backend: str, host: s
 def _exit_by(seconds: float, say):
     """End the process `seconds` from now if it is still alive: after a replica was killed, Ray's shutdown and
     its exit hooks were seen to hang past a minute (CI), and Ctrl-C must still stop the server. The last word
-    is said from its own thread, waited for 1 s: a blocked stdout must not keep the process alive. Should no
-    Python thread run by then (one stuck in native code holding the GIL), SIGALRM's default action ends the
-    process 2 s later, in the kernel."""
-    import signal
+    is said from its own thread, waited for 1 s: a blocked stdout must not keep the process alive. (Where no
+    Python thread can run at all, stop_watchdog ends the process.)"""
     import threading
 
     def hard_exit():
@@ -332,7 +331,38 @@ def _exit_by(seconds: float, say):
     timer = threading.Timer(seconds, hard_exit)
     timer.daemon = True
     timer.start()
-    if hasattr(signal, "alarm") and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGALRM, signal.SIG_DFL)
-        signal.alarm(int(seconds) + 2)
     return timer
+
+
+WATCHDOG = """import os, signal, sys, time
+pid, seconds = int(sys.argv[1]), float(sys.argv[2])
+while True:
+    b = sys.stdin.buffer.read(1)
+    if not b:
+        sys.exit(0)  # the server is gone
+    if b[0] in (signal.SIGINT, signal.SIGTERM):
+        break
+time.sleep(seconds)
+try:
+    os.kill(pid, signal.SIGKILL)
+except ProcessLookupError:
+    pass
+"""
+
+
+def stop_watchdog(seconds: float):
+    """A small process that ends this one `seconds` after a SIGINT or SIGTERM reaches it, whatever this process
+    does meanwhile. Python's C-level signal handler writes the signal's number to the wakeup fd (no GIL needed),
+    so this works where no Python code can run: CI saw the server ignore Ctrl-C for over a minute after a replica
+    was SIGKILLed (neither its handler nor a timer thread ran: a native call holding the GIL). Main thread only."""
+    import signal
+    import subprocess
+    import sys
+
+    r, w = os.pipe()  # not inherited by other children (PEP 446)
+    os.set_blocking(w, False)
+    proc = subprocess.Popen([sys.executable, "-c", WATCHDOG, str(os.getpid()), str(seconds)], stdin=r,
+                            start_new_session=True)
+    os.close(r)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    return proc
