@@ -334,19 +334,19 @@ def _exit_by(seconds: float, say):
     return timer
 
 
-WATCHDOG = """import os, signal, sys, time
-pid, seconds = int(sys.argv[1]), float(sys.argv[2])
+WATCHDOG = """import os, select, signal, sys, time
+pid, seconds, fd = int(sys.argv[1]), float(sys.argv[2]), sys.stdin.fileno()
 while True:
-    b = sys.stdin.buffer.read(1)
+    b = os.read(fd, 1)
     if not b:
-        sys.exit(0)  # the server is gone
+        sys.exit(0)  # the server is gone (only it holds the pipe's other end)
     if b[0] in (signal.SIGINT, signal.SIGTERM):
         break
-time.sleep(seconds)
-try:
-    os.kill(pid, signal.SIGKILL)
-except ProcessLookupError:
-    pass
+end = time.monotonic() + seconds
+while (left := end - time.monotonic()) > 0:
+    if select.select([fd], [], [], left)[0] and not os.read(fd, 64):
+        sys.exit(0)  # it ended by itself in time: never signal a pid that may have been reused
+os.kill(pid, signal.SIGKILL)
 """
 
 

@@ -277,6 +277,25 @@ def test_stop_watchdog_ends_a_process_no_python_code_can_run_in():
         raise AssertionError("the watchdog outlived its process")
 
 
+def test_stop_watchdog_leaves_a_process_that_ends_in_time():
+    """A process that ends by itself after its SIGINT takes its watchdog with it at once (the watchdog never
+    signals a pid that may have been reused)."""
+    code = ("import signal, time\nfrom fluxtrt.serving import stop_watchdog\nw = stop_watchdog(30)\n"
+            "signal.signal(signal.SIGINT, lambda *a: None)\nprint(w.pid, flush=True)\ntime.sleep(1)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    watchdog = int(proc.stdout.readline())
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=20) == 0
+    deadline = time.time() + 5
+    while time.time() < deadline:
+        try:
+            os.kill(watchdog, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the watchdog still waits for a process that has ended")
+
+
 @pytest.mark.slow
 def test_server_under_load_bad_requests_killed_replica_and_ctrl_c(tiny_engines):
     server = Server(tiny_engines, "--max-batch", "4")
