@@ -288,6 +288,9 @@ def serve_forever(engines: Path | None, model: str | None, backend: str, host: s
     if started_ray:
         ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False,
                  **({} if address else {"num_cpus": max(os.cpu_count() or 1, replicas + 1)}))
+    # Ctrl-C even when started with SIGINT ignored (a shell's background job inherits that; so did this
+    # project's own CI runs, where 'Ctrl-C took 60 s' was the server never seeing the signal), and SIGTERM
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     deadline = None
     try:
@@ -298,7 +301,6 @@ def serve_forever(engines: Path | None, model: str | None, backend: str, host: s
         except RuntimeError as e:  # the replicas' own error is in Ray's logs
             raise FluxtrtError(f"the replicas did not start ({str(e).splitlines()[0]}); see Ray's logs in "
                                "/tmp/ray/session_latest/logs/serve/") from None
-        stop_watchdog(STOP_DEADLINE_S + 1)
         say(f"fluxtrt serving on http://{host}:{port}{ROUTE} ({replicas} replica(s); Ctrl-C stops)")
         while True:
             time.sleep(0.5)
@@ -316,10 +318,9 @@ def serve_forever(engines: Path | None, model: str | None, backend: str, host: s
 
 
 def _exit_by(seconds: float, say):
-    """End the process `seconds` from now if it is still alive: after a replica was killed, Ray's shutdown and
-    its exit hooks were seen to hang past a minute (CI), and Ctrl-C must still stop the server. The last word
-    is said from its own thread, waited for 1 s: a blocked stdout must not keep the process alive. (Where no
-    Python thread can run at all, stop_watchdog ends the process.)"""
+    """End the process `seconds` from now if it is still alive: should Ray's shutdown or its exit hooks hang,
+    Ctrl-C must still stop the server. The last word is said from its own thread, waited for 1 s: a blocked
+    stdout must not keep the process alive."""
     import threading
 
     def hard_exit():
@@ -333,36 +334,3 @@ def _exit_by(seconds: float, say):
     timer.start()
     return timer
 
-
-WATCHDOG = """import os, select, signal, sys, time
-pid, seconds, fd = int(sys.argv[1]), float(sys.argv[2]), sys.stdin.fileno()
-while True:
-    b = os.read(fd, 1)
-    if not b:
-        sys.exit(0)  # the server is gone (only it holds the pipe's other end)
-    if b[0] in (signal.SIGINT, signal.SIGTERM):
-        break
-end = time.monotonic() + seconds
-while (left := end - time.monotonic()) > 0:
-    if select.select([fd], [], [], left)[0] and not os.read(fd, 64):
-        sys.exit(0)  # it ended by itself in time: never signal a pid that may have been reused
-os.kill(pid, signal.SIGKILL)
-"""
-
-
-def stop_watchdog(seconds: float):
-    """A small process that ends this one `seconds` after a SIGINT or SIGTERM reaches it, whatever this process
-    does meanwhile. Python's C-level signal handler writes the signal's number to the wakeup fd (no GIL needed),
-    so this works where no Python code can run: CI saw the server ignore Ctrl-C for over a minute after a replica
-    was SIGKILLed (neither its handler nor a timer thread ran: a native call holding the GIL). Main thread only."""
-    import signal
-    import subprocess
-    import sys
-
-    r, w = os.pipe()  # not inherited by other children (PEP 446)
-    os.set_blocking(w, False)
-    proc = subprocess.Popen([sys.executable, "-c", WATCHDOG, str(os.getpid()), str(seconds)], stdin=r,
-                            start_new_session=True)
-    os.close(r)
-    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-    return proc
