@@ -292,7 +292,6 @@ def serve_forever(engines: Path | None, model: str | None, backend: str, host: s
     # project's own CI runs, where 'Ctrl-C took 60 s' was the server never seeing the signal), and SIGTERM
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
-    deadline = None
     try:
         serve.start(http_options={"host": host, "port": port})
         try:
@@ -305,11 +304,9 @@ def serve_forever(engines: Path | None, model: str | None, backend: str, host: s
         while True:
             time.sleep(0.5)
     except KeyboardInterrupt:
-        deadline = _exit_by(STOP_DEADLINE_S, say)  # before saying anything: a write can block (a full pipe)
         say("stopping ...")
     finally:
-        if deadline is None:
-            _exit_by(STOP_DEADLINE_S, say)
+        _exit_by(STOP_DEADLINE_S, say)
         try:
             _bounded(serve.shutdown, SERVE_SHUTDOWN_S, say)
         finally:
@@ -317,20 +314,16 @@ def serve_forever(engines: Path | None, model: str | None, backend: str, host: s
                 ray.shutdown()
 
 
-def _exit_by(seconds: float, say):
+def _exit_by(seconds: float, say) -> None:
     """End the process `seconds` from now if it is still alive: should Ray's shutdown or its exit hooks hang,
-    Ctrl-C must still stop the server. The last word is said from its own thread, waited for 1 s: a blocked
-    stdout must not keep the process alive."""
+    Ctrl-C must still stop the server."""
     import threading
 
     def hard_exit():
-        said = threading.Thread(target=say, args=(f"Ray did not stop within {seconds} s; exiting",), daemon=True)
-        said.start()
-        said.join(1.0)
+        say(f"Ray did not stop within {seconds} s; exiting")
         os._exit(130)
 
     timer = threading.Timer(seconds, hard_exit)
     timer.daemon = True
     timer.start()
-    return timer
 

@@ -201,7 +201,7 @@ def runnable_session(onnx_path: Path, providers=("CPUExecutionProvider",), overr
     ort = onnxruntime()
     on_cpu = [p if isinstance(p, str) else p[0] for p in providers][0] == "CPUExecutionProvider"
     header = onnx.load(str(onnx_path), load_external_data=False)
-    widen = (widen and _has_bf16(header)) or (on_cpu and _has_bf16(header)) or has_bf16_qdq(header)
+    widen = ((widen or on_cpu) and _has_bf16(header)) or has_bf16_qdq(header)
     has_fp4 = any(t.data_type == TensorProto.FLOAT4E2M1 for t in header.graph.initializer)
     if not has_fp4:
         if widen:

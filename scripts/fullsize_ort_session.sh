@@ -15,6 +15,18 @@ OUTDIR=${1:?OUTDIR}; MODE=${2:?run or poll}
 WORK=${WORK:-/root/fullsize}
 F="bash scripts/fullsize_footprint.sh $OUTDIR"
 step() { echo "$(date +%T) start $*" >> "$OUTDIR/steps.log"; "$@"; local rc=$?; echo "$(date +%T) end $* rc=$rc" >> "$OUTDIR/steps.log"; }
+# the graphs without a TensorRT-RTX transformer engine: the checkpoint, then the bf16 transformer graph (cores
+# 0-7) beside the builds of the components in $1 (cores 8-15: a manifest to enter the graph in), then its entry
+graphs() {
+  mkdir -p "$OUTDIR"
+  step $F checkpoint-all
+  CORES=0-7 step $F bf16-graph > "$OUTDIR/lane1.log" 2>&1 &
+  local lane1=$!
+  CORES=8-15 COMPONENTS="$1" step $F build-others > "$OUTDIR/lane2.log" 2>&1
+  "${@:2}"  # GPU work that needs only the other components, while the graph is made
+  wait $lane1
+  step $F bf16-entry
+}
 case "$MODE" in
   run)
     mkdir -p "$OUTDIR"
@@ -33,29 +45,14 @@ case "$MODE" in
     wait $lane1
     step $F validate-fp8
     echo "$(date +%T) all done" >> "$OUTDIR/steps.log" ;;
-  rest)  # what the first run left of issue 20 (no TensorRT-RTX transformer engine, no calibration): the bf16
-         # transformer graph (cores 0-7) beside the other components' builds (cores 8-15), then on the GPU T5
-         # computed in fp32 (validate --fp32), the whole generation on ORT CUDA, the transformer in fp32
-    mkdir -p "$OUTDIR"
-    step $F checkpoint-all
-    CORES=0-7 step $F bf16-graph > "$OUTDIR/lane1.log" 2>&1 &
-    lane1=$!
-    CORES=8-15 COMPONENTS="clip t5 vae_decoder" step $F build-others > "$OUTDIR/lane2.log" 2>&1
-    FP32=1 COMPONENTS=t5 step $F validate
-    wait $lane1
-    step $F bf16-entry
+  rest)  # what the first run left of issue 20 (no calibration): T5 computed in fp32 (validate --fp32), the
+         # whole generation on ORT CUDA, the transformer in fp32
+    graphs "clip t5 vae_decoder" step env FP32=1 COMPONENTS=t5 $F validate
     step $F generate
     FP32=1 COMPONENTS=transformer step $F validate
     echo "$(date +%T) all done" >> "$OUTDIR/steps.log" ;;
-  fp32)  # the bf16 transformer graph computed in fp32 (validate --fp32) alone: its graph and, for a manifest to
-         # enter it in, CLIP's build side by side, then the check on the GPU
-    mkdir -p "$OUTDIR"
-    step $F checkpoint-all
-    CORES=0-7 step $F bf16-graph > "$OUTDIR/lane1.log" 2>&1 &
-    lane1=$!
-    CORES=8-15 COMPONENTS=clip step $F build-others > "$OUTDIR/lane2.log" 2>&1
-    wait $lane1
-    step $F bf16-entry
+  fp32)  # the bf16 transformer graph computed in fp32 (validate --fp32) alone (CLIP built for its manifest)
+    graphs clip true
     FP32=1 COMPONENTS=transformer step $F validate
     echo "$(date +%T) all done" >> "$OUTDIR/steps.log" ;;
   poll)
