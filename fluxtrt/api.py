@@ -18,9 +18,17 @@ from .errors import FluxtrtError
 from .records import CalibrationSettings, Manifest
 
 
-def split_list(values) -> list[str]:
-    """Repeated and comma-separated option values as one list (`-c clip,t5 -c vae_decoder`)."""
-    return [v.strip() for item in (values or []) for v in str(item).split(",") if v.strip()]
+def split_list(values, unique: bool = True) -> list[str]:
+    """Repeated and comma-separated option values as one list (`-c clip,t5 -c vae_decoder`); a value given twice
+    is refused (a typo or a contradiction) unless repeats mean something (`unique=False`: graph passes)."""
+    out = [v.strip() for item in (values or []) for v in str(item).split(",") if v.strip()]
+    twice = sorted({v for v in out if out.count(v) > 1}) if unique else []
+    if twice:
+        raise FluxtrtError(f"{', '.join(twice)} given twice in one option; list each value once")
+    return out
+
+
+MIN_OPSET, MAX_OPSET = 18, 22  # torch's ONNX exporter writes opset 18 and up; TensorRT parses up to 22
 
 
 # -- export ---------------------------------------------------------------------------------------------------
@@ -41,9 +49,12 @@ def export(model: str, out_dir: Path, components=None, dtype: str = "fp32", opse
     from .components import specs_for
     from .dtypes import check_float
     from .export import export_model, zero_copy_refusal
+    from .fileio import check_out_folder
     from .models.source import resolve_model
 
     check_float(dtype)
+    check_number("--opset", opset, MIN_OPSET, MAX_OPSET)
+    check_out_folder(Path(out_dir))
     source = resolve_model(model)
     names = split_list(components) or None
     linked, copied = False, []
@@ -132,7 +143,10 @@ def calibrate(model: str, out_dir: Path, recipe: str = "fp8", settings: Calibrat
     if recipe not in CALIBRATED:
         raise FluxtrtError(f"only {', '.join(CALIBRATED)} need calibration (activation ranges); "
                            f"'{recipe}' is weight-only or unknown")
+    from .fileio import check_out_folder
+
     settings = (settings or CalibrationSettings()).check()
+    check_out_folder(Path(out_dir))
     source = resolve_model(model)
     if zero_copy and native_refusal(source, "transformer", recipe) is None:
         return source, calibrate_native(source, Path(out_dir), settings, on_prompt)
@@ -143,11 +157,15 @@ def calibrate(model: str, out_dir: Path, recipe: str = "fp8", settings: Calibrat
 def optimize(in_dir: Path, out_dir: Path, passes=None, dtype: str = "fp32", components=None) -> list:
     """Graph passes and precision placement on an fp32 export: [(component, OptimizeReport, comparison)]."""
     from .components import specs_for
+    from .fileio import check_out_folder
     from .models.source import resolve_model
     from .optimize.pipeline import check_passes, optimize_file
     from .records import StageInfo
     from .validate import bound_for, compare_onnx
 
+    check_out_folder(Path(out_dir))
+    if Path(out_dir).resolve() == Path(in_dir).resolve():
+        raise FluxtrtError(f"--out {out_dir} is the --in folder: optimizing would replace the export; pass another --out")
     info = StageInfo.read(Path(in_dir) / "export.json")
     if not info.components:
         raise FluxtrtError(f"{in_dir} has no export.json of this fluxtrt; export first with `fluxtrt export --out "
@@ -155,7 +173,7 @@ def optimize(in_dir: Path, out_dir: Path, passes=None, dtype: str = "fp32", comp
     dtype_in = info.header.get("dtype")
     if dtype_in != "fp32":
         raise FluxtrtError(f"optimize takes an fp32 export (its precision placement casts); {in_dir} is {dtype_in}")
-    pass_names = check_passes(split_list(passes) or None)
+    pass_names = check_passes(split_list(passes, unique=False) or None)
     geo = resolve_model(info.header["model"]).geometry
     out = []
     for name, spec in specs_for(geo, split_list(components) or list(info.components)).items():
@@ -170,6 +188,22 @@ def optimize(in_dir: Path, out_dir: Path, passes=None, dtype: str = "fp32", comp
 
 # -- run ------------------------------------------------------------------------------------------------------
 MAX_STEPS = 1000  # diffusers' schedulers have 1000 training timesteps; more steps than that are a typo
+MAX_GUIDANCE = 100.0  # distilled guidance and true-CFG scales (FLUX uses 1-30); more is a typo
+MAX_SIDE = 8192  # pixels a side: over any FLUX profile (the engines' own range is checked per request)
+
+
+def check_number(flag: str, value, lo, hi) -> None:
+    """A numeric option is finite and inside lo..hi before any work starts (None: not given)."""
+    import math
+
+    if value is None:
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise FluxtrtError(f"{flag} must be a finite number, got {value}")
+    if value < lo:
+        raise FluxtrtError(f"{flag} must be at least {lo}, got {value}")
+    if value > hi:
+        raise FluxtrtError(f"{flag} must be at most {hi}, got {value}")
 
 
 @dataclass
@@ -232,12 +266,29 @@ class RunOptions:
     strength: float | None = None  # img2img / Fill
     max_area: int | None = None  # Kontext
 
+    def inputs(self) -> dict:
+        """The request's input files by flag (an output may replace none of them)."""
+        return {"--image": self.image, "--mask": self.mask, "--control-image": self.control_image, "--lora": self.lora}
+
+    def input_folders(self) -> dict:
+        """The request's input folders by flag (no output is written inside them)."""
+        return {"--engines": self.engines, "--weights": self.weights}
+
     def image_inputs(self):
         return image_inputs(self.image, self.mask, self.control_image, self.strength, self.max_area)
 
     def check(self) -> "RunOptions":
+        import math
+
         from .dtypes import check_float
 
+        for flag, value, lo, hi in (("--guidance", self.guidance, 0.0, MAX_GUIDANCE),
+                                    ("--true-cfg", self.true_cfg, 1.0, MAX_GUIDANCE),
+                                    ("--strength", self.strength, -math.inf, math.inf),  # (0, 1]: the workflow says
+                                    ("--lora-scale", self.lora_scale, -10.0, 10.0),
+                                    ("--height", self.height, 1, MAX_SIDE), ("--width", self.width, 1, MAX_SIDE),
+                                    ("--max-area", self.max_area, 1, MAX_SIDE * MAX_SIDE)):
+            check_number(flag, value, lo, hi)
         self.out = Path(self.out)
         self.engines = Path(self.engines) if self.engines is not None else None
         if self.batch < 1:
@@ -337,7 +388,9 @@ def generate(prompts: list[str], opts: RunOptions | None = None, on_step=None, s
     from .runtime.images import check_output_path, save_png
 
     opts = (opts or RunOptions(**options)).check()
-    check_output_path(opts.out)  # before any work: a read-only folder fails now, not after the images
+    n_images = opts.batch if len(prompts) == 1 else len(prompts)
+    for dest in _destinations(opts.out, n_images):  # before any work: a read-only folder fails now, not after
+        check_output_path(dest, opts.inputs(), opts.input_folders())
     pipe, choice = open_pipeline(opts)
     for note in choice.notes:
         say(note)
@@ -351,14 +404,14 @@ def generate(prompts: list[str], opts: RunOptions | None = None, on_step=None, s
     chunks = ([prompts[i:i + opts.batch] for i in range(0, len(prompts), opts.batch)] if len(prompts) > 1
               else [prompts * opts.batch])
     pipe.check_request(max(len(c) for c in chunks), height, width, steps, reference)  # fail before any work
-    many, paths, timings = sum(len(c) for c in chunks) > 1, [], []
+    dests, paths, timings = _destinations(opts.out, sum(len(c) for c in chunks)), [], []
     for k, chunk in enumerate(chunks):
         negatives = [opts.negative_prompt] * len(chunk) if opts.negative_prompt is not None else None
         res = pipe.generate(chunk, opts.height or opt[1], opts.width or opt[2], steps, guidance, opts.seed + k,
                             on_step=on_step, negative_prompts=negatives, true_cfg=opts.true_cfg, inputs=inputs)
         for j, img in enumerate(res.images):
             idx = sum(len(c) for c in chunks[:k]) + j
-            dest = opts.out.with_name(f"{opts.out.stem}-{idx}{opts.out.suffix}") if many else opts.out
+            dest = dests[idx]
             meta = _png_metadata(pipe, chunk[j], opts.seed + k, steps, guidance, height, width, choice.backend)
             meta.update(_workflow_metadata(wf, opts))
             if opts.true_cfg > 1:
@@ -367,6 +420,11 @@ def generate(prompts: list[str], opts: RunOptions | None = None, on_step=None, s
             paths.append(dest)
         timings.append(res.timings)
     return Generated(paths, timings, choice.backend, choice.notes)
+
+
+def _destinations(out: Path, n: int) -> list[Path]:
+    """The PNG paths of n images: `out` itself for one, `out-0`, `out-1`, ... for several."""
+    return [out] if n == 1 else [out.with_name(f"{out.stem}-{i}{out.suffix}") for i in range(n)]
 
 
 def _workflow_metadata(wf, opts: RunOptions) -> dict:
@@ -444,8 +502,15 @@ def inspect(engine_dir: Path) -> tuple[Manifest, list[EngineCheck]]:
     from .fileio import sha256_file
     from .records import read_manifest
 
+    from .runtime.executors import check_gpu_for
+
     m = read_manifest(engine_dir)
     backend = get_backend(m.backend)
+    try:
+        check_gpu_for(m, backend)
+        why_not = ""
+    except BackendUnavailableError as err:
+        why_not = str(err).split(";")[0]
     rows = []
     for name, e in m.components.items():
         path = Path(engine_dir) / e.engine
@@ -461,6 +526,8 @@ def inspect(engine_dir: Path) -> tuple[Manifest, list[EngineCheck]]:
             validity = backend.runtime_validity(path) or "unknown" if state == "ok" else "-"
         except BackendUnavailableError as err:
             validity = f"cannot check: {err}"
+        if why_not and validity != "-" and not validity.startswith("VALID"):
+            validity = f"{validity.split(' (')[0]}: {why_not}"
         rows.append(EngineCheck(name, e, state, validity))
     return m, rows
 
@@ -468,10 +535,13 @@ def inspect(engine_dir: Path) -> tuple[Manifest, list[EngineCheck]]:
 def artifacts(gpus: str, model: str, engines: Path, out_dir: Path, precision=None, say=lambda line: None) -> list:
     """Build (or reuse) each target's engines and pack each into an archive + .sha256: [(config, archive, sha)]."""
     from .artifacts import pack
+    from .fileio import check_out_folder
     from .models.source import resolve_model
     from .runtime.images import check_writable
     from .stages.build import build_gpu
 
+    check_out_folder(Path(out_dir))
+    check_out_folder(Path(engines), "--engines")
     targets = split_list([gpus])
     configs = [resolve_target(g, None, precision)[0] for g in targets]  # all checked before any work
     check_writable(Path(out_dir) / "archive.tar.gz")

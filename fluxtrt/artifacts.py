@@ -12,6 +12,7 @@ import gzip
 import os
 import shutil
 import tarfile
+import zlib
 from pathlib import Path, PurePosixPath
 
 from .errors import FluxtrtError
@@ -65,10 +66,18 @@ def pack(gpu_dir: Path, out_dir: Path) -> tuple[Path, Path]:
 def verify_checksum(archive: Path, sha_file: Path | None = None) -> str:
     archive = Path(archive)
     sha_file = Path(sha_file) if sha_file else Path(f"{archive}.sha256")
-    if not sha_file.exists():
+    if not archive.is_file():
+        raise ArtifactError(f"{archive} is not a file; pass an archive made by `fluxtrt artifacts`")
+    if not sha_file.is_file():
         raise ArtifactError(f"no checksum file {sha_file.name} beside {archive.name}; download it too "
                             "(or pass --sha256 FILE)")
-    want = sha_file.read_text().split()[0].lower() if sha_file.read_text().split() else ""
+    try:
+        words = sha_file.read_bytes()[:4096].decode("ascii").split()
+    except (OSError, UnicodeDecodeError):
+        words = []
+    want = words[0].lower() if words else ""
+    if len(want) != 64:
+        raise ArtifactError(f"{sha_file.name} holds no sha256 (64 hex digits, as `sha256sum` writes); download it again")
     got = sha256_file(archive)
     if got != want:
         raise ArtifactError(f"{archive.name} does not match its checksum (sha256 {got[:16]}..., expected "
@@ -78,8 +87,9 @@ def verify_checksum(archive: Path, sha_file: Path | None = None) -> str:
 
 def _check_member(m: tarfile.TarInfo) -> PurePosixPath:
     p = PurePosixPath(m.name)
-    if p.is_absolute() or m.name.startswith(("/", "\\")) or ".." in p.parts or ":" in p.parts[0]:
-        raise ArtifactError(f"unsafe path in archive: {m.name!r} (absolute or with '..'); refusing to extract")
+    if p.is_absolute() or m.name.startswith(("/", "\\")) or ".." in p.parts or not p.parts or ":" in p.parts[0] \
+            or "\x00" in m.name or "\\" in m.name:
+        raise ArtifactError(f"unsafe path in archive: {m.name!r} (absolute, empty, '.' or with '..'); refusing to extract")
     if m.issym() or m.islnk():
         raise ArtifactError(f"archive member {m.name!r} is a link; fluxtrt archives hold plain files only")
     if not (m.isfile() or m.isdir()):
@@ -102,42 +112,59 @@ def unpack(archive: Path, dest: Path, sha_file: Path | None = None, max_bytes: i
     dest/<gpu>/ is never deleted (it may hold the user's own files): it is moved aside to `<gpu>.previous`
     (`on_moved(old, new)` is told) and the new folder takes its place."""
     archive, dest = Path(archive), Path(dest)
+    if dest.exists() and not dest.is_dir():
+        raise ArtifactError(f"--out {dest} is a file; pass a folder (the GPU folder is placed inside it)")
     verify_checksum(archive, sha_file)
     try:
-        tar = tarfile.open(archive, "r:gz")
-    except (tarfile.TarError, OSError) as e:
-        raise ArtifactError(f"{archive.name} is not a readable .tar.gz ({e})") from None
-    with tar:
-        members = tar.getmembers()
-        paths = [_check_member(m) for m in members]
-        tops = {p.parts[0] for p in paths}
-        if len(tops) != 1:
-            raise ArtifactError(f"{archive.name} must hold one folder (the GPU's); it holds {sorted(tops)}")
-        total = sum(m.size for m in members)
-        if total > max_bytes:
-            raise ArtifactError(f"{archive.name} unpacks to {total / 1e9:.1f} GB, over the {max_bytes / 1e9:.1f} GB limit")
-        top = tops.pop()
-        final = dest / top
-        with staging_dir(dest, "unpack") as tmp:
-            for m, p in zip(members, paths):
-                target = tmp.joinpath(*p.parts)
-                if m.isdir():
-                    target.mkdir(parents=True, exist_ok=True)
-                    continue
-                target.parent.mkdir(parents=True, exist_ok=True)
-                src = tar.extractfile(m)
-                with open(target, "wb") as out:
-                    shutil.copyfileobj(src, out, 1 << 22)
-            folder = tmp / top
-            manifest = read_manifest(folder)
-            for e in manifest.components.values():
-                f = folder / e.engine
-                if not f.exists() or sha256_file(f) != e.sha256:
-                    raise ArtifactError(f"{archive.name}: {e.engine} does not match the manifest's sha256; "
-                                        "refusing the archive")
-            if final.exists() or final.is_symlink():
-                aside = previous_name(final)
-                os.replace(final, aside)
-                on_moved(final, aside)
-            os.replace(folder, final)
+        with tarfile.open(archive, "r:gz") as tar:
+            return _extract(tar, archive, dest, max_bytes, on_moved)
+    except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as e:
+        raise ArtifactError(f"{archive.name} is not a readable .tar.gz ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:80] if str(e) else 'truncated'}); fetch it again") from None
+
+
+def _extract(tar, archive: Path, dest: Path, max_bytes: int, on_moved) -> Path:
+    members = tar.getmembers()
+    paths = [_check_member(m) for m in members]
+    tops = {p.parts[0] for p in paths}
+    if len(tops) != 1:
+        raise ArtifactError(f"{archive.name} must hold one folder (the GPU's); it holds {sorted(tops)[:5]}")
+    if len({str(p) for p in paths}) != len(paths):
+        raise ArtifactError(f"{archive.name} holds a member twice; fluxtrt archives do not: fetch it again")
+    total = sum(m.size for m in members)
+    if total > max_bytes:
+        raise ArtifactError(f"{archive.name} unpacks to {total / 1e9:.1f} GB, over the {max_bytes / 1e9:.1f} GB limit")
+    dest.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(dest).free
+    if total > free:
+        raise ArtifactError(f"{archive.name} unpacks to {total / 1e9:.2f} GB and {dest} has {free / 1e9:.2f} GB free; "
+                            "free some space or pass --out on another disk")
+    top = tops.pop()
+    final = dest / top
+    with staging_dir(dest, "unpack") as tmp:
+        for m, p in zip(members, paths):
+            target = tmp.joinpath(*p.parts)
+            if m.isdir():
+                target.mkdir(parents=True, exist_ok=True)
+                continue
+            if target.is_dir() or (target.parent.exists() and not target.parent.is_dir()):
+                raise ArtifactError(f"{archive.name}: member {m.name!r} is both a file and a folder; fetch it again")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            src = tar.extractfile(m)
+            with open(target, "wb") as out:
+                shutil.copyfileobj(src, out, 1 << 22)
+            if target.stat().st_size != m.size:
+                raise ArtifactError(f"{archive.name}: member {m.name!r} is truncated; fetch it again")
+        folder = tmp / top
+        manifest = read_manifest(folder)
+        for e in manifest.components.values():
+            f = folder / e.engine
+            if not f.is_file() or sha256_file(f) != e.sha256:
+                raise ArtifactError(f"{archive.name}: {e.engine} does not match the manifest's sha256; "
+                                    "refusing the archive")
+        if final.exists() or final.is_symlink():
+            aside = previous_name(final)
+            os.replace(final, aside)
+            on_moved(final, aside)
+        os.replace(folder, final)
     return final

@@ -29,6 +29,9 @@ class StoredTensor:
 
 
 def read_header(path: Path) -> dict[str, StoredTensor]:
+    """Every tensor of one safetensors file, the header checked as untrusted input: JSON object of entries with a
+    known dtype, a shape of non-negative integers, offsets inside the data and of the shape's byte length, and no
+    two tensors sharing bytes. One line naming the file and the tensor otherwise."""
     try:
         with open(path, "rb") as f:
             raw = f.read(8)
@@ -39,19 +42,52 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
                 raise FluxtrtError(f"{path} is not a safetensors file (header of {n} bytes)")
             header = json.loads(f.read(n))
             size = os.fstat(f.fileno()).st_size
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise FluxtrtError(f"{path} is not a safetensors file (unreadable header)") from None
+    except OSError as e:
+        raise FluxtrtError(f"cannot read {path}: {e.strerror}") from None
+    if not isinstance(header, dict):
+        raise FluxtrtError(f"{path} is not a safetensors file (its header is not a JSON object)")
     start = 8 + n
     out = {}
     for key, meta in header.items():
         if key == "__metadata__":
             continue
-        a, b = meta["data_offsets"]
-        if start + b > size:
-            raise FluxtrtError(f"{path} is truncated ({size} bytes, tensor {key} ends at {start + b}); "
-                               "download or copy it again")
-        out[key] = StoredTensor(Path(path), start + a, b - a, meta["dtype"], tuple(meta["shape"]))
+        t = _stored(path, key, meta, start, size)
+        out[key] = t
+    spans = sorted((t.offset, t.offset + t.length, k) for k, t in out.items() if t.length)
+    for (_, a1, ka), (b0, _, kb) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise FluxtrtError(f"{path}: tensors {ka} and {kb} share bytes (the header is damaged or hostile); "
+                               "download or convert the checkpoint again")
     return out
+
+
+def _stored(path: Path, key: str, meta, start: int, size: int) -> StoredTensor:
+    def bad(why: str) -> FluxtrtError:
+        return FluxtrtError(f"{path}: tensor {key!r} {why}; the file is damaged or not a safetensors checkpoint")
+
+    if not isinstance(meta, dict):
+        raise bad("has no entry object")
+    dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+    if dtype not in BY_SAFETENSORS:
+        raise bad(f"has dtype {dtype!r}, which fluxtrt does not read ({', '.join(BY_SAFETENSORS)})")
+    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0  # noqa: E731
+    if not isinstance(shape, list) or len(shape) > 8 or not all(is_int(v) for v in shape):
+        raise bad(f"has shape {shape!r}")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_int(v) for v in offsets) or offsets[0] > offsets[1]:
+        raise bad(f"has data_offsets {offsets!r}")
+    a, b = offsets
+    if start + b > size:
+        raise FluxtrtError(f"{path} is truncated ({size} bytes, tensor {key} ends at {start + b}); "
+                           "download or copy it again")
+    numel = 1
+    for v in shape:
+        numel *= v
+    itemsize = np_dtype(BY_SAFETENSORS[dtype].numpy).itemsize
+    if numel * itemsize != b - a:
+        raise bad(f"{dtype}{shape} needs {numel * itemsize} bytes, its offsets give {b - a}")
+    return StoredTensor(Path(path), start + a, b - a, dtype, tuple(shape))
 
 
 def checkpoint_index(folder: Path) -> dict[str, StoredTensor]:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+import typer.core as _typer_core
 
 from . import __version__
 from . import render as r
@@ -80,6 +81,7 @@ def friendly(fn):
             r.error(line)
             raise typer.Exit(2) from None
 
+    wrapper.__doc__ = " ".join((fn.__doc__ or "").split())  # one paragraph: the help wraps it to the terminal
     return wrapper
 
 
@@ -95,6 +97,14 @@ def _quiet_libraries():
 
 def _opt(default, *names, help: str):
     return typer.Option(default, *names, help=help)
+
+
+def _flag_type(self, ctx, _shown=_typer_core.TyperOption.display_type_rich):
+    """The help's type column: none for on/off flags (typer 0.2x shows `<bool>` for them, --help included)."""
+    return None if getattr(self, "is_flag", False) else _shown(self, ctx)
+
+
+_typer_core.TyperOption.display_type_rich = _flag_type
 
 
 MODEL_HELP = ("Local FLUX.1 diffusers folder (dev, schnell, Fill, Canny, Depth, Kontext), or an embedded "
@@ -250,10 +260,15 @@ def unpack(
 @friendly
 def inspect(engine_dir: Path = typer.Argument(..., help="A folder written by `fluxtrt build` (OUT/<gpu>).")):
     """Print an engine folder's manifest, check each engine file's size and sha256, and say whether this
-    machine's TensorRT can run it."""
+    machine's TensorRT can run it (and why not). Exit 2 when a file does not match the manifest."""
     from . import api
 
-    r.inspection(*api.inspect(engine_dir))
+    manifest, rows = api.inspect(engine_dir)
+    r.inspection(manifest, rows)
+    bad = [f"{row.component}: {row.file.split(' (')[0].split(':')[0]}" for row in rows if row.file != "ok"]
+    if bad:
+        raise FluxtrtError(f"{len(bad)} engine file(s) do not match the manifest ({', '.join(bad)}); rebuild with "
+                           "`fluxtrt build` or unpack the archive again")
 
 
 class _WarningLine:

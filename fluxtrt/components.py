@@ -13,6 +13,7 @@ Text lengths are fixed per model (CLIP 77; T5 512 for dev, 256 for schnell) and 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,25 @@ class Geometry:
 
     @classmethod
     def from_folder(cls, folder: Path) -> "Geometry":
+        """A model's sizes from its configs (untrusted: a model or engine folder comes from elsewhere); one line
+        naming the folder when a config is unreadable or its sizes are not positive integers."""
+        from .errors import FluxtrtError
+
+        try:
+            geo = cls._from_folder(folder)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+            what = f"lacks {e}" if isinstance(e, KeyError) else f"is unreadable ({type(e).__name__})"
+            raise FluxtrtError(f"a config in {folder} {what}; it is not a diffusers FLUX.1 folder (rebuild or "
+                               "re-download it)") from None
+        sizes = [v for v in dataclasses.astuple(geo) if not isinstance(v, str)]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 0 < v < 1 << 20 for v in sizes) \
+                or not isinstance(geo.pipeline, str):
+            raise FluxtrtError(f"the configs in {folder} give sizes {sizes} that no FLUX.1 model has; rebuild or "
+                               "re-download the folder")
+        return geo
+
+    @classmethod
+    def _from_folder(cls, folder: Path) -> "Geometry":
         def cfg(sub: str, name: str = "config.json") -> dict:
             return json.loads((Path(folder) / sub / name).read_text())
 

@@ -155,3 +155,40 @@ def remove_stale_staging(folder: Path) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
             n += 1
     return n
+
+
+def inside(folder: Path, rel, what: str) -> Path:
+    """`folder / rel` for a path read from a file we did not just write (a manifest, a weight map, an archive):
+    it must be a relative string that stays inside `folder` once links are followed; else one line naming it."""
+    from .errors import FluxtrtError
+
+    if not isinstance(rel, str) or not rel or "\x00" in rel or os.path.isabs(rel) or rel.startswith("\\"):
+        raise FluxtrtError(f"{what} {rel!r} is not a relative path inside {folder}; the file was edited or "
+                           "tampered with: rebuild or unpack the engines again")
+    base = Path(folder).resolve()
+    path = Path(folder) / rel
+    resolved = path.resolve()
+    if ".." in Path(rel).parts or not resolved.is_relative_to(base):
+        raise FluxtrtError(f"{what} {rel!r} leads outside {folder} (to {resolved}); refusing to read it: rebuild or "
+                           "unpack the engines again")
+    return path
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name the same file (links and relative spellings included)."""
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except (OSError, RuntimeError):
+        return False
+
+
+def check_out_folder(folder: Path, flag: str = "--out") -> None:
+    """An output folder is a folder (or does not exist yet): never a file that writing would replace."""
+    from .errors import FluxtrtError
+
+    folder = Path(folder)
+    for p in (folder, *folder.parents):
+        if p.exists() or p.is_symlink():
+            if not p.is_dir():
+                raise FluxtrtError(f"cannot write {flag} {folder}: {p} is a file, not a folder; pass a folder")
+            return

@@ -82,7 +82,13 @@ def apply_overrides(precision: dict, overrides: list[str], components=None) -> t
     Returns (the merged map, notes saying where a recipe did not apply)."""
     merged, notes = dict(precision), []
     targets = list(components or COMPONENTS)
+    seen: dict[str, str] = {}
     for item in overrides:
+        key = item.split("=", 1)[0].strip() if "=" in item else "*"
+        if key in seen:
+            what = f"-p {key}=" if key != "*" else "a precision for every component"
+            raise ConfigError(f"{what} is given twice ({seen[key]}, {item}); pass each once")
+        seen[key] = item
         if "=" in item:
             comp, name = (x.strip() for x in item.split("=", 1))
             merged[comp] = name

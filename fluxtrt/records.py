@@ -46,6 +46,10 @@ class CalibrationSettings:
             raise FluxtrtError("--calibration-size and --calibration-steps must be at least 1")
         if not 0.0 <= self.alpha <= 1.0:
             raise FluxtrtError(f"--smoothquant-alpha must be in 0..1, got {self.alpha}")
+        if not isinstance(self.opt_resolution, int) or not 256 <= self.opt_resolution <= 4096 or self.opt_resolution % 16:
+            raise FluxtrtError(f"--resolution must be a multiple of 16 in 256..4096, got {self.opt_resolution}")
+        if self.size > 100_000 or self.steps > 1000:
+            raise FluxtrtError("--calibration-size is at most 100000 prompts and --calibration-steps at most 1000")
         if self.device not in (None, "cpu", "cuda"):
             raise FluxtrtError(f"--device {self.device}: choose cpu or cuda")
         if self.prompts_file is not None and not Path(self.prompts_file).is_file():
@@ -255,11 +259,53 @@ def read_manifest(engine_dir: Path, required: bool = True) -> Manifest | None:
                                 f"one reads {', '.join(map(str, READABLE_SCHEMAS))}); rebuild with `fluxtrt build`")
         return None
     try:
-        return Manifest.from_json(data)
-    except (KeyError, TypeError) as e:
+        manifest = Manifest.from_json(data)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         if required:
             raise ManifestError(f"{path} lacks {e} (written by an older fluxtrt?); rebuild with `fluxtrt build`") from None
         return None
+    try:
+        check_manifest(manifest, Path(engine_dir))
+    except FluxtrtError as e:
+        if required:
+            raise ManifestError(f"{path}: {e}") from None
+        return None
+    return manifest
+
+
+def _is_int(v, lo: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+def check_manifest(m: Manifest, folder: Path) -> None:
+    """A manifest is untrusted input (engine folders and archives travel): every field the runtime reads has its
+    type, and every path in it resolves inside the engine folder (ONNX paths inside the build root), links
+    followed. One line naming the field otherwise."""
+    from .fileio import inside
+
+    def bad(what: str, value) -> FluxtrtError:
+        return FluxtrtError(f"{what} is {value!r}, not what fluxtrt writes; rebuild or unpack the engines again")
+
+    for key in ("fluxtrt", "backend", "backend_version", "gpu", "gpu_name", "compute_capability", "config_hash"):
+        if not isinstance(getattr(m, key), str):
+            raise bad(key, getattr(m, key))
+    if not isinstance(m.model.id, str) or not isinstance(m.model.hash, str) or not isinstance(m.model.pipeline, str):
+        raise bad("model", m.model)
+    sr = m.shape_range
+    if not isinstance(sr, dict) or any(not (isinstance(sr.get(k), list) and len(sr[k]) == 3 and all(_is_int(v, 1) for v in sr[k]))
+                                       for k in ("min", "opt", "max")):
+        raise bad("shape_range", sr)
+    if not _is_int(m.pixel_multiple, 1) or not isinstance(m.workflows, list):
+        raise bad("pixel_multiple / workflows", (m.pixel_multiple, m.workflows))
+    for name, e in m.components.items():
+        if not isinstance(name, str) or not isinstance(e.sha256, str) or not _is_int(e.bytes) \
+                or not isinstance(e.profile, dict) or not isinstance(e.inputs, list) or not isinstance(e.outputs, list):
+            raise bad(f"component {name!r}", e.engine)
+        inside(folder, e.engine, f"{name}.engine")
+        inside(Path(folder).parent, e.onnx, f"{name}.onnx")
+        for what, rel in (("weight_map", e.weight_map), ("weightfree_onnx", e.weightfree_onnx)):
+            if rel is not None:
+                inside(folder, rel, f"{name}.{what}")
 
 
 def _subfolders_hint(folder: Path) -> str:

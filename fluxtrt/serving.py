@@ -18,6 +18,7 @@ import io
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,11 +28,39 @@ from .errors import FluxtrtError
 
 MAX_PROMPT_CHARS = 10_000  # T5 reads at most 512 tokens; a longer body is a client bug, not a prompt
 MAX_N = 8
+MAX_BODY_BYTES = 64 << 10  # a request is a prompt and a few numbers: 64 KiB is far more than the largest
+MAX_JSON_DEPTH = 8
 ROUTE = "/v1/images/generations"
 
 
 class BadRequest(FluxtrtError):
     """A request the server refuses with 400: one line for the client."""
+
+    status = 400
+
+
+class TooLarge(BadRequest):
+    """A body over MAX_BODY_BYTES: 413."""
+
+    status = 413
+
+
+def _depth(body: bytes) -> int:
+    """How deeply a JSON text nests arrays and objects (brackets inside strings are not counted), read before
+    parsing: a deeply nested body must not reach the parser's recursion limit."""
+    depth = top = 0
+    in_str = escaped = False
+    for ch in body.decode("utf-8", errors="replace"):
+        if in_str:
+            escaped, in_str = (False, True) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            top = max(top, depth)
+        elif ch in "]}":
+            depth -= 1
+    return top
 
 
 @dataclass
@@ -47,9 +76,14 @@ class Generation:
 
 def parse_request(body: bytes, default_size: tuple[int, int], default_steps: int) -> Generation:
     """The request body as a Generation, or BadRequest naming the field and what it takes."""
+    if len(body) > MAX_BODY_BYTES:
+        raise TooLarge(f"the body has {len(body)} bytes, over the {MAX_BODY_BYTES} byte limit; send a prompt and "
+                       "a few settings")
+    if _depth(body) > MAX_JSON_DEPTH:
+        raise BadRequest(f"the body nests JSON deeper than {MAX_JSON_DEPTH} levels; send a flat JSON object")
     try:
         data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise BadRequest(f"the body is not valid JSON ({e.__class__.__name__}); send a JSON object") from None
     if not isinstance(data, dict):
         raise BadRequest("the body must be a JSON object with at least \"prompt\"")
@@ -71,10 +105,10 @@ def parse_request(body: bytes, default_size: tuple[int, int], default_steps: int
     if data.get("response_format", "b64_json") != "b64_json":
         raise BadRequest("\"response_format\" must be \"b64_json\" (images are returned inline as base64 PNG)")
     size = data.get("size", f"{default_size[1]}x{default_size[0]}")
-    try:
-        width, height = (int(v) for v in str(size).lower().split("x"))
-    except ValueError:
-        raise BadRequest(f"\"size\" must be \"WIDTHxHEIGHT\" in pixels, e.g. \"1024x768\"; got {size!r}") from None
+    match = re.fullmatch(r"([0-9]{1,5})[xX]([0-9]{1,5})", size) if isinstance(size, str) else None
+    if match is None:  # ASCII digits only: int() would also take fullwidth or Arabic-Indic ones
+        raise BadRequest(f"\"size\" must be \"WIDTHxHEIGHT\" in pixels, e.g. \"1024x768\"; got {str(size)[:40]!r}")
+    width, height = int(match[1]), int(match[2])
     return Generation(prompt, number("n", 1, int, 1, MAX_N), width, height,
                       number("steps", default_steps, int, 1, MAX_STEPS), number("guidance", 3.5, float, 0.0, 100.0),
                       number("seed", 0, int, 0, 2**63 - 1 - MAX_N))
@@ -149,7 +183,9 @@ class Service:
             return 503, _error(e), {"Retry-After": "2"}
         except ShuttingDown as e:
             return 503, _error(e), {"Retry-After": "5"}
-        except (BadRequest, RequestError) as e:
+        except BadRequest as e:
+            return e.status, _error(e), {}
+        except RequestError as e:
             return 400, _error(e), {}
         try:
             done = await asyncio.wrap_future(future)
@@ -206,7 +242,11 @@ def deployment(engines, model, backend, max_batch, max_queue, replicas: int, gpu
 
         @app.post(ROUTE)
         async def generations(self, request: Request):
-            status, payload, headers = await self.service.generate(await request.body())
+            body = await bounded_body(request)
+            if body is None:
+                return JSONResponse(_error(TooLarge(f"the body is over the {MAX_BODY_BYTES} byte limit; send a "
+                                                    "prompt and a few settings")), status_code=413)
+            status, payload, headers = await self.service.generate(body)
             return JSONResponse(payload, status_code=status, headers=headers)
 
         @app.get("/health")
@@ -225,6 +265,48 @@ def deployment(engines, model, backend, max_batch, max_queue, replicas: int, gpu
             self.service.close()
 
     return FluxService.bind()
+
+
+async def bounded_body(request) -> bytes | None:
+    """The request's body, or None once it passes MAX_BODY_BYTES (read no further: a 100 MB body is not taken)."""
+    length = request.headers.get("content-length", "")
+    if length.isascii() and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        return None
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > MAX_BODY_BYTES:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def check_serve_options(host: str, port: int, replicas: int, max_batch: int | None, max_queue: int,
+                        address: str | None) -> None:
+    """`fluxtrt serve`'s own options, and its port, checked before Ray starts (one line each)."""
+    import socket
+
+    if not 1 <= port <= 65535:
+        raise FluxtrtError(f"--port must be in 1..65535, got {port}")
+    for flag, value in (("--replicas", replicas), ("--max-batch", max_batch), ("--max-queue", max_queue)):
+        if value is not None and value < 1:
+            raise FluxtrtError(f"{flag} must be at least 1, got {value}")
+    if replicas > 1024 or max_queue > 100_000 or (max_batch or 1) > 1024:
+        raise FluxtrtError("--replicas and --max-batch are at most 1024, --max-queue at most 100000")
+    if address is not None:
+        return  # Ray Serve's HTTP proxy runs on the cluster's nodes, not here
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError, ValueError):
+        raise FluxtrtError(f"--host {host!r} is not an address of this machine; use 127.0.0.1 or 0.0.0.0") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise FluxtrtError(f"cannot listen on {host}:{port} ({e.strerror}): another program (perhaps another "
+                               "fluxtrt serve) uses it; pass another --port or stop that program") from None
 
 
 def check_servable(engines: Path | None, model: str | None, backend: str) -> None:
@@ -277,8 +359,7 @@ def serve_forever(engines: Path | None, model: str | None, backend: str, host: s
         raise FluxtrtError("fluxtrt serve needs Ray Serve: pip install \"fluxtrt[serve]\"") from None
     import torch
 
-    if replicas < 1:
-        raise FluxtrtError(f"--replicas must be at least 1, got {replicas}")
+    check_serve_options(host, port, replicas, max_batch, max_queue, address)
     check_servable(engines, model, backend)
     import logging
 
@@ -292,6 +373,7 @@ def serve_forever(engines: Path | None, model: str | None, backend: str, host: s
     # project's own CI runs, where 'Ctrl-C took 60 s' was the server never seeing the signal), and SIGTERM
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    interrupted = False
     try:
         serve.start(http_options={"host": host, "port": port})
         try:
@@ -305,6 +387,7 @@ def serve_forever(engines: Path | None, model: str | None, backend: str, host: s
             time.sleep(0.5)
     except KeyboardInterrupt:
         say("stopping ...")
+        interrupted = True
     finally:
         _exit_by(STOP_DEADLINE_S, say)
         try:
@@ -312,6 +395,8 @@ def serve_forever(engines: Path | None, model: str | None, backend: str, host: s
         finally:
             if started_ray:
                 ray.shutdown()
+    if interrupted:
+        raise KeyboardInterrupt  # the CLI exits 130, as a program stopped by Ctrl-C does
 
 
 def _exit_by(seconds: float, say) -> None:

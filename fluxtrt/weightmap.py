@@ -114,11 +114,69 @@ def build_map(model, component: str, subfolder: str, quantized: bool = False) ->
             "weights": entries, "checkpoint_tensors": keys}
 
 
+RECIPE_OPS = {"cast": ("to",), "transpose": ("perm",), "reshape": ("shape",), "concat": ("axis",)}
+MAX_RECIPE_DEPTH = 16
+
+
+def _check_recipe(r, where: str, depth: int = 0) -> None:
+    from .dtypes import TABLE
+
+    def bad(why):
+        return FluxtrtError(f"{where}: {why}; the weight map was edited or is damaged: rebuild the engines")
+
+    if depth > MAX_RECIPE_DEPTH or not isinstance(r, dict):
+        raise bad("a recipe is not an object or is nested too deeply")
+    if "tensor" in r:
+        if not isinstance(r["tensor"], str):
+            raise bad(f"tensor {r['tensor']!r} is not a name")
+        return
+    op = r.get("op")
+    if op not in RECIPE_OPS or any(k not in r for k in RECIPE_OPS[op]) or "of" not in r:
+        raise bad(f"unknown recipe {str(r)[:60]!r}")
+    ints = lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)  # noqa: E731
+    if (op == "cast" and r["to"] not in {d.numpy for d in TABLE}) or (op in ("transpose", "reshape") and not ints(
+            r[RECIPE_OPS[op][0]])) or (op == "concat" and not (isinstance(r["axis"], int) and isinstance(r["of"], list))):
+        raise bad(f"recipe {op} has bad arguments {str(r)[:60]!r}")
+    for part in (r["of"] if op == "concat" else [r["of"]]):
+        _check_recipe(part, where, depth + 1)
+
+
+def read_map(path) -> dict:
+    """A weight map file (untrusted: engine folders travel) with every field fluxtrt reads checked."""
+    from pathlib import Path
+
+    from .dtypes import TABLE
+
+    where = str(path)
+    try:
+        data = json.loads(Path(path).read_bytes())
+    except OSError as e:
+        raise FluxtrtError(f"cannot read the weight map {where}: {e.strerror}; rebuild the engines") from None
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise FluxtrtError(f"{where} is not a JSON weight map; rebuild the engines") from None
+    ok = (isinstance(data, dict) and isinstance(data.get("refittable"), bool) and isinstance(data.get("subfolder"), str)
+          and isinstance(data.get("weights"), list) and isinstance(data.get("reason", ""), str))
+    if not ok:
+        raise FluxtrtError(f"{where} is not a fluxtrt weight map (fields refittable, subfolder, weights); rebuild the "
+                           "engines")
+    for e in data["weights"]:
+        if not (isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("shape"), list)
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in e["shape"])
+                and e.get("dtype") in {d.numpy for d in TABLE}):
+            raise FluxtrtError(f"{where}: entry {str(e)[:80]!r} lacks a name, shape or known dtype; rebuild the engines")
+        _check_recipe(e.get("recipe"), where)
+    return data
+
+
 def materialize(weight_map: dict, get) -> dict:
     """name -> array for every weight of the map, checked against the recorded shape and dtype."""
     out = {}
     for e in weight_map["weights"]:
-        arr = evaluate(e["recipe"], get)
+        try:
+            arr = evaluate(e["recipe"], get)
+        except (ValueError, TypeError, IndexError) as err:
+            raise FluxtrtError(f"weight {e['name']}: the weight map's recipe does not apply to your checkpoint "
+                               f"({type(err).__name__}: {str(err).splitlines()[0][:80]}); rebuild the engines") from None
         if list(arr.shape) != e["shape"]:
             raise FluxtrtError(f"weight {e['name']}: your checkpoint gives shape {list(arr.shape)}, the engine "
                                f"was built with {e['shape']}; the checkpoint's architecture differs")

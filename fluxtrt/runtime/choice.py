@@ -39,7 +39,8 @@ def choose_backend(requested: str, engines: Path | None) -> BackendChoice:
     except FluxtrtError as e:
         if local_gpu_capabilities():
             return BackendChoice("torch", missing, notes + [f"running the PyTorch modules on this GPU instead ({e})"])
-        return BackendChoice("onnxruntime", missing, notes + [f"using ONNX Runtime on the engines' source ONNX ({e})"])
+        return BackendChoice("onnxruntime", missing, notes + ["no NVIDIA GPU here: ONNX Runtime runs the ONNX the "
+                                                              "engines were built from"])
     too_big = engines_that_do_not_fit(manifest, missing)
     if too_big:
         notes.append(f"{', '.join(too_big)} engine(s) do not fit the free GPU memory and were not built with weight "

@@ -72,7 +72,8 @@ class WeightSource:
 
     @classmethod
     def for_component(cls, source, engine_dir: Path, entry: ComponentEntry, name: str, lora=None):
-        import json
+        from .. import weightmap
+        from ..fileio import inside
 
         if source is None:
             if entry.weightless:
@@ -82,12 +83,14 @@ class WeightSource:
         if not entry.weight_map:
             raise ManifestError(f"{name}: these engines have no weight map (built before fluxtrt recorded one); "
                                 "rebuild with `fluxtrt build` to use --weights")
-        wmap = json.loads((Path(engine_dir) / entry.weight_map).read_text())
+        wmap = weightmap.read_map(inside(engine_dir, entry.weight_map, f"{name}.weight_map"))
         if not wmap["refittable"]:
             raise FluxtrtError(f"{name} cannot take weights from a checkpoint: {wmap['reason']} "
                                f"(`fluxtrt build --model {source.path}`)")
-        free = Path(engine_dir) / entry.weightfree_onnx if entry.weightfree_onnx else None
-        return cls(name, source.path / wmap["subfolder"], wmap, lora if name == "transformer" else None, free)
+        free = (inside(engine_dir, entry.weightfree_onnx, f"{name}.weightfree_onnx") if entry.weightfree_onnx
+                else None)
+        folder = inside(source.path, wmap["subfolder"], "the weight map's subfolder")
+        return cls(name, folder, wmap, lora if name == "transformer" else None, free)
 
     def graph_constants(self) -> dict:
         """The weight-free ONNX's own initializers (shape constants, epsilons, rotary tables): what a stripped

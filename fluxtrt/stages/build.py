@@ -11,6 +11,7 @@ each engine, so an interrupted build resumes with the remaining components."""
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Callable
@@ -19,7 +20,16 @@ from .. import __version__
 from ..components import specs_for
 from ..engine.backends import get_backend
 from ..engine.build import build_engine
-from ..fileio import exclusive_lock, peak_rss_mb, remove_stale_staging, sha256_file, sha256_json, write_json_atomic
+from ..errors import FluxtrtError
+from ..fileio import (
+    check_out_folder,
+    exclusive_lock,
+    peak_rss_mb,
+    remove_stale_staging,
+    sha256_file,
+    sha256_json,
+    write_json_atomic,
+)
 from ..gpus import GpuConfig
 from ..models.source import ModelSource
 from ..precisions import is_quantized
@@ -103,7 +113,33 @@ def build_gpu(source: ModelSource, cfg: GpuConfig, out_root: Path, components=No
     specs = specs_for(source.geometry, components)
     rng = cfg.shape_range(static)
     gpu_dir = Path(out_root) / cfg.key
+    check_out_folder(Path(out_root))
+    new_dir = not gpu_dir.exists()
     gpu_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return _build_locked(source, cfg, backend, specs, rng, out_root, gpu_dir, force, progress, calibration,
+                             weightless, zero_copy, validate)
+    except BaseException as e:
+        _after_failure(e, gpu_dir, new_dir, Path(out_root))
+        raise
+
+
+def _after_failure(e: BaseException, gpu_dir: Path, new_dir: bool, out_root: Path) -> None:
+    """A failed build leaves no new GPU folder without engines; one that keeps engines (the next build resumes
+    from them) or the finished ONNX stages says so in its error line."""
+    done = read_manifest(gpu_dir, required=False)
+    n = len(done.components) if done is not None else 0
+    if new_dir and n == 0:
+        shutil.rmtree(gpu_dir, ignore_errors=True)
+    if isinstance(e, FluxtrtError) and e.args:
+        kept = [f"{gpu_dir} with {n} finished engine(s)"] if n else []
+        kept += [f"{out_root / 'onnx'} (finished stages)"] if (out_root / "onnx").is_dir() else []
+        if kept:
+            e.args = (f"{e.args[0]} (kept {' and '.join(kept)}: the next build reuses them)", *e.args[1:])
+
+
+def _build_locked(source, cfg, backend, specs, rng, out_root, gpu_dir, force, progress, calibration, weightless,
+                  zero_copy, validate):
     with exclusive_lock(Path(out_root)):
         remove_stale_staging(Path(out_root))
         calib = (calibration or CalibrationSettings()).replace(opt_resolution=rng.opt.height)

@@ -4,7 +4,19 @@ request's generator) and packed; the transformer sees it beside the latents: in_
 
 from __future__ import annotations
 
-from .base import Context, ImageInputs, Prepared, Workflow, encoded, ids, image_processor, load_image, noise, schedule
+from .base import (
+    Context,
+    ImageInputs,
+    Prepared,
+    Workflow,
+    encoded,
+    ids,
+    image_processor,
+    load_image,
+    load_resized,
+    noise,
+    schedule,
+)
 
 
 class Control(Workflow):
@@ -23,8 +35,8 @@ class Control(Workflow):
         return {"control_image": load_image(inputs.control_image, "--control-image")}
 
     def prepare(self, ctx: Context) -> Prepared:
-        control = image_processor(ctx.geo).preprocess(load_image(ctx.inputs.control_image, "--control-image"),
-                                                      height=ctx.height, width=ctx.width).float()
+        img = load_resized(ctx.inputs.control_image, "--control-image", ctx.height, ctx.width)
+        control = image_processor(ctx.geo).preprocess(img, height=ctx.height, width=ctx.width).float()
         control = control.repeat_interleave(ctx.batch, dim=0)  # encoded as a batch, as diffusers does
         channels = encoded(ctx, control, ctx.generator)  # already one per sample: nothing to repeat
         latents = noise(ctx)

@@ -12,6 +12,7 @@ from .base import (
     ids,
     image_processor,
     load_image,
+    load_resized,
     noised,
 )
 
@@ -32,7 +33,7 @@ class ImageToImage(Workflow):
                 "strength": self.strength_of(inputs)}
 
     def prepare(self, ctx: Context) -> Prepared:
-        image = image_processor(ctx.geo).preprocess(load_image(ctx.inputs.image, "--image"), height=ctx.height,
-                                                    width=ctx.width).float()
+        img = load_resized(ctx.inputs.image, "--image", ctx.height, ctx.width)
+        image = image_processor(ctx.geo).preprocess(img, height=ctx.height, width=ctx.width).float()
         latents, timesteps, sigmas = noised(ctx, image, self.strength_of(ctx.inputs))
         return Prepared(latents, timesteps, sigmas, ids(ctx), height=ctx.height, width=ctx.width)
