@@ -501,7 +501,6 @@ def inspect(engine_dir: Path) -> tuple[Manifest, list[EngineCheck]]:
     from .errors import BackendUnavailableError
     from .fileio import sha256_file
     from .records import read_manifest
-
     from .runtime.executors import check_gpu_for
 
     m = read_manifest(engine_dir)

@@ -197,10 +197,10 @@ def test_cli_build_and_inspect(tmp_path):
     data = engine.read_bytes()
     engine.write_bytes(data[: len(data) // 2])  # truncated: inspect says so without a GPU
     res = CliRunner().invoke(app, ["inspect", str(tmp_path / "4090")])
-    assert res.exit_code == 0 and "WRONG SIZE" in res.output and "do not match the manifest" in res.output
+    assert res.exit_code == 2 and "WRONG SIZE" in res.output and "do not match the manifest" in res.output
     engine.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one flipped bit, same size
     res = CliRunner().invoke(app, ["inspect", str(tmp_path / "4090")])
-    assert "SHA256 MISMATCH" in res.output
+    assert res.exit_code == 2 and "SHA256 MISMATCH" in res.output and "clip: SHA256 MISMATCH" in " ".join(res.output.split())
 
 
 def test_plan_is_streamed_to_disk_and_a_failed_write_leaves_nothing(built, tmp_path, monkeypatch):

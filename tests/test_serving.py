@@ -7,6 +7,7 @@ import base64
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -255,7 +256,7 @@ def test_stop_deadline_ends_the_process():
 
 
 @pytest.mark.slow
-def test_server_under_load_bad_requests_killed_replica_and_ctrl_c(tiny_engines):
+def test_server_under_load_bad_requests_killed_replica_and_ctrl_c(tiny_engines, tmp_path):
     server = Server(tiny_engines, "--max-batch", "4")
     try:
         rng = np.random.default_rng()
@@ -281,6 +282,15 @@ def test_server_under_load_bad_requests_killed_replica_and_ctrl_c(tiny_engines):
                                     ({"prompt": "a", "steps": 1.5}, 400, '"steps" must be an integer')]:
             status, payload, _ = server.post(body)
             assert status == code and message in payload["error"]["message"], payload
+        for body, code in [(b'{"prompt": "' + b"a" * 200_000 + b'"}', 413), (b"[" * 10_000 + b"]" * 10_000, 400),
+                           ('{"prompt": "a", "size": "\uff15\uff11\uff12x512"}'.encode(), 400)]:
+            status, payload, _ = server.post(body)
+            assert status == code and "message" in payload["error"], (status, payload)
+        second = subprocess.run([sys.executable, "-m", "fluxtrt.cli", "serve", "--engines", str(tiny_engines),
+                                 "--backend", "onnxruntime", "--port", str(server.port)], capture_output=True, text=True,
+                                timeout=60)  # the port is taken: refused before Ray starts, not shared
+        assert second.returncode == 2 and "another program" in second.stdout + second.stderr, second
+        check_readme_serve_example(server, tmp_path)
         assert server.post({"prompt": "a cat", "size": "256x256", "steps": 1})[0] == 200  # still serving
 
         pid = server.health()["pid"]
@@ -302,8 +312,30 @@ def test_server_under_load_bad_requests_killed_replica_and_ctrl_c(tiny_engines):
         assert server.post({"prompt": "a dog", "size": "256x256", "steps": 1})[0] == 200  # the new replica serves
     finally:
         seconds = server.stop()
-    assert server.proc.returncode is not None and seconds < 30, \
+    assert server.proc.returncode == 130 and seconds < 30, \
         f"Ctrl-C took {seconds:.1f} s; the server's last words:\n" + "".join(server.output[-15:])
+
+
+def check_readme_serve_example(server, tmp_path):
+    """The README's serve example: its request body (with 4 steps instead of 28, to keep CI short) and its
+    decoder, run as written with this Python (3.10's grammar checked too), write img-7.png and img-8.png."""
+    import ast
+    import shlex
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if "/v1/images/generations" in b)
+    words = shlex.split(block.replace("\\\n", " "), comments=True)
+    body = json.loads(words[words.index("-d") + 1])
+    decoder = words[words.index("-c", words.index("python3")) + 1]
+    ast.parse(decoder, feature_version=(3, 10))
+    status, payload, _ = server.post(dict(body, steps=4), timeout=300)
+    assert status == 200, payload
+    subprocess.run([sys.executable, "-c", decoder], input=json.dumps(payload), text=True, check=True, cwd=tmp_path)
+    for item in payload["data"]:
+        saved = np.asarray(Image.open(tmp_path / f"img-{item['seed']}.png"))
+        w, h = (int(v) for v in body["size"].split("x"))
+        assert saved.shape == (h, w, 3) and diff(saved, decode(item)) == 0
+    assert sorted(p.name for p in tmp_path.glob("img-*.png")) == [f"img-{body['seed'] + i}.png" for i in range(body["n"])]
 
 
 @pytest.mark.slow

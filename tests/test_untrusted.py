@@ -1,0 +1,477 @@
+"""Nothing from outside is trusted: a fuzz suite (hypothesis, bounded in examples) over every kind of input a user or
+another machine hands fluxtrt — CLI options, HTTP bodies, manifests, weight maps, safetensors headers, archive
+members and images — and one test per class of the hostile cases a probe found. Every generated case ends in success
+or in one line and exit 2 (HTTP: 200 or a JSON 4xx); none leaves a traceback, writes outside --out or reads outside
+the folders the user named."""
+
+import copy
+import io
+import json
+import math
+import os
+import struct
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from PIL import Image
+from typer.testing import CliRunner
+
+from fluxtrt.cli import app
+from fluxtrt.errors import FluxtrtError
+
+FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                        HealthCheck.too_slow])
+
+
+def one_line_exit_2(res):
+    """The CLI's answer to bad input: exit 2, one `error:` line (or typer's own usage box), no traceback."""
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in res.output, res.output
+    errors = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 or "Invalid value" in res.output or "No such option" in res.output, res.output
+
+
+def cli(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+# -- a fake engine folder (manifest + model assets; no engine is built: checks need none) ------------------------
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    from fluxtrt.components import ShapePoint, ShapeRange, specs_for
+    from fluxtrt.models.source import resolve_model
+    from fluxtrt.stages.build import copy_model_assets
+
+    src = resolve_model("tiny")
+    root = tmp_path_factory.mktemp("untrusted")
+    folder = root / "4090"
+    folder.mkdir()
+    copy_model_assets(src, folder)
+    comps = {}
+    RANGE = ShapeRange(ShapePoint(1, 256, 256), ShapePoint(1, 512, 512), ShapePoint(4, 1024, 1024))
+    for name, spec in specs_for(src.geometry, ["clip", "t5", "transformer", "vae_decoder"]).items():
+        data = os.urandom(64)
+        (folder / f"{name}.engine").write_bytes(data)
+        import hashlib
+
+        prof = {k: {"min": list(lo), "opt": list(opt), "max": list(hi)} for k, (lo, opt, hi) in
+                spec.profile(RANGE, src.geometry).items()}
+        comps[name] = {"engine": f"{name}.engine", "sha256": hashlib.sha256(data).hexdigest(), "bytes": 64,
+                       "onnx": f"onnx/{name}.onnx", "onnx_sha256": "0" * 64, "profile": prof, "inputs": [],
+                       "outputs": [], "precision": "fp32", "build_key": "0" * 64, "layers": 1,
+                       "weight_map": f"{name}.weights.json"}
+        (folder / f"{name}.weights.json").write_text(json.dumps(
+            {"component": name, "subfolder": spec.subfolder, "refittable": True, "reason": "", "weights": [],
+             "checkpoint_tensors": []}))
+    manifest = {"schema": 2, "fluxtrt": "0.1.0", "config_hash": "0" * 64, "vram_gb": 24.0, "static_shape": False,
+                "pixel_multiple": 16, "backend": "tensorrt-rtx", "backend_version": "1.7.1.116", "gpu": "4090",
+                "gpu_name": "NVIDIA GeForce RTX 4090", "compute_capability": "8.9",
+                "model": {"id": "tiny", "hash": src.content_hash, "variant": "dev"},
+                "shape_range": {"min": [1, 256, 256], "opt": [1, 512, 512], "max": [4, 1024, 1024]},
+                "components": comps}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder, manifest
+
+
+def with_manifest(folder: Path, manifest: dict, tmp: Path) -> Path:
+    """A copy of the fake engine folder with another manifest."""
+    import shutil
+
+    dest = tmp / "4090"
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(folder, dest, symlinks=True)
+    (dest / "manifest.json").write_text(json.dumps(manifest))
+    return dest
+
+
+# -- class: paths from files we did not write stay in their folder ------------------------------------------------
+ESCAPES = ["../../../etc/passwd", "/etc/passwd", "..", "a/../../x", "/etc/shadow", "", "\\\\server\\x"]
+
+
+@pytest.mark.parametrize("field", ["engine", "onnx", "weight_map", "weightfree_onnx"])
+@pytest.mark.parametrize("path", ESCAPES)
+def test_manifest_paths_that_leave_the_folder_are_refused(engines, tmp_path, field, path):
+    folder, manifest = engines
+    m = copy.deepcopy(manifest)
+    m["components"]["transformer"][field] = path
+    bad = with_manifest(folder, m, tmp_path)
+    for args in (["inspect", bad], ["run", "--engines", bad, "--prompt", "x", "--backend", "onnxruntime",
+                                     "--out", tmp_path / "o.png"]):
+        res = cli(*args)
+        one_line_exit_2(res)
+        assert "passwd" not in res.output or "leads outside" in res.output or "not a relative" in res.output
+        assert not (tmp_path / "o.png").exists()
+
+
+def test_a_link_out_of_the_folder_is_refused(engines, tmp_path):
+    folder, manifest = engines
+    bad = with_manifest(folder, manifest, tmp_path)
+    (bad / "transformer.engine").unlink()
+    (bad / "transformer.engine").symlink_to("/etc/passwd")
+    res = cli("inspect", bad)
+    one_line_exit_2(res)
+    assert "leads outside" in res.output
+
+
+def test_weight_map_subfolder_and_recipes_are_checked(tmp_path):
+    from fluxtrt import weightmap
+    from fluxtrt.fileio import inside
+
+    with pytest.raises(FluxtrtError, match="leads outside"):
+        inside(tmp_path, "../../etc", "the weight map's subfolder")
+    good = {"refittable": True, "subfolder": "transformer", "reason": "", "weights": [
+        {"name": "w", "shape": [2, 3], "dtype": "float32", "recipe": {"op": "transpose", "perm": [1, 0],
+                                                                        "of": {"tensor": "k"}}}]}
+    (tmp_path / "map.json").write_text(json.dumps(good))
+    assert weightmap.read_map(tmp_path / "map.json")["weights"][0]["name"] == "w"
+    for change in ({"recipe": {"op": "rm -rf", "of": {"tensor": "k"}}}, {"dtype": "object"}, {"shape": [-1]},
+                   {"recipe": {"op": "reshape", "shape": "x", "of": {"tensor": "k"}}}):
+        bad = copy.deepcopy(good)
+        bad["weights"][0].update(change)
+        (tmp_path / "map.json").write_text(json.dumps(bad))
+        with pytest.raises(FluxtrtError):
+            weightmap.read_map(tmp_path / "map.json")
+    deep = {"tensor": "k"}
+    for _ in range(40):
+        deep = {"op": "cast", "to": "float32", "of": deep}
+    bad = copy.deepcopy(good)
+    bad["weights"][0]["recipe"] = deep
+    (tmp_path / "map.json").write_text(json.dumps(bad))
+    with pytest.raises(FluxtrtError, match="nested too deeply"):
+        weightmap.read_map(tmp_path / "map.json")
+    # a recipe that does not fit the checkpoint's tensor: one line, not numpy's traceback
+    bad = copy.deepcopy(good)
+    bad["weights"][0]["recipe"] = {"op": "transpose", "perm": [2, 0, 1], "of": {"tensor": "k"}}
+    with pytest.raises(FluxtrtError, match="does not apply"):
+        weightmap.materialize(bad, lambda key: np.random.default_rng().standard_normal((3, 2)).astype(np.float32))
+
+
+JSONISH = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=True) |
+                       st.text(max_size=12) | st.sampled_from(ESCAPES),
+                       lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=8), kids, max_size=3),
+                       max_leaves=8)
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_manifests_inspect_cleanly(engines, tmp_path_factory, data):
+    """A manifest with any field replaced by any JSON value: inspect answers a table (exit 0) or one line (exit 2)."""
+    folder, manifest = engines
+    m = copy.deepcopy(manifest)
+    where = data.draw(st.sampled_from(["top", "component"]))
+    target = m if where == "top" else m["components"][data.draw(st.sampled_from(sorted(m["components"])))]
+    key = data.draw(st.sampled_from(sorted(target)))
+    target[key] = data.draw(JSONISH)
+    bad = with_manifest(folder, m, tmp_path_factory.mktemp("m"))
+    res = cli("inspect", bad)
+    if res.exit_code != 0:
+        one_line_exit_2(res)
+
+
+# -- class: safetensors headers ---------------------------------------------------------------------------------
+def safetensors_bytes(header: dict, data: bytes) -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+@pytest.mark.parametrize("header, match", [
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+      "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, "share bytes"),
+    ({"a": {"dtype": "F32", "shape": [2**31, 2**31], "data_offsets": [0, 16]}}, "needs"),
+    ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [8, 0]}}, "data_offsets"),
+    ({"a": {"dtype": "Q99", "shape": [4], "data_offsets": [0, 16]}}, "dtype"),
+    ({"a": {"dtype": "F32", "shape": "4", "data_offsets": [0, 16]}}, "shape"),
+    ({"a": [1, 2]}, "entry"),
+])
+def test_hostile_safetensors_headers_are_one_line(tmp_path, header, match):
+    from fluxtrt.checkpoint import read_header
+
+    f = tmp_path / "m.safetensors"
+    f.write_bytes(safetensors_bytes(header, os.urandom(16)))
+    with pytest.raises(FluxtrtError, match=match):
+        read_header(f)
+
+
+@FUZZ
+@given(entries=st.dictionaries(st.text(min_size=1, max_size=6), st.fixed_dictionaries({
+    "dtype": st.sampled_from(["F32", "BF16", "F16", "I64", "U8", "X"]),
+    "shape": st.lists(st.integers(-1, 8), max_size=3),
+    "data_offsets": st.lists(st.integers(-4, 80), min_size=2, max_size=2)}), max_size=4), tail=st.integers(0, 80))
+def test_fuzzed_safetensors_headers(tmp_path_factory, entries, tail):
+    """Any header: either every tensor lies inside the data, sized by its shape, none overlapping; or one line."""
+    from fluxtrt.checkpoint import read_header
+
+    f = tmp_path_factory.mktemp("st") / "m.safetensors"
+    f.write_bytes(safetensors_bytes(entries, os.urandom(tail)))
+    try:
+        out = read_header(f)
+    except FluxtrtError as e:
+        assert "\n" not in str(e)
+        return
+    spans = sorted((t.offset, t.offset + t.length) for t in out.values() if t.length)
+    assert all(b <= f.stat().st_size for _, b in spans)
+    assert all(b0 >= a1 for (_, a1), (b0, _) in zip(spans, spans[1:]))
+    assert all(t.length == math.prod(t.shape) * {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "U8": 1}[t.dtype]
+               for t in out.values())
+
+
+# -- class: archives ---------------------------------------------------------------------------------------------
+def make_archive(tmp: Path, members) -> Path:
+    """A .tar.gz of (name, type, bytes or claimed size) with a matching .sha256 beside it."""
+    from fluxtrt.fileio import sha256_file
+
+    path = tmp / "a.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        for name, kind, payload in members:
+            info = tarfile.TarInfo(name)
+            info.type = kind
+            if kind == tarfile.REGTYPE:
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload))
+            else:
+                info.linkname = "/etc/passwd"
+                tar.addfile(info)
+    (tmp / "a.tar.gz.sha256").write_text(f"{sha256_file(path)}  a.tar.gz\n")
+    return path
+
+
+def snapshot(folder: Path) -> set:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*")}
+
+
+@pytest.mark.parametrize("members", [
+    [(".", tarfile.DIRTYPE, b"")],
+    [("4090/../../evil", tarfile.REGTYPE, b"x")],
+    [("/abs", tarfile.REGTYPE, b"x")],
+    [("4090/link", tarfile.SYMTYPE, b"")],
+    [("4090/dev", tarfile.CHRTYPE, b"")],
+    [("4090/a", tarfile.REGTYPE, b"x"), ("4090/a", tarfile.REGTYPE, b"y")],
+    [("4090/manifest.json", tarfile.REGTYPE, b"{}")],
+])
+def test_hostile_archives_are_one_line_and_write_nothing(tmp_path, members):
+    archive = make_archive(tmp_path, members)
+    out = tmp_path / "out"
+    out.mkdir()
+    res = cli("unpack", archive, "--out", out)
+    one_line_exit_2(res)
+    assert snapshot(out) == set(), snapshot(out)
+
+
+def test_archive_claiming_more_than_it_holds_and_out_a_file(tmp_path):
+    archive = make_archive(tmp_path, [("4090/x", tarfile.REGTYPE, b"abc")])
+    raw = bytearray(__import__("gzip").decompress(archive.read_bytes()))
+    raw[124:136] = b"%011o\0" % (100 << 30)  # the member's size field: 100 GB (header checksum now wrong)
+    import gzip
+    import hashlib
+
+    archive.write_bytes(gzip.compress(bytes(raw)))
+    (tmp_path / "a.tar.gz.sha256").write_text(hashlib.sha256(archive.read_bytes()).hexdigest() + "  a.tar.gz\n")
+    one_line_exit_2(cli("unpack", archive, "--out", tmp_path / "o"))
+    (tmp_path / "file").write_text("mine")
+    res = cli("unpack", archive, "--out", tmp_path / "file")
+    one_line_exit_2(res)
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+@FUZZ
+@given(members=st.lists(st.tuples(
+    st.one_of(st.sampled_from(["4090", "4090/", ".", "..", "4090/..", "/x", "4090/a", "4090/b/c", "4090/.",
+                               "4090/manifest.json", "x:y", "4090/a\\b"]), st.text(min_size=1, max_size=8)),
+    st.sampled_from([tarfile.REGTYPE, tarfile.DIRTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE, tarfile.FIFOTYPE]),
+    st.binary(max_size=32)), min_size=1, max_size=5))
+def test_fuzzed_archives(tmp_path_factory, members):
+    tmp = tmp_path_factory.mktemp("tar")
+    try:
+        archive = make_archive(tmp, members)
+    except (ValueError, UnicodeEncodeError):
+        return  # tarfile itself cannot write such a member
+    out = tmp / "out"
+    out.mkdir()
+    before = snapshot(tmp)
+    res = cli("unpack", archive, "--out", out)
+    one_line_exit_2(res)  # none of these is a fluxtrt archive (no engines matching a manifest)
+    assert snapshot(tmp) == before  # nothing written anywhere, --out included
+
+
+# -- class: images ------------------------------------------------------------------------------------------------
+def test_images_16_bit_bomb_tiny_and_resized(tmp_path, caplog):
+    from fluxtrt.workflows.base import MAX_IMAGE_PIXELS, WorkflowError, load_image, load_resized
+
+    ramp = (np.arange(64 * 64, dtype=np.uint16).reshape(64, 64) * 16)  # 0..65520
+    Image.fromarray(ramp).save(tmp_path / "deep.png")
+    assert Image.open(tmp_path / "deep.png").mode.startswith("I")
+    rgb = np.asarray(load_image(tmp_path / "deep.png", "--image"))
+    want = np.rint(ramp.astype(np.float64) * 255 / 65535)
+    assert np.abs(rgb[..., 0] - want).max() <= 1 and rgb.min() == 0 and 250 <= rgb.max() <= 255  # scaled, not clipped
+    side = int(math.isqrt(MAX_IMAGE_PIXELS)) + 64
+    Image.new("1", (side, side)).save(tmp_path / "bomb.png")  # a few KB that decode to > 64 MP
+    with pytest.raises(WorkflowError, match="MP limit"):
+        load_image(tmp_path / "bomb.png", "--image")
+    Image.new("RGB", (1, 1)).save(tmp_path / "dot.png")
+    with pytest.raises(WorkflowError, match="at least 16 px"):
+        load_image(tmp_path / "dot.png", "--image")
+    Image.new("RGB", (40, 24), (1, 2, 3)).save(tmp_path / "small.png")
+    with caplog.at_level("WARNING", logger="fluxtrt"):
+        load_resized(tmp_path / "small.png", "--image", 256, 256)
+    assert "--image is 40x24: resized to 256x256" in caplog.text
+
+
+@FUZZ
+@given(mode=st.sampled_from(["1", "L", "P", "RGB", "RGBA", "I", "I;16", "F", "LA", "CMYK"]),
+       w=st.integers(1, 40), h=st.integers(1, 40), fmt=st.sampled_from(["PNG", "TIFF", "BMP", "JPEG"]),
+       cut=st.integers(0, 400))
+def test_fuzzed_images(tmp_path_factory, mode, w, h, fmt, cut):
+    """Any image, truncated or not: an 8-bit RGB image of its size, or one line."""
+    from fluxtrt.workflows.base import WorkflowError, load_image
+
+    buf = io.BytesIO()
+    try:
+        Image.new(mode, (w, h)).save(buf, format=fmt)
+    except (OSError, KeyError, ValueError):
+        return  # this format cannot store this mode
+    f = tmp_path_factory.mktemp("img") / "x.img"
+    raw = buf.getvalue()
+    f.write_bytes(raw[:len(raw) - cut] if cut < len(raw) else raw[:3])
+    try:
+        img = load_image(f, "--image")
+    except WorkflowError as e:
+        assert "\n" not in str(e)
+        return
+    assert img.mode == "RGB" and img.size == (w, h) and min(w, h) >= 16
+
+
+# -- class: outputs never replace inputs -------------------------------------------------------------------------
+def test_out_never_replaces_an_input_or_a_folder(engines, tmp_path):
+    folder, _ = engines
+    img = tmp_path / "in.png"
+    Image.new("RGB", (64, 64), (10, 20, 30)).save(img)
+    before = img.read_bytes()
+    base = ["run", "--engines", folder, "--backend", "onnxruntime", "--prompt", "x"]
+    for extra in (["--image", img, "--out", img], ["--image", img, "--out", tmp_path / "." / "in.png"],
+                  ["--out", folder / "x.png"], ["--out", tmp_path]):
+        res = cli(*base, *extra)
+        one_line_exit_2(res)
+    assert img.read_bytes() == before
+    one_line_exit_2(cli("export", "--out", img, "--model", "tiny"))
+    assert img.read_bytes() == before
+
+
+def test_a_failed_build_leaves_no_new_gpu_folder(tmp_path, monkeypatch):
+    import fluxtrt.stages.build as stages_build
+
+    def fail(*a, **k):
+        raise FluxtrtError("simulated failure while exporting")
+
+    monkeypatch.setattr(stages_build, "ensure_onnx", fail)
+    res = cli("build", "--gpu", "4090", "--model", "tiny", "--out", tmp_path / "out", "-c", "clip")
+    one_line_exit_2(res)
+    assert not (tmp_path / "out" / "4090").exists(), snapshot(tmp_path / "out")
+
+
+# -- class: numeric options, duplicates, serve's own options --------------------------------------------------------
+@pytest.mark.parametrize("args", [
+    ["--guidance", "-1e30"], ["--guidance", "nan"], ["--true-cfg", "nan"], ["--true-cfg", "inf"],
+    ["--lora-scale", "inf"], ["--strength", "nan"], ["--height", "999999"], ["--max-area", "-5"],
+    ["--fallback", "t5,t5"],
+])
+def test_run_numbers_out_of_range_are_one_line(engines, tmp_path, args):
+    folder, _ = engines
+    res = cli("run", "--engines", folder, "--backend", "onnxruntime", "--prompt", "x", "--out", tmp_path / "o.png",
+              *args)
+    one_line_exit_2(res)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["export", "--opset", "1"], "--opset"), (["export", "--opset", "99"], "--opset"),
+    (["build", "--gpu", "4090", "-p", "transformer=fp8,transformer=bf16"], "given twice"),
+    (["build", "--gpu", "4090", "-p", "fp8", "-p", "bf16"], "given twice"),
+    (["build", "--gpu", "4090", "-c", "clip,clip"], "given twice"), (["calibrate", "--resolution", "7"], "--resolution"),
+    (["serve", "--engines", "E", "--port", "99999"], "--port"), (["serve", "--engines", "E", "--max-batch", "0"],
+                                                                  "--max-batch"),
+    (["serve", "--engines", "E", "--max-queue", "-1"], "--max-queue"),
+    (["serve", "--engines", "E", "--host", "no such host !"], "--host"),
+])
+def test_options_are_checked_before_any_work(tmp_path, args, says):
+    pytest.importorskip("ray")
+    res = cli(*[a if a != "E" else tmp_path for a in args], *(["--out", tmp_path / "o"] if args[0] in (
+        "export", "build", "calibrate") else []))
+    one_line_exit_2(res)
+    assert says in res.output and not (tmp_path / "o").exists()
+
+
+def test_serve_refuses_a_port_in_use(engines):
+    import socket
+
+    pytest.importorskip("ray")
+    folder, _ = engines
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        res = cli("serve", "--engines", folder, "--port", s.getsockname()[1], "--backend", "onnxruntime")
+    one_line_exit_2(res)
+    assert "another program" in res.output
+
+
+# -- class: HTTP bodies -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("body, status", [
+    (b'{"prompt": "a", "size": "\xef\xbc\x95\xef\xbc\x91\xef\xbc\x92x512"}', 400),  # fullwidth digits
+    (b"[" * 100_000 + b"]" * 100_000, 413), (b"[" * 5000 + b"]" * 5000, 400),
+    (b'{"prompt": "' + b"a" * (1 << 20) + b'"}', 413), (b"\xff\xfe", 400), (b'{"prompt": "a", "size": 512}', 400),
+])
+def test_hostile_http_bodies_get_a_json_4xx(body, status):
+    from fluxtrt.serving import BadRequest, parse_request
+
+    with pytest.raises(BadRequest) as e:
+        parse_request(body, (512, 512), 28)
+    assert e.value.status == status and "\n" not in str(e.value)
+
+
+@FUZZ
+@given(body=st.one_of(st.binary(max_size=200), JSONISH.map(lambda v: json.dumps(v).encode()),
+                      st.fixed_dictionaries({"prompt": st.text(max_size=20)}, optional={
+                          "size": JSONISH | st.from_regex(r"[0-9０-９]{1,4}[xX×][0-9]{1,4}", fullmatch=True),
+                          "n": JSONISH, "steps": JSONISH, "guidance": JSONISH, "seed": JSONISH,
+                          "response_format": JSONISH}).map(lambda d: json.dumps(d).encode())))
+def test_fuzzed_http_bodies(body):
+    """Any body parses to a request whose numbers are in range, or is refused with a one-line 4xx."""
+    from fluxtrt.serving import MAX_N, BadRequest, parse_request
+
+    try:
+        req = parse_request(body, (512, 512), 28)
+    except BadRequest as e:
+        assert 400 <= e.status < 500 and "\n" not in str(e)
+        return
+    assert 1 <= req.n <= MAX_N and 1 <= req.steps <= 1000 and math.isfinite(req.guidance) and req.width > 0
+
+
+# -- class: CLI options of run ---------------------------------------------------------------------------------------
+@FUZZ
+@given(guidance=st.floats(allow_nan=True, allow_infinity=True), true_cfg=st.floats(allow_nan=True),
+       strength=st.floats(allow_nan=True), lora_scale=st.floats(allow_nan=True))
+def test_fuzzed_run_floats(engines, tmp_path_factory, guidance, true_cfg, strength, lora_scale):
+    folder, _ = engines
+    out = tmp_path_factory.mktemp("o") / "o.png"
+    res = cli("run", "--engines", folder, "--backend", "onnxruntime", "--prompt", "x", "--out", out,
+              "--guidance", guidance, "--true-cfg", true_cfg, "--negative-prompt", "", "--strength", strength,
+              "--lora-scale", lora_scale, "--steps", "0")  # steps 0: nothing valid would run
+    one_line_exit_2(res)
+    assert not out.exists()
+
+
+def test_help_reads_cleanly_at_80_and_120_columns():
+    for cols in ("80", "120"):
+        for cmd in ([], ["run"], ["build"], ["serve"], ["inspect"]):
+            res = CliRunner().invoke(app, [*cmd, "--help"], env={"COLUMNS": cols}, terminal_width=int(cols))
+            assert res.exit_code == 0 and "<bool>" not in res.output, res.output
+            assert all(len(line) <= int(cols) for line in res.output.splitlines())
+    res = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "80"})
+    rows = [ln for ln in res.output.splitlines() if ln.startswith("│ ")]
+    # a command's description is one paragraph: no row of it ends short while the next row continues it
+    desc = [ln[13:-1].rstrip() for ln in rows]
+    assert not any(len(a) < 40 and b and not b.startswith(" ") and a and a[-1] not in ".)" for a, b in
+                   zip(desc, desc[1:]) if a.strip()), res.output
