@@ -265,6 +265,7 @@ class RunOptions:
     control_image: Path | None = None  # Control (Canny / Depth)
     strength: float | None = None  # img2img / Fill
     max_area: int | None = None  # Kontext
+    calibration: Path | None = None  # --backend torch --model M: a `fluxtrt calibrate` file gives the fp8 recipe
 
     def inputs(self) -> dict:
         """The request's input files by flag (an output may replace none of them)."""
@@ -377,7 +378,7 @@ def open_pipeline(opts: RunOptions):
     pipe = FluxEngines(engines, choice.backend, opts.low_vram, budget, opts.cuda_graph, provider, model=source,
                        fallback=sorted(set(opts.fallback) | set(choice.fallback)), torch_dtype=opts.torch_dtype,
                        compile=opts.compile, allow_host_code=opts.allow_host_code, weights=opts.weights,
-                       lora=opts.lora, lora_scale=opts.lora_scale)
+                       lora=opts.lora, lora_scale=opts.lora_scale, calibration=opts.calibration)
     return pipe, choice
 
 
@@ -419,7 +420,14 @@ def generate(prompts: list[str], opts: RunOptions | None = None, on_step=None, s
             save_png(img, dest, meta)
             paths.append(dest)
         timings.append(res.timings)
+    for note in fp8_notes(pipe):
+        say(note)
     return Generated(paths, timings, choice.backend, choice.notes)
+
+
+def fp8_notes(pipe) -> list[str]:
+    """How the PyTorch transformer computed the fp8 recipe (tensor cores or emulated), once it has run."""
+    return [ex.fp8_note for ex in pipe.executors.values() if getattr(ex, "fp8_note", None)]
 
 
 def _destinations(out: Path, n: int) -> list[Path]:
@@ -449,7 +457,7 @@ def _png_metadata(pipe, prompt, seed, steps, guidance, height, width, backend) -
 
 
 def bench(engines: Path | None, model: str | None, backend: str, opts, say=lambda line: None,
-          json_out: Path | None = None, plot_out: Path | None = None):
+          json_out: Path | None = None, plot_out: Path | None = None, calibration: Path | None = None):
     """(rows, meta, files written) of `fluxtrt bench` (see bench.py): the table, and as JSON / a PNG chart."""
     from .bench import plot, run_bench, to_json
     from .fileio import write_json_atomic
@@ -476,8 +484,9 @@ def bench(engines: Path | None, model: str | None, backend: str, opts, say=lambd
     for note in choice.notes:
         say(note)
     pipe = FluxEngines(engines, choice.backend, model=source, fallback=choice.fallback, torch_dtype=opts.torch_dtype,
-                       compile=opts.compile, cuda_graph=opts.cuda_graph, ort_provider=provider)
+                       compile=opts.compile, cuda_graph=opts.cuda_graph, ort_provider=provider, calibration=calibration)
     rows, meta = run_bench(pipe, source, choice.backend, opts, say)
+    meta["fp8"] = fp8_notes(pipe)
     if json_out is not None:
         write_json_atomic(Path(json_out), to_json(rows, meta))
     if plot_out is not None:

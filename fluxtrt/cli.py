@@ -140,6 +140,9 @@ TORCH_DTYPE = _opt("bf16", "--torch-dtype", help="dtype of PyTorch components (a
 COMPILE = _opt(False, "--compile", help="torch.compile the PyTorch components (and the baseline's).")
 CUDA_GRAPH = _opt(False, "--cuda-graph", help="Capture the transformer step as a CUDA graph.")
 STEPS = _opt(None, "--steps", help="Denoising steps (default: 28 dev, 4 schnell; at most 1000).")
+CALIBRATION = _opt(None, "--calibration", help="With --backend torch --model: the file `fluxtrt calibrate` wrote; the "
+                   "PyTorch transformer computes the fp8 recipe (E4M3 tensor cores on sm89+, emulated elsewhere). "
+                   "Engines built with fp8 need none: their graph holds the scales.")
 
 
 @app.command()
@@ -315,6 +318,7 @@ def run(
     negative_prompt: Optional[str] = _opt(None, "--negative-prompt", help="What to steer away from (with --true-cfg)."),
     true_cfg: float = _opt(1.0, "--true-cfg", help="True classifier-free guidance scale, > 1 to use --negative-prompt "
                            "(diffusers' true_cfg_scale; two transformer calls per step)."),
+    calibration: Optional[Path] = CALIBRATION,
 ):
     """Generate images from built engines, with the diffusers pipeline's semantics seed for seed: text-to-image,
     img2img (--image), Fill (--image --mask), Control (--control-image), Kontext (--image); the engines' model
@@ -349,6 +353,7 @@ def bench(
     image: Optional[Path] = IMAGE, mask: Optional[Path] = MASK, control_image: Optional[Path] = CONTROL_IMAGE,
     json_out: Optional[Path] = _opt(None, "--json", help="Write the table as JSON."),
     plot_out: Optional[Path] = _opt(None, "--plot", help="Write a PNG chart (needs matplotlib)."),
+    calibration: Optional[Path] = CALIBRATION,
 ):
     """Measure latency per component, seconds per image and peak memory, optionally against diffusers' pipeline
     of the same workflow."""
@@ -363,7 +368,7 @@ def bench(
     except ValueError:
         raise FluxtrtError(f"--sizes and --batch take comma-separated integers, got {sizes!r} / {batches!r}") from None
     rows, meta, written = api.bench(engines, model, backend, opts, say=lambda line: r.console.print(line),
-                                    json_out=json_out, plot_out=plot_out)
+                                    json_out=json_out, plot_out=plot_out, calibration=calibration)
     r.bench_rows(rows, meta)
     for path in written:
         r.out.print(f"wrote {path}")

@@ -120,7 +120,7 @@ def _component(engines, manifest, name, spec, src, geo, provider, device, seed, 
     import onnx
 
     from .dtypes import FLOAT_NAMES, torch_dtype
-    from .quantize.native import read_qdq
+    from .fp8 import read_qdq
     from .runtime.executors import OnnxRuntimeExecutor
     from .validate import bound_for
 
@@ -132,7 +132,10 @@ def _component(engines, manifest, name, spec, src, geo, provider, device, seed, 
 
         ex.stream = torch.cuda.current_stream()
     header = onnx.load(str(onnx_path), load_external_data=False) if entry.precision == "fp8" else None
-    record = read_qdq(header) if header is not None else {}
+    # the fake-quant reference where the graph's weights are the checkpoint's own bf16 bytes (zero-copy path); a
+    # copying build of an fp32 checkpoint rounds its weights to bf16, which the fp32 module does not
+    zero_copy = (entry.quantization or {}).get("path") == "zero-copy"
+    record = read_qdq(header) if header is not None and zero_copy else {}
     points = shape_points(manifest, geo)
     feeds = [{n: v.to(device) for n, v in spec.sample_inputs(point, geo, seed + k).items()}
              for k, point in enumerate(points)]
@@ -160,7 +163,7 @@ def _fake_quantize(module, onnx_path: Path, header, record: dict) -> None:
     """`module` made to compute what the fp8 graph (`header`: the graph without its weights) computes."""
     from onnx import numpy_helper
 
-    from .quantize.native import fake_quantize_fp8
+    from .fp8 import fake_quantize_fp8
 
     wanted = {r[k] for r in record.values() for k in ("act_scale", "weight_scale") if k in r}
     scales = {t.name: float(numpy_helper.to_array(t).astype("float32")) for t in header.graph.initializer

@@ -107,3 +107,23 @@ def tiny_bf16(tmp_path_factory):
         for f in (folder / sub).glob("*.safetensors"):
             save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(f).items()}, f)
     return resolve_model(str(folder))
+
+
+@pytest.fixture(scope="session")
+def fp8_build(tiny_bf16, tmp_path_factory):
+    """fp8 transformer engine of the bf16 tiny copy for the 4090, on the zero-copy path (3 prompts, 2 steps of
+    calibration): (source, config, build root, manifest, stage results, the shards' hashes before, calibration)."""
+    pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installed (pip install -e '.[rtx]')")
+    import hashlib
+
+    from fluxtrt.gpus import load_gpu
+    from fluxtrt.records import CalibrationSettings
+    from fluxtrt.stages.build import build_gpu
+
+    root = tmp_path_factory.mktemp("native-fp8")
+    before = {f.name: hashlib.sha256(f.read_bytes()).hexdigest()
+              for f in sorted((tiny_bf16.path / "transformer").glob("*.safetensors"))}
+    cfg = load_gpu("4090").with_precision({"transformer": "fp8"})
+    calib = CalibrationSettings(size=3, steps=2)
+    manifest, results = build_gpu(tiny_bf16, cfg, root, ["transformer"], calibration=calib)
+    return tiny_bf16, cfg, root, manifest, results, before, calib

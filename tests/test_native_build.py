@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from fluxtrt.components import specs_for
+from fluxtrt.fp8 import FP8_MAX
 from fluxtrt.quantize.native import quantize_weight_fp8
-from fluxtrt.quantize.qdq import FP8_MAX, linear_weight, plan
+from fluxtrt.quantize.qdq import linear_weight, plan
 from fluxtrt.records import CalibrationSettings  # noqa: E402
 
 E4M3_REL = 2.0 ** -4  # 3 mantissa bits: round to nearest is within half a step, 2^-4 of the value
@@ -114,20 +115,6 @@ def _sha_files(folder):
     return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.glob("*.safetensors"))}
 
 
-@pytest.fixture(scope="module")
-def fp8_build(tiny_bf16, tmp_path_factory):
-    pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installed (pip install -e '.[rtx]')")
-    from fluxtrt.gpus import load_gpu
-    from fluxtrt.stages.build import build_gpu
-
-    root = tmp_path_factory.mktemp("native-fp8")
-    before = _sha_files(tiny_bf16.path / "transformer")
-    cfg = load_gpu("4090").with_precision({"transformer": "fp8"})
-    calib = CalibrationSettings(size=3, steps=2)
-    manifest, results = build_gpu(tiny_bf16, cfg, root, ["transformer"], calibration=calib)
-    return tiny_bf16, cfg, root, manifest, results, before, calib
-
-
 def test_fp8_build_takes_the_zero_copy_path(fp8_build):
     src, cfg, root, manifest, results, before, _ = fp8_build
     e = manifest.components["transformer"]
@@ -204,8 +191,8 @@ def test_validate_checks_the_fp8_graph_against_a_fake_quant_with_its_scales(fp8_
     Q/DQ) equals the fp32 module fake-quantized with the graph's own scales far more closely than the
     unquantized module (the recipe's error, reported only); the same check with every weight scale 1.25x
     wrong fails."""
+    from fluxtrt import fp8
     from fluxtrt.crosscheck import cross_check
-    from fluxtrt.quantize import native
 
     src, cfg, root, manifest, *_ = fp8_build
     rows = cross_check(root / "4090-fp8" if (root / "4090-fp8").is_dir() else root / "4090", ["transformer"],
@@ -218,12 +205,12 @@ def test_validate_checks_the_fp8_graph_against_a_fake_quant_with_its_scales(fp8_
         assert f.metric == "mean" and f.onnx_mean_error <= 1e-4 and f.onnx_mean_error * 20 <= p.onnx_mean_error, (f, p)
         assert f.onnx_error <= 1e-2 and p.onnx_error <= 1.5e-1, (f, p)
 
-    real = native.fake_quantize_fp8
+    real = fp8.fake_quantize_fp8
 
     def wrong(module, record, scales):
         return real(module, record, {k: v * (1.25 if "wscale" in k else 1.0) for k, v in scales.items()})
 
-    monkeypatch.setattr(native, "fake_quantize_fp8", wrong)
+    monkeypatch.setattr(fp8, "fake_quantize_fp8", wrong)
     bad = cross_check(root / "4090-fp8" if (root / "4090-fp8").is_dir() else root / "4090", ["transformer"],
                       "cpu", "cpu", str(src.path))
     print(*bad, sep="\n")

@@ -23,21 +23,12 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import FluxtrtError
-from .qdq import FP8_MAX, _Writer, linear_weight, plan
+from ..fp8 import FP8_MAX, QDQ_KEY, to_e4m3
+from ..fp8 import bf16 as _bf16
+from .qdq import _Writer, linear_weight, plan
 
 NATIVE_RECIPES = ("fp8", "fp4")
 ALIGN = 64
-QDQ_KEY = "fluxtrt.qdq"  # metadata: quantized MatMul -> the modules it computes and its scale initializers
-
-
-def read_qdq(model) -> dict:
-    """{MatMul name: {"modules": [PyTorch linear modules, a fused projection's parts in order], "act_scale":
-    initializer, "weight_scale": initializer (fp8)}} as quantize_linked recorded it; {} for other graphs."""
-    import json
-
-    return next((json.loads(p.value) for p in model.metadata_props if p.key == QDQ_KEY), {})
-
-
 @dataclass
 class NativeQuantResult:
     path: Path
@@ -68,13 +59,6 @@ def activation_amax(weights: list[str], prov: dict, module_amax: dict) -> float:
     return max(max(float(module_amax[m]) for m in modules), 1e-8)
 
 
-def _bf16(x: float) -> float:
-    """x rounded to bf16 (what the graph's scale holds)."""
-    import torch
-
-    return float(torch.tensor(x, dtype=torch.float32).to(torch.bfloat16).float())
-
-
 def quantize_weight_fp8(parts, transposed: bool):
     """[(bf16 bytes, dims)] of a linear weight stored [out, in] (or [in, out]), several for a fused projection
     -> (E4M3 bytes as [in, sum of outs], bf16-exact scale). One scale per fused weight: the max |w| over its
@@ -88,41 +72,6 @@ def quantize_weight_fp8(parts, transposed: bool):
     if transposed:
         q = q.t()
     return q.contiguous().view(torch.uint8).numpy(), scale
-
-
-def to_e4m3(x, scale: float):
-    """x / scale as E4M3 (divided in fp32, saturating, round to nearest even): QuantizeLinear's arithmetic."""
-    import torch
-
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-
-
-def fp8_fake_quant(x, scale: float):
-    """What an E4M3 QuantizeLinear/DequantizeLinear pair with a per-tensor `scale` computes, in fp32: the
-    arithmetic quantize_weight_fp8 writes weights with."""
-    return to_e4m3(x, scale).float() * scale
-
-
-def fake_quantize_fp8(module, record: dict, scales: dict) -> int:
-    """Make `module` (a PyTorch component, in place) compute what an fp8 graph of quantize_linked computes:
-    every linear layer the graph quantized gets the graph's weight, dequantized with the graph's weight scale,
-    and an input pre-hook quantizing with the graph's activation scale. `record`: read_qdq of the graph;
-    `scales`: initializer name -> value. Returns the linear layers changed."""
-    import torch
-
-    done = 0
-    for r in record.values():
-        if "weight_scale" not in r:
-            continue
-        sx, sw = float(scales[r["act_scale"]]), float(scales[r["weight_scale"]])
-        for name in r["modules"]:
-            lin = module.get_submodule(name)
-            with torch.no_grad():
-                lin.weight.copy_(fp8_fake_quant(lin.weight, sw).to(lin.weight.dtype))
-            lin.register_forward_pre_hook(lambda mod, args, s=sx: (fp8_fake_quant(args[0], s).to(args[0].dtype),)
-                                          + tuple(args[1:]))
-            done += 1
-    return done
 
 
 def _external(data, data_name: str, tensor) -> int:

@@ -23,10 +23,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .. import weightmap
 from ..errors import FluxtrtError
+from ..fp8 import FP8_MAX, QDQ_KEY, bf16, quantize_weight
 from ..precisions import RECIPES
 
-FP8_MAX = 448.0
 INT4_BLOCK = 128
 
 
@@ -127,8 +128,6 @@ ADALN = re.compile(r"(^|\.)norm1(_context)?\.linear\.weight$|^single_transformer
 def adaln_gemms(model, inits: dict, graph_inputs: set) -> list[str]:
     """The AdaLN modulation Gemms (transB=1, weight [out, in] from the checkpoint), found by their weights'
     checkpoint keys in the weight map."""
-    from .. import weightmap
-
     prov = weightmap.read(model)
     out = []
     for n in model.graph.node:
@@ -165,11 +164,10 @@ class _Writer:
 
     def weight(self, w: np.ndarray, wname: str, node: str, kind: str) -> str:
         """A quantized constant weight [K, N] and its DequantizeLinear; returns the DQ output name."""
-        import ml_dtypes
 
-        if kind == "fp8":
-            sw = np.float32((float(np.abs(w).max()) or 1.0) / FP8_MAX)
-            q = np.clip(w / sw, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+        if kind == "fp8":  # the recipe's one arithmetic (fp8.py), as the zero-copy path's
+            q, sw = quantize_weight(w)
+            sw = np.float32(sw)
             attrs = {}
         elif kind == "int8":  # per output channel
             sw = (np.abs(w).max(axis=0) / 127.0).astype(np.float32)
@@ -214,6 +212,7 @@ def quantize_model(model: onnx.ModelProto, recipe: str, act_amax: dict | None = 
 
     out = _Writer()
     new_nodes = []
+    prov, record = weightmap.read(model), {}
     for n in g.node:
         if n.name in attention:
             for k in (0, 1):
@@ -239,8 +238,12 @@ def quantize_model(model: onnx.ModelProto, recipe: str, act_amax: dict | None = 
                     out.const(t.name, numpy_helper.to_array(t).astype(np.float32))
                 out.nodes += nodes
             elif recipe in ("fp8", "fp8-attn"):
-                n.input[0] = out.qdq(x, f"{n.name}__act", amax_of(x, n.name) / FP8_MAX, "fp8")
-                n.input[1] = out.weight(w, n.input[1], n.name, "fp8")
+                wname = n.input[1]
+                n.input[0] = out.qdq(x, f"{n.name}__act", bf16(amax_of(x, n.name) / FP8_MAX), "fp8")
+                n.input[1] = out.weight(w, wname, n.name, "fp8")
+                if wname in prov:  # which PyTorch modules it computes, for the torch executor (fp8.py)
+                    record[n.name] = {"modules": [k.rsplit(".", 1)[0] for k in weightmap.source_keys(prov[wname])],
+                                      "act_scale": f"{n.name}__act__scale", "weight_scale": f"{wname}__wscale"}
             elif recipe == "int8":
                 if x not in channel_amax:
                     raise FluxtrtError(f"no per-channel range for {x} (input of {n.name}); recalibrate for int8")
@@ -265,6 +268,11 @@ def quantize_model(model: onnx.ModelProto, recipe: str, act_amax: dict | None = 
         from ..nvfp4 import ensure_opsets
 
         ensure_opsets(model)
+    if record:
+        import json
+
+        entry = model.metadata_props.add()
+        entry.key, entry.value = QDQ_KEY, json.dumps(record, sort_keys=True, separators=(",", ":"))
     return model, p
 
 

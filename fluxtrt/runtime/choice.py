@@ -25,6 +25,9 @@ def choose_backend(requested: str, engines: Path | None) -> BackendChoice:
     if requested not in BACKENDS:
         raise FluxtrtError(f"--backend {requested}: choose {', '.join(BACKENDS)}")
     if engines is None:
+        if requested not in ("auto", "torch"):
+            raise FluxtrtError(f"--backend {requested} runs built engines or their ONNX: pass --engines DIR; --model "
+                               "alone runs the PyTorch modules (--backend torch)")
         return BackendChoice("torch")
     manifest = read_manifest(engines)
     missing = [c for c in RUN_COMPONENTS if c not in manifest.components]

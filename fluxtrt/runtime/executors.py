@@ -243,9 +243,11 @@ class TorchExecutor(Executor):
     kind = "torch"
 
     def __init__(self, component: str, source, spec, device: str = "cuda", dtype: str = "bf16",
-                 compile: bool = False):
+                 compile: bool = False, fp8=None):
         super().__init__(component, None)
         self.source, self.spec, self.compile = source, spec, compile
+        self.fp8 = fp8  # the transformer's fp8 recipe: {"scales": {module: (sx, sw)}} or {"amax": {module: amax}}
+        self.fp8_note = None
         self._device = device
         self.dtype_name = dtype
         self.module = None
@@ -267,6 +269,8 @@ class TorchExecutor(Executor):
             self._cpu_copy = None
         else:
             raw = self.source.load_component(self.spec.subfolder, self.dtype, self._device)
+            if self.fp8 is not None:
+                self.fp8_note = self._quantize(raw)
             self.module = self.spec.wrap(raw).eval()
         self._fn = self.module
         if self.compile:
@@ -274,6 +278,22 @@ class TorchExecutor(Executor):
 
             self._fn = torch.compile(self.module, fullgraph=False, dynamic=False)
         self.active = True
+
+    def _quantize(self, raw) -> str:
+        """The build's fp8 recipe on the PyTorch transformer (fp8.py): scales from the fp8 graph, or from a
+        calibration and the module's weights, grouped as the graph fuses its projections."""
+        from .. import fp8
+        from ..components import ShapePoint
+
+        scales = self.fp8.get("scales")
+        if scales is None:
+            m = self.source.geometry.pixel_multiple
+            feeds = self.spec.sample_inputs(ShapePoint(1, 4 * m, 4 * m), self.source.geometry, 0)
+            args = [feeds[t.name].to(self.device, self.dtype) if feeds[t.name].is_floating_point()
+                    else feeds[t.name].to(self.device) for t in self.spec.inputs if t.name in feeds]
+            groups = fp8.linear_groups(self.spec.wrap(raw), args, root=raw)
+            scales = fp8.scales_from_calibration(raw, self.fp8["amax"], groups)
+        return fp8.quantize_module(raw, scales, self.device)
 
     def deactivate(self) -> None:
         import torch

@@ -82,7 +82,8 @@ class FluxEngines:
                  weight_streaming_budget: int | None = None, cuda_graph: bool = False, ort_provider: str = "cpu",
                  model=None, fallback=(), torch_dtype: str = "bf16", device: str | None = None,
                  compile: bool = False, allow_host_code: bool = False, weights: Path | None = None,
-                 lora: Path | None = None, lora_scale: float = 1.0, kernel_specialization: str = "eager"):
+                 lora: Path | None = None, lora_scale: float = 1.0, kernel_specialization: str = "eager",
+                 calibration: Path | None = None):
         import torch
 
         self.low_vram, self.cuda_graph = low_vram, cuda_graph
@@ -101,7 +102,9 @@ class FluxEngines:
             raise FluxtrtError(f"--fallback takes {', '.join(everything)}; got {', '.join(sorted(unknown))}")
         if torch_names:
             on_cpu = {f.split("@")[0] for f in fallback if f.endswith("@cpu")}
-            self._torch_executors(sorted(torch_names), on_cpu, model, device, torch_dtype, compile)
+            self._torch_executors(sorted(torch_names), on_cpu, model, device, torch_dtype, compile, calibration)
+        elif calibration is not None:
+            raise FluxtrtError("--calibration gives the PyTorch transformer the fp8 recipe: add --backend torch")
         engine_names = [n for n in names if n not in torch_names]
         sources = self._weight_sources(engine_names, weights, lora, lora_scale)
         if engine_names and backend == "tensorrt":
@@ -141,7 +144,7 @@ class FluxEngines:
         vae = _json(assets / "vae" / "config.json")
         self.scaling_factor, self.shift_factor = vae["scaling_factor"], vae.get("shift_factor") or 0.0
 
-    def _torch_executors(self, names, on_cpu, model, device, torch_dtype, compile) -> None:
+    def _torch_executors(self, names, on_cpu, model, device, torch_dtype, compile, calibration=None) -> None:
         import torch
 
         if model is None:
@@ -153,7 +156,32 @@ class FluxEngines:
         for name in names:
             dev_name = "cpu" if name in on_cpu else device
             dtype = "fp32" if dev_name == "cpu" and name in on_cpu else torch_dtype
-            self.executors[name] = TorchExecutor(name, model, specs[name], dev_name, dtype, compile)
+            recipe = self._fp8_recipe(model, calibration) if name == "transformer" else None
+            self.executors[name] = TorchExecutor(name, model, specs[name], dev_name, dtype, compile, fp8=recipe)
+
+    def _fp8_recipe(self, model, calibration: Path | None) -> dict | None:
+        """The transformer's fp8 recipe for PyTorch: the scales the engines' fp8 graph recorded, or a calibration
+        (`fluxtrt calibrate`) applied to the model's weights; None for other precisions."""
+        from .. import fp8
+
+        entry = self.manifest.components.get("transformer") if self.manifest is not None else None
+        if entry is not None and entry.precision in ("fp8-attn", "fp4"):
+            raise FluxtrtError(f"the PyTorch transformer runs the fp8 recipe but not {entry.precision} (fp4: NVFP4 "
+                               "tensor cores, sm100/sm120; fp8-attn: attention in E4M3): use --backend onnxruntime "
+                               "or TensorRT engines")
+        if entry is not None and entry.precision == "fp8":
+            if calibration is not None:
+                raise FluxtrtError("--calibration: these engines' fp8 graph already holds its scales; drop it")
+            import onnx
+
+            path = self.dir.parent / entry.onnx
+            if not path.is_file():
+                raise ManifestError(f"the fp8 transformer's ONNX {path} is not here (an unpacked archive?); its scales "
+                                    "are in it: build here, or copy the build's onnx/ folder beside the engines")
+            return {"scales": fp8.scales_from_graph(onnx.load(str(path), load_external_data=False))}
+        if calibration is not None:
+            return {"amax": fp8.read_calibration(calibration, model.content_hash)}
+        return None
 
     def _weight_sources(self, engine_names, weights, lora, lora_scale) -> dict:
         """name -> WeightSource (or None): the user's checkpoint through the build's weight maps, LoRA merged."""

@@ -62,6 +62,9 @@ def _ensure_optimized(source, component, dtype, fp32_path, out_root, force, on_p
     inputs = {"source_sha256": sha256_file(fp32_path), "passes": list(DEFAULT_PASSES), "dtype": dtype,
               "fluxtrt": __version__}
     if is_quantized(dtype):
+        from ..fp8 import RECIPE_VERSION
+
+        inputs["recipe_version"] = RECIPE_VERSION  # 2: fp8 weights and scales as the zero-copy path's (fp8.py)
         # weight-only recipes read no prompts: only a calibrated recipe depends on them
         inputs["calibration"] = ({"prompts_sha256": prompts_sha256(calib), "size": calib.size, "steps": calib.steps,
                                   "alpha": calib.alpha} if REGISTRY[dtype].calibrated else None)

@@ -1,0 +1,151 @@
+"""The build's fp8 recipe on the torch executor (fluxtrt/fp8.py): the scales an fp8 graph recorded equal the ones a
+calibration gives the PyTorch module; the torch executor's transformer matches the fp8 graph in ONNX Runtime; the
+torch._scaled_mm layers compute the emulated recipe; images match ONNX Runtime's on the same engines and differ
+from the unquantized ones; what cannot run is one line."""
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from fluxtrt import fp8
+from fluxtrt.cli import app
+from fluxtrt.components import ShapePoint, specs_for
+from fluxtrt.records import read_manifest
+
+MAX_UINT8_DIFF = 2  # images: within 2/255
+
+
+def graph_of(root):
+    manifest = read_manifest(root / "4090")
+    return root / manifest.components["transformer"].onnx
+
+
+def calibration_of(src, root, calib):
+    from fluxtrt.stages.zerocopy_plan import calibrate_native
+
+    cal = calibrate_native(src, root, calib)
+    assert cal.cached  # the build's own calibration
+    return cal
+
+
+def test_scales_from_the_graph_equal_scales_from_the_calibration(fp8_build):
+    """The recipe without a graph (calibrate, then run) is the recipe the graph holds: same layers, same groups
+    (fused q/k/v share a weight scale), same bf16 scales, bit for bit."""
+    src, _, root, _, _, _, calib = fp8_build
+    from_graph = fp8.scales_from_graph(onnx.load(str(graph_of(root)), load_external_data=False))
+    spec = specs_for(src.geometry, ["transformer"])["transformer"]
+    raw = src.load_component("transformer", torch.float32, "cpu").eval()
+    feeds = spec.sample_inputs(ShapePoint(1, 64, 64), src.geometry, 0)
+    groups = fp8.linear_groups(spec.wrap(raw), [feeds[t.name] for t in spec.inputs if t.name in feeds], root=raw)
+    from_cal = fp8.scales_from_calibration(raw, calibration_of(src, root, calib).amax, groups)
+    assert from_graph == from_cal and len(from_graph) > 20
+    assert not any(k.split(".")[0] in fp8.KEPT or "norm" in k or "time_text_embed" in k for k in from_graph)
+    assert any(len(g) == 4 for g in groups) and any(len(g) == 3 for g in groups)  # single: q/k/v/mlp; double: q/k/v
+
+
+def test_torch_executor_transformer_matches_the_fp8_graph(fp8_build):
+    """One transformer call: the torch executor (emulated recipe, fp32) against the fp8 graph in ONNX Runtime
+    (CPU: computed in fp32) within the fake-quant bound of `fluxtrt validate`, on fresh random inputs; the
+    unquantized module is far outside it."""
+    from fluxtrt.runtime.executors import OnnxRuntimeExecutor, TorchExecutor
+    from fluxtrt.validate import bound_for
+
+    src, _, root, manifest, *_ = fp8_build
+    spec = specs_for(src.geometry, ["transformer"])["transformer"]
+    entry = manifest.components["transformer"]
+    seed = int(np.random.default_rng().integers(1 << 30))
+    feeds = spec.sample_inputs(ShapePoint(2, 256, 256), src.geometry, seed)
+    out = spec.outputs[0].name
+    ort = OnnxRuntimeExecutor("transformer", entry, graph_of(root), spec, src.geometry, "cpu").infer(feeds)[out].float()
+    scales = fp8.scales_from_graph(onnx.load(str(graph_of(root)), load_external_data=False))
+    ex = TorchExecutor("transformer", src, spec, "cpu", "fp32", fp8={"scales": scales})
+    got = ex.infer(feeds)[out].float()
+    plain = TorchExecutor("transformer", src, spec, "cpu", "fp32").infer(feeds)[out].float()
+    rel = lambda a, b: float((a - b).abs().mean() / b.abs().mean())  # noqa: E731
+    bound = bound_for("transformer", "fp32", spec.rtol_fp32)
+    assert rel(got, ort) <= bound < rel(plain, ort) / 20, (rel(got, ort), rel(plain, ort), bound)
+    assert "emulated" in ex.fp8_note
+
+
+def test_scaled_mm_layers_compute_the_emulated_recipe(fp8_build):
+    """torch._scaled_mm (which also runs on a CPU) against the emulation, in fp32 (where a dequantized E4M3 value
+    is exact), q/k/v fused: the same arithmetic up to the order of the fp32 sums."""
+    src, _, root, *_ = fp8_build
+    spec = specs_for(src.geometry, ["transformer"])["transformer"]
+    scales = fp8.scales_from_graph(onnx.load(str(graph_of(root)), load_external_data=False))
+    feeds = spec.sample_inputs(ShapePoint(1, 256, 256), src.geometry, int(np.random.default_rng().integers(1 << 30)))
+    args = [feeds[t.name] for t in spec.inputs if t.name in feeds]
+    outs = {}
+    for mode in ("emulated", "scaled_mm", "none"):
+        raw = src.load_component("transformer", torch.float32, "cpu").eval()
+        if mode != "none":
+            note = fp8.quantize_module(raw, scales, "cpu", scaled_mm=mode == "scaled_mm")
+            assert ("_scaled_mm" in note) == (mode == "scaled_mm")
+        with torch.inference_mode():
+            outs[mode] = spec.wrap(raw)(*args).float()
+        if mode == "scaled_mm":
+            assert sum(isinstance(m, torch.nn.Module) and type(m).__name__ == "Fp8Linear" for m in raw.modules()) \
+                >= len(scales) and all(getattr(a, "fused_projections", True) for a in raw.modules()
+                                       if hasattr(a, "to_qkv"))
+    rel = lambda a, b: float((a - b).abs().mean() / b.abs().mean())  # noqa: E731
+    assert rel(outs["scaled_mm"], outs["emulated"]) <= min(1e-4, rel(outs["none"], outs["emulated"]) / 50), \
+        (rel(outs["scaled_mm"], outs["emulated"]), rel(outs["none"], outs["emulated"]))
+
+
+@pytest.mark.slow
+def test_run_torch_fp8_equals_onnxruntime_and_the_calibrated_route(fp8_build, tmp_path):
+    """`fluxtrt run --backend torch` on fp8 engines matches `--backend onnxruntime` on them within 2/255 (PyTorch
+    in fp32, as ONNX Runtime computes on a CPU), differs from the unquantized transformer, and `--model M
+    --calibration FILE` (calibrate, then run: no engines) gives the same image bit for bit."""
+    from PIL import Image
+
+    src, _, root, _, _, _, calib = fp8_build
+    engines = root / "4090"
+    common = ["--prompt", "a red fox in the snow", "--steps", "3", "--height", "256", "--width", "320",
+              "--torch-dtype", "fp32", "--seed", str(int(np.random.default_rng().integers(1000)))]
+    images = {}
+    for name, args in {"torch": ["--engines", engines, "--backend", "torch"],
+                       "onnxruntime": ["--engines", engines, "--backend", "onnxruntime"],
+                       "calibrated": ["--model", src.path, "--backend", "torch", "--calibration",
+                                      calibration_of(src, root, calib).path],
+                       "plain": ["--model", src.path, "--backend", "torch"]}.items():
+        res = CliRunner().invoke(app, ["run", *map(str, args), *common, "--out", str(tmp_path / f"{name}.png")])
+        assert res.exit_code == 0, res.output
+        assert ("fp8 recipe emulated" in res.output) == (name in ("torch", "calibrated")), res.output
+        images[name] = np.asarray(Image.open(tmp_path / f"{name}.png")).astype(int)
+    diff = lambda a, b: int(np.abs(images[a] - images[b]).max())  # noqa: E731
+    assert diff("torch", "onnxruntime") <= MAX_UINT8_DIFF, diff("torch", "onnxruntime")
+    assert diff("torch", "calibrated") == 0
+    mean = lambda a, b: float(np.abs(images[a] - images[b]).mean())  # noqa: E731
+    # it really quantizes: further from the unquantized image than from ONNX Runtime's fp8 one (tiny's VAE makes
+    # pixel differences small; test_torch_executor_transformer_matches_the_fp8_graph sees the transformer's 20x)
+    assert mean("torch", "plain") > 1.5 * mean("torch", "onnxruntime") > 0, (mean("torch", "plain"),
+                                                                          mean("torch", "onnxruntime"))
+
+
+def test_what_the_torch_executor_cannot_run_is_one_line(fp8_build, tmp_path):
+    import json
+    import shutil
+
+    src, _, root, *_ = fp8_build
+    other = tmp_path / "4090"
+    shutil.copytree(root / "4090", other)
+    shutil.copytree(root / "onnx", tmp_path / "onnx", symlinks=True)
+    base = ["run", "--prompt", "x", "--steps", "1", "--out", str(tmp_path / "o.png")]
+    res = CliRunner().invoke(app, [*base, "--engines", str(other), "--backend", "torch", "--calibration", "c.json"])
+    assert res.exit_code == 2 and "already holds its scales" in res.output, res.output
+    m = json.loads((other / "manifest.json").read_text())
+    m["components"]["transformer"]["precision"] = "fp4"
+    (other / "manifest.json").write_text(json.dumps(m))
+    res = CliRunner().invoke(app, [*base, "--engines", str(other), "--backend", "torch"])
+    assert res.exit_code == 2 and "not fp4" in res.output and "Traceback" not in res.output, res.output
+    (tmp_path / "cal.json").write_text(json.dumps({"method": "linear-inputs", "model_hash": "0" * 64, "amax": {}}))
+    res = CliRunner().invoke(app, [*base, "--model", str(src.path), "--backend", "torch", "--calibration",
+                                   str(tmp_path / "cal.json")])
+    assert res.exit_code == 2 and "another model" in res.output, res.output
+    res = CliRunner().invoke(app, [*base, "--model", str(src.path), "--backend", "onnxruntime", "--calibration",
+                                   str(tmp_path / "cal.json")])
+    assert res.exit_code == 2 and "--backend torch" in res.output, res.output
+    assert not (tmp_path / "o.png").exists()
