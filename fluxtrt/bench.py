@@ -213,7 +213,7 @@ def run_bench(pipe, source, backend: str, opts: BenchOptions, say=lambda line: N
 
     wf = pipe.plan(opts.sizes[0], opts.sizes[0], opts.inputs)[0]
     steps = opts.steps if opts.steps is not None else wf.default_steps(pipe.geo)
-    label, dpipe = f"fluxtrt ({backend})", None
+    label, dpipe, baselines = f"fluxtrt ({backend})", None, []
     if opts.baseline == "diffusers":
         from .models.source import resolve_model
 
@@ -222,19 +222,27 @@ def run_bench(pipe, source, backend: str, opts: BenchOptions, say=lambda line: N
         dpipe = src.load_pipeline(torch_dtype(opts.torch_dtype) if on_gpu else torch.float32, pipe.device.type,
                                   pipeline=wf.pipeline)
         dpipe.set_progress_bar_config(disable=True)
+        # diffusers eager is the baseline of the ratios; with --compile diffusers compiled is measured too
+        baselines = [("diffusers", dpipe.transformer)]
         if opts.compile:
-            dpipe.transformer = torch.compile(dpipe.transformer, fullgraph=False, dynamic=False)
+            baselines.append(("diffusers (compiled)", torch.compile(dpipe.transformer, fullgraph=False, dynamic=False)))
     rows = []
     for size in opts.sizes:
         for b in opts.batches:
             say(f"measuring {label} {size}x{size} batch {b}, {steps} steps ...")
             ours = bench_fluxtrt(pipe, label, size, size, b, steps, opts.runs, opts.warmup, opts.inputs)
             rows.append(ours)
-            if dpipe is not None:
-                say(f"measuring diffusers {size}x{size} batch {b} ...")
+            for name, transformer in baselines:
+                say(f"measuring {name} {size}x{size} batch {b} ...")
+                dpipe.transformer = transformer
                 base = bench_diffusers(dpipe, pipe.geo, size, size, b, steps, opts.runs, opts.warmup, pipe.device,
                                        wf.diffusers_kwargs(opts.inputs) if opts.inputs is not None else None)
-                add_ratios(ours, base)
+                base.system = name
+                if name == "diffusers":
+                    add_ratios(ours, base)
+                else:
+                    ours.ratios["end_to_end_s_vs_compiled"] = base.end_to_end_s.median / max(ours.end_to_end_s.median,
+                                                                                             1e-12)
                 rows.append(base)
     meta = {"fluxtrt": __version__, "torch": torch.__version__, "device": torch.cuda.get_device_name() if
             pipe.device.type == "cuda" else "cpu", "backend": backend, "steps": steps, "runs": opts.runs,

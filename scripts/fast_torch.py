@@ -1,0 +1,166 @@
+"""The torch executor's fast paths against diffusers on one GPU (issue: speed you can see), in one process per phase.
+
+accuracy: one transformer call of the fp8 recipe through torch._scaled_mm against the recipe emulated in fp32, beside
+  the bf16-vs-fp32 pair, on the random full-size transformer with its linear weights redrawn N(0, 0.005) (with the
+  class's default initialisation the model is chaotic); the scales come from one calibration call.
+speed: end to end (text encoders, N steps, VAE decode) for diffusers eager bf16 (the baseline, same run), diffusers
+  with the transformer compiled, fluxtrt's torch executor bf16 compiled (q/k/v fused) and fp8 compiled
+  (`--calibration` from `fluxtrt calibrate`: the product's two commands), each with its first call (compile) timed.
+
+Rows go to --out as JSON after every measurement (a cut run keeps what it measured); `speed` also writes the
+`fast_torch.json` form: [{size, batch, steps, variant, e2e_s, baseline_s, ratio, ...}].
+Device:  python3 scripts/fast_torch.py accuracy --out $OUT/acc.json
+         python3 scripts/fast_torch.py speed --shapes 1024x1 --out $OUT/speed.json
+Rehearse here: python3 scripts/fast_torch.py accuracy --model tiny --device cpu --size 256 --out /tmp/a.json
+               python3 scripts/fast_torch.py speed --model tiny --device cpu --shapes 256x1 --steps 2 --no-compile ..."""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from fluxtrt import fp8
+from fluxtrt.bench import add_ratios, bench_diffusers, bench_fluxtrt
+from fluxtrt.components import ShapePoint, specs_for
+from fluxtrt.models.source import resolve_model
+
+
+def rel(a, b) -> float:
+    return float((a.float() - b.float()).abs().mean() / b.float().abs().mean())
+
+
+def write(path, obj) -> None:
+    Path(path).write_text(json.dumps(obj, indent=1, default=str))
+
+
+def accuracy(a) -> None:
+    src = resolve_model(a.model)
+    spec = specs_for(src.geometry, ["transformer"])["transformer"]
+    raw = src.load_component("transformer", torch.float32, a.device).eval()
+    g = torch.Generator(a.device).manual_seed(1)
+    with torch.no_grad():
+        for m in raw.modules():
+            if isinstance(m, torch.nn.Linear):  # N(0, 0.005), bf16-exact: the bf16 module has the same weights
+                m.weight.copy_((torch.randn(m.weight.shape, generator=g, device=a.device) * 0.005).bfloat16().float())
+                if m.bias is not None:
+                    m.bias.copy_((torch.randn(m.bias.shape, generator=g, device=a.device) * 0.005).bfloat16().float())
+    feeds = spec.sample_inputs(ShapePoint(1, a.size, a.size), src.geometry, 7)
+
+    def run(module, dtype):
+        args = [feeds[t.name].to(a.device, dtype) if feeds[t.name].is_floating_point() else feeds[t.name].to(a.device)
+                for t in spec.inputs if t.name in feeds]
+        with torch.inference_mode():
+            return spec.wrap(module)(*args).float()
+
+    amax, hooks = {}, []
+    for name, m in raw.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            hooks.append(m.register_forward_pre_hook(
+                lambda mod, inp, n=name: amax.__setitem__(n, max(amax.get(n, 0.0), float(inp[0].abs().max())))))
+    ref32 = run(raw, torch.float32)  # the calibration call (max |input| of every linear) and the fp32 reference
+    for h in hooks:
+        h.remove()
+    b16 = src.load_component("transformer", torch.bfloat16, a.device).eval()
+    b16.load_state_dict(raw.state_dict())  # the same (bf16-exact) weights, without an fp32 copy
+    out_b16 = run(b16, torch.bfloat16)
+    args16 = [feeds[t.name].to(a.device, torch.bfloat16) if feeds[t.name].is_floating_point()
+              else feeds[t.name].to(a.device) for t in spec.inputs if t.name in feeds]
+    scales = fp8.scales_from_calibration(b16, amax, fp8.linear_groups(spec.wrap(b16), args16, root=b16))
+    note = fp8.quantize_module(b16, scales, a.device, scaled_mm=True)
+    out_mm = run(b16, torch.bfloat16)
+    del b16
+    fp8.emulate(raw, scales)
+    out_emu32 = run(raw, torch.float32)
+    out_emu16 = run(raw.to(torch.bfloat16), torch.bfloat16)
+    rows = {"model": a.model, "weights": "linear weights and biases N(0, 0.005), bf16-exact", "size": a.size,
+            "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "torch": torch.__version__,
+            "layers": len(scales), "how": note, "metric": "mean |a - b| / mean |b|, one transformer call",
+            "scaled_mm_bf16_vs_emulated_fp32": rel(out_mm, out_emu32),
+            "emulated_bf16_vs_emulated_fp32": rel(out_emu16, out_emu32),
+            "bf16_vs_fp32_unquantized": rel(out_b16, ref32), "recipe_error_emulated_fp32_vs_fp32": rel(out_emu32, ref32)}
+    print(json.dumps(rows, indent=1), flush=True)
+    write(a.out, rows)
+
+
+def speed(a) -> None:
+    from fluxtrt import api
+    from fluxtrt.quantize.calibration import calibrate_modules
+    from fluxtrt.runtime.pipeline import FluxEngines
+
+    src = resolve_model(a.model)
+    dev = torch.device(a.device)
+    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+    t0 = time.perf_counter()  # what `fluxtrt calibrate` runs for a bf16 checkpoint (module ranges), also for random:
+    cal = calibrate_modules(src, "fp8", Path(a.work) / "calibration", None, 1, 1, 512, "bf16", a.device)
+    print(f"calibrate: {time.perf_counter() - t0:.1f} s -> {cal.path}", flush=True)
+    variants = [v for v in a.variants.split(",") if v]
+    rows, table = [], []
+
+    def save():
+        write(a.out, {"meta": {"model": a.model, "steps": a.steps, "runs": a.runs, "torch": torch.__version__,
+                               "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
+                               "compile": a.compile, "date": time.strftime("%Y-%m-%d")}, "rows": rows})
+        write(Path(a.out).with_name("fast_torch_rows.json"), table)
+
+    for variant in variants:
+        t_load = time.perf_counter()
+        if variant.startswith("diffusers"):
+            pipe = src.load_pipeline(dtype, a.device)
+            pipe.set_progress_bar_config(disable=True)
+            if variant == "diffusers-compiled":
+                pipe.transformer = torch.compile(pipe.transformer, fullgraph=False, dynamic=False)
+        else:
+            pipe = FluxEngines(None, "torch", model=src, torch_dtype="bf16" if a.device == "cuda" else "fp32",
+                               compile=a.compile, calibration=cal.path if variant == "fp8" else None)
+        load_s = time.perf_counter() - t_load
+        for size, batch in shapes:
+            t1 = time.perf_counter()
+            if variant.startswith("diffusers"):
+                row = bench_diffusers(pipe, src.geometry, size, size, batch, a.steps, a.runs, 1, dev)
+                row.system = variant
+            else:
+                row = bench_fluxtrt(pipe, f"fluxtrt torch {variant}" + (" compiled" if a.compile else ""), size, size,
+                                    batch, a.steps, a.runs, 1)
+            wall = time.perf_counter() - t1
+            first = wall - row.end_to_end_s.median * a.runs  # the warm-up call: compile included
+            rows.append({"variant": variant, "row": row, "load_s": load_s, "first_call_s": first,
+                         "notes": api.fp8_notes(pipe) if not variant.startswith("diffusers") else []})
+            base = next((r["row"] for r in rows if r["variant"] == "diffusers" and (r["row"].height, r["row"].batch)
+                         == (size, batch)), None)
+            if base is not None and base is not row:
+                add_ratios(row, base)
+            table.append({"size": size, "batch": batch, "steps": a.steps, "variant": variant,
+                          "e2e_s": round(row.end_to_end_s.median, 4),
+                          "baseline_s": round(base.end_to_end_s.median, 4) if base is not None else None,
+                          "ratio": round(base.end_to_end_s.median / row.end_to_end_s.median, 3) if base else None,
+                          "step_ms": round(row.transformer_step_s.median * 1000, 2),
+                          "first_call_s": round(first, 1), "peak_gb": row.peak_memory_gb})
+            print(json.dumps(table[-1]), flush=True)
+            save()
+        del pipe
+        if a.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("phase", choices=["accuracy", "speed"])
+    ap.add_argument("--model", default="random:flux.1-dev")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--size", type=int, default=1024, help="accuracy: image size of the one call")
+    ap.add_argument("--shapes", default="1024x1", help="speed: SIZExBATCH, comma-separated")
+    ap.add_argument("--variants", default="diffusers,diffusers-compiled,bf16,fp8")
+    ap.add_argument("--steps", type=int, default=28)
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--work", default="/tmp/fast-torch", help="speed: calibration cache root")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    accuracy(a) if a.phase == "accuracy" else speed(a)
+
+
+if __name__ == "__main__":
+    main()
