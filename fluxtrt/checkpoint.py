@@ -58,7 +58,7 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
     spans = sorted((t.offset, t.offset + t.length, k) for k, t in out.items() if t.length)
     for (_, a1, ka), (b0, _, kb) in zip(spans, spans[1:]):
         if b0 < a1:
-            raise FluxtrtError(f"{path}: tensors {ka} and {kb} share bytes (the header is damaged or hostile); "
+            raise FluxtrtError(f"{path}: tensors {ka!r} and {kb!r} share bytes (the header is damaged or hostile); "
                                "download or convert the checkpoint again")
     return out
 
@@ -79,7 +79,7 @@ def _stored(path: Path, key: str, meta, start: int, size: int) -> StoredTensor:
         raise bad(f"has data_offsets {offsets!r}")
     a, b = offsets
     if start + b > size:
-        raise FluxtrtError(f"{path} is truncated ({size} bytes, tensor {key} ends at {start + b}); "
+        raise FluxtrtError(f"{path} is truncated ({size} bytes, tensor {key!r} ends at {start + b}); "
                            "download or copy it again")
     numel = 1
     for v in shape:

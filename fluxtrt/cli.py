@@ -49,7 +49,7 @@ def main(
 def _one_line(e: BaseException) -> str | None:
     """The one line for an error the user can fix, or None (a bug: keep the traceback)."""
     if isinstance(e, FluxtrtError):
-        return str(e)
+        return " ".join(str(e).splitlines())  # a name read from a file may hold a newline: still one line
     if isinstance(e, MemoryError):
         return f"out of memory; {OOM_HINT}"
     if isinstance(e, RuntimeError) and (type(e).__name__ == "OutOfMemoryError" or any(
@@ -414,13 +414,15 @@ def serve(
     max_queue: int = _opt(64, "--max-queue", help="Images accepted per replica before answering 503 (Retry-After)."),
     address: Optional[str] = _opt(None, "--address", help="Join this Ray cluster (e.g. ray://head:10001 or auto); "
                                   "default: start Ray inside this process."),
+    calibration: Optional[Path] = CALIBRATION,
 ):
     """Serve text-to-image over HTTP (Ray Serve) with step-level continuous batching: POST /v1/images/generations,
     GET /health. Prints the URL when ready; Ctrl-C stops."""
     _quiet_libraries()
     from .serving import serve_forever
 
-    serve_forever(engines, model, backend, host, port, replicas, max_batch, max_queue, address, r.out.print, torch_dtype)
+    serve_forever(engines, model, backend, host, port, replicas, max_batch, max_queue, address, r.out.print, torch_dtype,
+                  calibration=calibration)
 
 
 @app.command()

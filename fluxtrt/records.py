@@ -277,6 +277,36 @@ def _is_int(v, lo: int = 0) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= lo
 
 
+def _is_number(v) -> bool:
+    import math
+
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+_TYPES = {"str": str, "int": int, "float": (int, float), "bool": bool, "list": list, "dict": dict}
+
+
+def _has_type(value, annotation: str) -> bool:
+    """Whether a JSON value fits a record field's annotation (`str`, `int | None`, `dict[str, X]`, ...); nested
+    records (ModelRef, ComponentEntry) are checked on their own."""
+    allowed = [a.strip().split("[")[0] for a in annotation.split("|")]
+    if value is None:
+        return "None" in allowed
+    if not any(a in _TYPES for a in allowed):
+        return True
+    for a in allowed:
+        kind = _TYPES.get(a)
+        if kind is None:
+            continue
+        if a in ("int", "float") and isinstance(value, bool):
+            continue
+        if a == "float" and not _is_number(value):
+            continue
+        if isinstance(value, kind):
+            return True
+    return False
+
+
 def check_manifest(m: Manifest, folder: Path) -> None:
     """A manifest is untrusted input (engine folders and archives travel): every field the runtime reads has its
     type, and every path in it resolves inside the engine folder (ONNX paths inside the build root), links
@@ -286,11 +316,11 @@ def check_manifest(m: Manifest, folder: Path) -> None:
     def bad(what: str, value) -> FluxtrtError:
         return FluxtrtError(f"{what} is {value!r}, not what fluxtrt writes; rebuild or unpack the engines again")
 
-    for key in ("fluxtrt", "backend", "backend_version", "gpu", "gpu_name", "compute_capability", "config_hash"):
-        if not isinstance(getattr(m, key), str):
-            raise bad(key, getattr(m, key))
-    if not isinstance(m.model.id, str) or not isinstance(m.model.hash, str) or not isinstance(m.model.pipeline, str):
-        raise bad("model", m.model)
+    for record in (m, m.model, *m.components.values()):
+        for f in dataclasses.fields(record):
+            value = getattr(record, f.name)
+            if not _has_type(value, str(f.type)):
+                raise bad(f.name, value)
     sr = m.shape_range
     if not isinstance(sr, dict) or any(not (isinstance(sr.get(k), list) and len(sr[k]) == 3 and all(_is_int(v, 1) for v in sr[k]))
                                        for k in ("min", "opt", "max")):
@@ -298,9 +328,14 @@ def check_manifest(m: Manifest, folder: Path) -> None:
     if not _is_int(m.pixel_multiple, 1) or not isinstance(m.workflows, list):
         raise bad("pixel_multiple / workflows", (m.pixel_multiple, m.workflows))
     for name, e in m.components.items():
-        if not isinstance(name, str) or not isinstance(e.sha256, str) or not _is_int(e.bytes) \
-                or not isinstance(e.profile, dict) or not isinstance(e.inputs, list) or not isinstance(e.outputs, list):
-            raise bad(f"component {name!r}", e.engine)
+        shapes_ok = all(isinstance(k, str) and isinstance(v, dict) and all(
+            isinstance(v.get(p), list) and all(_is_int(d) for d in v[p]) for p in ("min", "opt", "max"))
+            for k, v in e.profile.items())
+        tensors_ok = all(isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("dtype"), str)
+                         for t in e.inputs + e.outputs)
+        memory_ok = e.memory is None or all(_is_number(v) for v in e.memory.values())
+        if not (shapes_ok and tensors_ok and memory_ok and _is_int(e.bytes) and _is_int(e.layers)):
+            raise bad(f"component {name!r}", "its profile, tensors or sizes")
         inside(folder, e.engine, f"{name}.engine")
         inside(Path(folder).parent, e.onnx, f"{name}.onnx")
         for what, rel in (("weight_map", e.weight_map), ("weightfree_onnx", e.weightfree_onnx)):

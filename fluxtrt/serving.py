@@ -109,6 +109,8 @@ def parse_request(body: bytes, default_size: tuple[int, int], default_steps: int
     if match is None:  # ASCII digits only: int() would also take fullwidth or Arabic-Indic ones
         raise BadRequest(f"\"size\" must be \"WIDTHxHEIGHT\" in pixels, e.g. \"1024x768\"; got {str(size)[:40]!r}")
     width, height = int(match[1]), int(match[2])
+    if min(width, height) < 1:
+        raise BadRequest(f"\"size\" must be positive pixels, e.g. \"1024x768\"; got {size!r}")
     return Generation(prompt, number("n", 1, int, 1, MAX_N), width, height,
                       number("steps", default_steps, int, 1, MAX_STEPS), number("guidance", 3.5, float, 0.0, 100.0),
                       number("seed", 0, int, 0, 2**63 - 1 - MAX_N))
@@ -126,7 +128,7 @@ class Service:
     """One replica's state and request handling, independent of Ray (tests drive it directly)."""
 
     def __init__(self, engines: str | None, model: str | None, backend: str, max_batch: int | None, max_queue: int,
-                 metrics=None, torch_dtype: str = "bf16"):
+                 metrics=None, torch_dtype: str = "bf16", calibration: str | None = None):
         from .runtime.batching import ContinuousBatcher
         from .runtime.choice import choose_backend
         from .runtime.pipeline import FluxEngines
@@ -140,7 +142,8 @@ class Service:
         choice = choose_backend(backend, Path(engines) if engines else None)
         # LAZY kernel specialization: a server must not stall on the first request of a new shape
         self.pipe = FluxEngines(Path(engines) if engines else None, choice.backend, model=source,
-                                fallback=choice.fallback, torch_dtype=torch_dtype, kernel_specialization="lazy")
+                                fallback=choice.fallback, torch_dtype=torch_dtype, kernel_specialization="lazy",
+                                calibration=Path(calibration) if calibration else None)
         self.backend = choice.backend
         self.metrics = metrics
         self.batcher = ContinuousBatcher(self.pipe, max_batch, max_queue, on_step=self._record).start()
@@ -225,7 +228,7 @@ def _metrics_recorder():
 
 
 def deployment(engines, model, backend, max_batch, max_queue, replicas: int, gpus_per_replica: float,
-               torch_dtype: str = "bf16"):
+               torch_dtype: str = "bf16", calibration: str | None = None):
     """The Ray Serve application: `replicas` copies of the service, each on its own GPU when there are GPUs."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse
@@ -238,7 +241,8 @@ def deployment(engines, model, backend, max_batch, max_queue, replicas: int, gpu
     @serve.ingress(app)
     class FluxService:
         def __init__(self):
-            self.service = Service(engines, model, backend, max_batch, max_queue, _metrics_recorder(), torch_dtype)
+            self.service = Service(engines, model, backend, max_batch, max_queue, _metrics_recorder(), torch_dtype,
+                                   calibration)
 
         @app.post(ROUTE)
         async def generations(self, request: Request):
@@ -348,7 +352,8 @@ def _bounded(fn, seconds: float, say) -> None:
 
 
 def serve_forever(engines: Path | None, model: str | None, backend: str, host: str, port: int, replicas: int,
-                  max_batch: int | None, max_queue: int, address: str | None, say=print, torch_dtype: str = "bf16") -> None:
+                  max_batch: int | None, max_queue: int, address: str | None, say=print, torch_dtype: str = "bf16",
+                  calibration: Path | None = None) -> None:
     """Start (or join) Ray, run the app, say the URL, block until Ctrl-C / SIGTERM, then shut down."""
     import signal
 
@@ -361,6 +366,8 @@ def serve_forever(engines: Path | None, model: str | None, backend: str, host: s
 
     check_serve_options(host, port, replicas, max_batch, max_queue, address)
     check_servable(engines, model, backend)
+    if calibration is not None and not Path(calibration).is_file():
+        raise FluxtrtError(f"--calibration {calibration}: no such file; pass the file `fluxtrt calibrate` wrote")
     import logging
 
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
@@ -378,7 +385,9 @@ def serve_forever(engines: Path | None, model: str | None, backend: str, host: s
         serve.start(http_options={"host": host, "port": port})
         try:
             serve.run(deployment(str(Path(engines).resolve()) if engines else None, model, backend, max_batch,
-                                 max_queue, replicas, gpus, torch_dtype), name="fluxtrt", route_prefix="/")
+                                 max_queue, replicas, gpus, torch_dtype,
+                                 str(Path(calibration).resolve()) if calibration else None),
+                      name="fluxtrt", route_prefix="/")
         except RuntimeError as e:  # the replicas' own error is in Ray's logs
             raise FluxtrtError(f"the replicas did not start ({str(e).splitlines()[0]}); see Ray's logs in "
                                "/tmp/ray/session_latest/logs/serve/") from None

@@ -129,7 +129,7 @@ def speed(a) -> None:
             rows.append({"variant": variant, "row": row, "load_s": load_s, "first_call_s": first,
                          "notes": api.fp8_notes(pipe) if not variant.startswith("diffusers") else []})
             base = next((r["row"] for r in rows if r["variant"] == "diffusers" and (r["row"].height, r["row"].batch)
-                         == (size, batch)), None)
+                         == (size, batch)), None)  # list diffusers first: the baseline is looked up as measured
             if base is not None and base is not row:
                 add_ratios(row, base)
             table.append({"size": size, "batch": batch, "steps": a.steps, "variant": variant,

@@ -10,7 +10,7 @@ from functools import cached_property
 from pathlib import Path
 
 from ..components import Geometry
-from ..errors import ModelSourceError
+from ..errors import FluxtrtError, ModelSourceError
 from .random_arch import MARKER as RANDOM_MARKER
 from .random_arch import RANDOM_NAMES, random_component, random_model_dir
 from .tiny import TINY_NAMES, tiny_model_dir
@@ -30,6 +30,8 @@ class ModelSource:
     def geometry(self) -> Geometry:
         try:
             return Geometry.from_folder(self.path)
+        except FluxtrtError as e:
+            raise ModelSourceError(f"{self.path} does not look like a FLUX.1 model: {e}") from None
         except (KeyError, OSError, json.JSONDecodeError) as e:
             raise ModelSourceError(
                 f"{self.path} does not look like a FLUX.1 model: its config files lack {e}; "
