@@ -471,11 +471,11 @@ def bench(engines: Path | None, model: str | None, backend: str, opts, say=lambd
             import matplotlib  # noqa: F401
         except ImportError:
             raise FluxtrtError("--plot needs matplotlib: pip install matplotlib") from None
-    for path in (json_out, plot_out):
+    for flag, path in (("--json", json_out), ("--plot", plot_out)):
         if path is not None:
             from .runtime.images import check_writable
 
-            check_writable(Path(path))
+            check_writable(Path(path), flag=flag)
     if engines is None and model is None:
         raise FluxtrtError("pass --engines DIR, or --backend torch --model MODEL")
     source = resolve_model(model) if engines is None else None
@@ -575,7 +575,7 @@ def validate_engines(engines: Path, components=None, ort_provider: str = "auto",
     if json_out is not None:
         from .runtime.images import check_writable
 
-        check_writable(Path(json_out))
+        check_writable(Path(json_out), flag="--json")
     rows = cross_check(engines, components, ort_provider, device, model, say=say, fp32=fp32)
     if json_out is not None:
         import json
