@@ -188,6 +188,7 @@ def optimize(in_dir: Path, out_dir: Path, passes=None, dtype: str = "fp32", comp
 
 # -- run ------------------------------------------------------------------------------------------------------
 MAX_STEPS = 1000  # diffusers' schedulers have 1000 training timesteps; more steps than that are a typo
+MAX_PROMPTS_BYTES = 16 << 20  # a prompts file of more is not prompts (e.g. /dev/zero or a model file)
 MAX_GUIDANCE = 100.0  # distilled guidance and true-CFG scales (FLUX uses 1-30); more is a typo
 MAX_SIDE = 8192  # pixels a side: over any FLUX profile (the engines' own range is checked per request)
 
@@ -218,8 +219,14 @@ def read_prompts(prompt: str | None, prompts_file: Path | None) -> list[str]:
     if (prompt is None) == (prompts_file is None):
         raise FluxtrtError("pass exactly one of --prompt TEXT or --prompts-file FILE")
     if prompts_file is not None:
+        path = Path(prompts_file)
+        if not path.exists():
+            raise FluxtrtError(f"--prompts-file {prompts_file}: no such file; pass a UTF-8 file, one prompt per line")
+        if not path.is_file() or path.stat().st_size > MAX_PROMPTS_BYTES:
+            raise FluxtrtError(f"--prompts-file {prompts_file} is not a text file of at most "
+                               f"{MAX_PROMPTS_BYTES >> 20} MB; pass one prompt per line")
         try:
-            text = Path(prompts_file).read_bytes().decode("utf-8")
+            text = path.read_bytes().decode("utf-8")
         except OSError as e:
             raise FluxtrtError(f"cannot read {prompts_file}: {e.strerror}") from None
         except UnicodeDecodeError as e:

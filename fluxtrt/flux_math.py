@@ -58,15 +58,34 @@ def calculate_shift(image_seq_len: int, base_seq_len: int = 256, max_seq_len: in
     return image_seq_len * m + b
 
 
+SCHEDULER_NUMBERS = {"num_train_timesteps": (1, 1 << 20), "shift": (1e-3, 1e3), "base_shift": (-100.0, 100.0),
+                     "max_shift": (-100.0, 100.0), "base_image_seq_len": (1, 1 << 24), "max_image_seq_len": (1, 1 << 24)}
+
+
+def check_scheduler_config(cfg) -> None:
+    """ValueError naming the entry unless `cfg` (scheduler_config.json, read from a folder we did not write) is an
+    object whose numbers flow_match_sigmas reads are finite and in range, and whose options it supports."""
+    if not isinstance(cfg, dict):
+        raise ValueError("it is not a JSON object")
+    for key, (lo, hi) in SCHEDULER_NUMBERS.items():
+        v = cfg.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                              or not lo <= v <= hi):
+            raise ValueError(f"{key} is {v!r}, not a number in {lo}..{hi}")
+    if cfg.get("use_dynamic_shifting") and cfg.get("base_image_seq_len", 256) == cfg.get("max_image_seq_len", 4096):
+        raise ValueError("base_image_seq_len equals max_image_seq_len (the shift's slope divides by their difference)")
+    unsupported = [k for k in ("shift_terminal", "use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas",
+                               "invert_sigmas", "stochastic_sampling", "use_flow_sigmas") if cfg.get(k)]
+    if unsupported or cfg.get("time_shift_type", "exponential") != "exponential":
+        raise ValueError(f"scheduler options not supported by fluxtrt's runtime: {unsupported or cfg['time_shift_type']}")
+
+
 def flow_match_sigmas(num_steps: int, image_seq_len: int, scheduler_config: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """(timesteps [N], sigmas [N+1]) as FluxPipeline + FlowMatchEulerDiscreteScheduler.set_timesteps make them:
     sigmas = linspace(1, 1/N, N), shifted (dynamic: exp(mu)/(exp(mu) + (1/s - 1)); static: shift*s/(1+(shift-1)s)),
     timesteps = sigmas * 1000, and a final 0 appended to sigmas. float32 throughout, like diffusers."""
     cfg = scheduler_config
-    unsupported = [k for k in ("shift_terminal", "use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas",
-                               "invert_sigmas", "stochastic_sampling", "use_flow_sigmas") if cfg.get(k)]
-    if unsupported or cfg.get("time_shift_type", "exponential") != "exponential":
-        raise ValueError(f"scheduler options not supported by fluxtrt's runtime: {unsupported or cfg['time_shift_type']}")
+    check_scheduler_config(cfg)
     sigmas = np.linspace(1.0, 1 / num_steps, num_steps).astype(np.float32)
     if cfg.get("use_dynamic_shifting", False):
         mu = calculate_shift(image_seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),

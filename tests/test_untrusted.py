@@ -173,6 +173,32 @@ def test_fuzzed_manifests_inspect_cleanly(engines, tmp_path_factory, data):
         one_line_exit_2(res)
 
 
+@pytest.mark.parametrize("target, text, says", [
+    ("model/tokenizer/tokenizer.json", "{bad", "cannot load the tokenizers"),
+    ("model/scheduler/scheduler_config.json", '{"shift": "x"}', "shift is 'x'"),
+    ("model/scheduler/scheduler_config.json", '{"use_karras_sigmas": true}', "not supported"),
+    ("model/scheduler/scheduler_config.json", "[1, 2]", "not a JSON object"),
+    ("model/vae/config.json", "{}", "lacks"),
+    ("model/transformer/config.json", '{"in_channels": -4}', "no FLUX.1 model has"),
+])
+def test_configs_and_tokenizers_of_an_engine_folder_are_checked(engines, tmp_path, target, text, says):
+    folder, manifest = engines
+    bad = with_manifest(folder, manifest, tmp_path)
+    (bad / target).write_text(text)
+    res = cli("run", "--engines", bad, "--backend", "onnxruntime", "--prompt", "x", "--steps", "1",
+              "--out", tmp_path / "o.png")
+    one_line_exit_2(res)
+    assert says in res.output and not (tmp_path / "o.png").exists(), res.output
+
+
+def test_prompts_file_that_is_not_prompts(engines, tmp_path):
+    folder, _ = engines
+    for path, says in (("/dev/zero", "at most 16 MB"), (tmp_path / "none.txt", "no such file"), (tmp_path, "at most")):
+        res = cli("run", "--engines", folder, "--prompts-file", path, "--out", tmp_path / "o.png")
+        one_line_exit_2(res)
+        assert says in res.output, res.output
+
+
 # -- class: safetensors headers ---------------------------------------------------------------------------------
 def safetensors_bytes(header: dict, data: bytes) -> bytes:
     raw = json.dumps(header).encode()

@@ -9,6 +9,7 @@ timesteps, dt, guidance and conditioning are uploaded once."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,7 +143,15 @@ class FluxEngines:
         self.geo = Geometry.from_folder(assets)
         self.scheduler_config = _json(assets / "scheduler" / "scheduler_config.json")
         vae = _json(assets / "vae" / "config.json")
-        self.scaling_factor, self.shift_factor = vae["scaling_factor"], vae.get("shift_factor") or 0.0
+        try:
+            fm.check_scheduler_config(self.scheduler_config)
+            self.scaling_factor, self.shift_factor = vae["scaling_factor"], vae.get("shift_factor") or 0.0
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and abs(v) < 1e3
+                       for v in (self.scaling_factor, self.shift_factor)):
+                raise ValueError("the VAE's scaling_factor / shift_factor are not finite numbers")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ManifestError(f"the configs in {assets} are not a FLUX.1 model's ({e}); rebuild with `fluxtrt "
+                                "build`") from None
 
     def _torch_executors(self, names, on_cpu, model, device, torch_dtype, compile, calibration=None) -> None:
         import torch
@@ -329,8 +338,12 @@ class FluxEngines:
             from transformers import AutoTokenizer
 
             a = self.assets
-            self._tokenizers = (AutoTokenizer.from_pretrained(a / "tokenizer", local_files_only=True),
-                                AutoTokenizer.from_pretrained(a / "tokenizer_2", local_files_only=True))
+            try:  # files of an engine folder or model folder: untrusted
+                self._tokenizers = (AutoTokenizer.from_pretrained(a / "tokenizer", local_files_only=True),
+                                    AutoTokenizer.from_pretrained(a / "tokenizer_2", local_files_only=True))
+            except Exception as e:  # noqa: BLE001 - any loader failure on a damaged file is one line
+                raise ManifestError(f"cannot load the tokenizers in {a} ({type(e).__name__}); rebuild with `fluxtrt "
+                                    "build` or fix the model folder") from None
         return self._tokenizers
 
     def _tokenize(self, tokenizer, prompts: list[str], length: int, label: str):
