@@ -74,13 +74,13 @@ def _check_precisions(prec: dict, where: str, compute_capability: str | None = N
         precisions.check(comp, p, where, compute_capability, backend)
 
 
-def _triple(raw, name: str, where: str, multiple: int = 1) -> tuple[int, int, int]:
+def _triple(raw, name: str, where: str, multiple: int = 1, top: int = 1 << 30) -> tuple[int, int, int]:
     if (not isinstance(raw, (list, tuple)) or len(raw) != 3
             or not all(isinstance(v, int) and not isinstance(v, bool) for v in raw)):
         raise ConfigError(f"{where}: profile.{name} must be [min, opt, max] integers, got {raw!r}")
     lo, opt, hi = raw
-    if not 1 <= lo <= opt <= hi:
-        raise ConfigError(f"{where}: profile.{name} needs 1 <= min <= opt <= max, got {list(raw)}")
+    if not 1 <= lo <= opt <= hi <= top:
+        raise ConfigError(f"{where}: profile.{name} needs 1 <= min <= opt <= max <= {top}, got {list(raw)}")
     if any(v % multiple for v in raw):
         raise ConfigError(f"{where}: profile.{name} values must be multiples of {multiple}, got {list(raw)}")
     return lo, opt, hi
@@ -121,8 +121,8 @@ def parse_config(data, key: str, where: str) -> GpuConfig:
     prof = data.get("profile", {})
     if not isinstance(prof, dict) or set(prof) - {"batch", "resolution", "static"}:
         raise ConfigError(f"{where}: profile takes batch, resolution and static, got {prof!r}")
-    batch = _triple(prof.get("batch", [1, 1, 4]), "batch", where)
-    res = _triple(prof.get("resolution", [256, 1024, 1536]), "resolution", where, PIXEL_MULTIPLE)
+    batch = _triple(prof.get("batch", [1, 1, 4]), "batch", where, top=64)
+    res = _triple(prof.get("resolution", [256, 1024, 1536]), "resolution", where, PIXEL_MULTIPLE, top=8192)
     static = prof.get("static", False)
     if not isinstance(static, bool):
         raise ConfigError(f"{where}: profile.static must be true or false")
