@@ -321,8 +321,7 @@ def run(
     calibration: Optional[Path] = CALIBRATION,
 ):
     """Generate images from built engines, with the diffusers pipeline's semantics seed for seed: text-to-image,
-    img2img (--image), Fill (--image --mask), Control (--control-image), Kontext (--image); the engines' model
-    says which it serves."""
+    img2img (--image), Fill (--image --mask), Control (--control-image), Kontext (--image), as the engines serve."""
     args = dict(locals())
     _quiet_libraries()
     import logging
