@@ -192,3 +192,18 @@ def check_out_folder(folder: Path, flag: str = "--out") -> None:
             if not p.is_dir():
                 raise FluxtrtError(f"cannot write {flag} {folder}: {p} is a file, not a folder; pass a folder")
             return
+
+
+def read_json(path: Path, what: str, fix: str):
+    """A JSON file we did not write: its value, or one line naming `what` it should be and the `fix`. A file of
+    more than 256 MB, unreadable bytes or nesting past the parser's limit are refused the same way."""
+    from .errors import FluxtrtError
+
+    try:
+        if Path(path).stat().st_size > 256 << 20:
+            raise FluxtrtError(f"{path} is too large for {what}; {fix}")
+        return json.loads(Path(path).read_bytes())
+    except OSError as e:
+        raise FluxtrtError(f"cannot read {what} {path}: {e.strerror}; {fix}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise FluxtrtError(f"{path} is not {what} (JSON); {fix}") from None

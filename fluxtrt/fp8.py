@@ -166,14 +166,9 @@ def scales_from_calibration(module, module_amax: dict, groups: list[list[str]]) 
 
 def read_calibration(path, model_hash: str) -> dict:
     """The activation ranges by module of a `fluxtrt calibrate` cache file (untrusted: checked), for this model."""
-    from pathlib import Path
+    from .fileio import read_json
 
-    try:
-        data = json.loads(Path(path).read_bytes())
-    except OSError as e:
-        raise FluxtrtError(f"cannot read --calibration {path}: {e.strerror}") from None
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        raise FluxtrtError(f"--calibration {path} is not a calibration file (JSON written by `fluxtrt calibrate`)") from None
+    data = read_json(path, "a calibration file", "pass --calibration the file `fluxtrt calibrate` wrote")
     amax = data.get("amax") if isinstance(data, dict) else None
     if not isinstance(amax, dict) or data.get("method") != "linear-inputs" or not all(
             isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0

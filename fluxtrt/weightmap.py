@@ -143,17 +143,11 @@ def _check_recipe(r, where: str, depth: int = 0) -> None:
 
 def read_map(path) -> dict:
     """A weight map file (untrusted: engine folders travel) with every field fluxtrt reads checked."""
-    from pathlib import Path
-
     from .dtypes import TABLE
+    from .fileio import read_json
 
     where = str(path)
-    try:
-        data = json.loads(Path(path).read_bytes())
-    except OSError as e:
-        raise FluxtrtError(f"cannot read the weight map {where}: {e.strerror}; rebuild the engines") from None
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        raise FluxtrtError(f"{where} is not a JSON weight map; rebuild the engines") from None
+    data = read_json(path, "a weight map", "rebuild the engines")
     ok = (isinstance(data, dict) and isinstance(data.get("refittable"), bool) and isinstance(data.get("subfolder"), str)
           and isinstance(data.get("weights"), list) and isinstance(data.get("reason", ""), str))
     if not ok:

@@ -1,14 +1,13 @@
 """Bad input everywhere gets one clear line and exit code 2: property-based checks of request validation and
 the run command's arguments, out-of-memory, and engines with embedded host code."""
 
-import json
 import re
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from fluxtrt.components import ShapePoint, ShapeRange, specs_for
+from fluxtrt.components import ShapePoint, ShapeRange
 
 RANGE = ShapeRange(ShapePoint(1, 256, 256), ShapePoint(1, 512, 512), ShapePoint(4, 1024, 1024))
 
@@ -16,27 +15,10 @@ RANGE = ShapeRange(ShapePoint(1, 256, 256), ShapePoint(1, 512, 512), ShapePoint(
 @pytest.fixture(scope="module")
 def fake_engines(tmp_path_factory):
     """An engine folder whose manifest declares profiles (no engine is built: request checks need none)."""
-    from fluxtrt.models.source import resolve_model
-    from fluxtrt.stages.build import copy_model_assets
+    from .helpers import fake_engine_folder
 
-    src = resolve_model("tiny-schnell")
     folder = tmp_path_factory.mktemp("fake") / "4090"
-    folder.mkdir()
-    copy_model_assets(src, folder)
-    comps = {}
-    for name, spec in specs_for(src.geometry, ["clip", "t5", "transformer", "vae_decoder"]).items():
-        prof = {k: {"min": list(lo), "opt": list(opt), "max": list(hi)} for k, (lo, opt, hi) in
-                spec.profile(RANGE, src.geometry).items()}
-        comps[name] = {"engine": f"{name}.engine", "sha256": "0" * 64, "onnx": f"onnx/{name}.onnx",
-                       "onnx_sha256": "0" * 64, "profile": prof, "inputs": [], "outputs": [], "precision": "fp32",
-                       "bytes": 1, "build_key": "0" * 64, "layers": 1}
-    manifest = {"schema": 2, "fluxtrt": "0.1.0", "config_hash": "0" * 64, "vram_gb": 24.0, "static_shape": False,
-                "pixel_multiple": 16, "backend": "tensorrt-rtx", "backend_version": "1.7.1.116", "gpu": "4090",
-                "gpu_name": "NVIDIA GeForce RTX 4090", "compute_capability": "8.9",
-                "model": {"id": "tiny-schnell", "hash": src.content_hash, "variant": "schnell"},
-                "shape_range": {"min": [1, 256, 256], "opt": [1, 512, 512], "max": [4, 1024, 1024]},
-                "components": comps}
-    (folder / "manifest.json").write_text(json.dumps(manifest))
+    fake_engine_folder("tiny-schnell", folder)
     return folder
 
 

@@ -42,39 +42,10 @@ def cli(*args):
 # -- a fake engine folder (manifest + model assets; no engine is built: checks need none) ------------------------
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    from fluxtrt.components import ShapePoint, ShapeRange, specs_for
-    from fluxtrt.models.source import resolve_model
-    from fluxtrt.stages.build import copy_model_assets
+    from .helpers import fake_engine_folder
 
-    src = resolve_model("tiny")
-    root = tmp_path_factory.mktemp("untrusted")
-    folder = root / "4090"
-    folder.mkdir()
-    copy_model_assets(src, folder)
-    comps = {}
-    RANGE = ShapeRange(ShapePoint(1, 256, 256), ShapePoint(1, 512, 512), ShapePoint(4, 1024, 1024))
-    for name, spec in specs_for(src.geometry, ["clip", "t5", "transformer", "vae_decoder"]).items():
-        data = os.urandom(64)
-        (folder / f"{name}.engine").write_bytes(data)
-        import hashlib
-
-        prof = {k: {"min": list(lo), "opt": list(opt), "max": list(hi)} for k, (lo, opt, hi) in
-                spec.profile(RANGE, src.geometry).items()}
-        comps[name] = {"engine": f"{name}.engine", "sha256": hashlib.sha256(data).hexdigest(), "bytes": 64,
-                       "onnx": f"onnx/{name}.onnx", "onnx_sha256": "0" * 64, "profile": prof, "inputs": [],
-                       "outputs": [], "precision": "fp32", "build_key": "0" * 64, "layers": 1,
-                       "weight_map": f"{name}.weights.json"}
-        (folder / f"{name}.weights.json").write_text(json.dumps(
-            {"component": name, "subfolder": spec.subfolder, "refittable": True, "reason": "", "weights": [],
-             "checkpoint_tensors": []}))
-    manifest = {"schema": 2, "fluxtrt": "0.1.0", "config_hash": "0" * 64, "vram_gb": 24.0, "static_shape": False,
-                "pixel_multiple": 16, "backend": "tensorrt-rtx", "backend_version": "1.7.1.116", "gpu": "4090",
-                "gpu_name": "NVIDIA GeForce RTX 4090", "compute_capability": "8.9",
-                "model": {"id": "tiny", "hash": src.content_hash, "variant": "dev"},
-                "shape_range": {"min": [1, 256, 256], "opt": [1, 512, 512], "max": [4, 1024, 1024]},
-                "components": comps}
-    (folder / "manifest.json").write_text(json.dumps(manifest))
-    return folder, manifest
+    folder = tmp_path_factory.mktemp("untrusted") / "4090"
+    return folder, fake_engine_folder("tiny", folder, engine_files=True)
 
 
 def with_manifest(folder: Path, manifest: dict, tmp: Path) -> Path:
