@@ -7,10 +7,6 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from fluxtrt.components import ShapePoint, ShapeRange
-
-RANGE = ShapeRange(ShapePoint(1, 256, 256), ShapePoint(1, 512, 512), ShapePoint(4, 1024, 1024))
-
 
 @pytest.fixture(scope="module")
 def fake_engines(tmp_path_factory):
