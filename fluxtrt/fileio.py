@@ -174,14 +174,6 @@ def inside(folder: Path, rel, what: str) -> Path:
     return path
 
 
-def same_file(a: Path, b: Path) -> bool:
-    """Whether two paths name the same file (links and relative spellings included)."""
-    try:
-        return Path(a).resolve() == Path(b).resolve()
-    except (OSError, RuntimeError):
-        return False
-
-
 def check_out_folder(folder: Path, flag: str = "--out") -> None:
     """An output folder is a folder (or does not exist yet): never a file that writing would replace."""
     from .errors import FluxtrtError

@@ -24,7 +24,6 @@ from .errors import FluxtrtError
 FP8_MAX = 448.0  # largest finite E4M3 (e4m3fn) value
 QDQ_KEY = "fluxtrt.qdq"  # ONNX metadata: quantized MatMul -> the modules it computes and its scale initializers
 RECIPE_VERSION = 2  # 2: the copying path quantizes like the zero-copy path (bf16-rounded weights and scales)
-MIN_CC = (8, 9)  # torch._scaled_mm's E4M3 GEMMs: Ada, Hopper, Blackwell
 KEPT = ("x_embedder", "context_embedder", "proj_out")  # top-level linears the recipe keeps (qdq.plan's reasons)
 
 
@@ -185,8 +184,11 @@ def tensor_cores(device) -> bool:
     """Whether `device` runs E4M3 GEMMs (torch._scaled_mm): a CUDA GPU of compute capability 8.9 or newer."""
     import torch
 
+    from .precisions import REGISTRY
+
     dev = torch.device(device)
-    return dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(dev) >= MIN_CC
+    return (dev.type == "cuda" and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(dev) >= REGISTRY["fp8"].min_cc)
 
 
 def fp8_linear(lin, sx: float, sw: float):
