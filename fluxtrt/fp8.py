@@ -47,6 +47,19 @@ def to_e4m3(x, scale: float):
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
+def weight_scale(tensors) -> float:
+    """The one E4M3 scale of a linear weight (a fused projection: all its parts): bf16(max |w| / 448), max |w|
+    taken of the bf16 weight, as TensorRT's FP8 GEMM takes one weight scale; 1 for an all-zero weight."""
+
+    top = max(float(t.detach().abs().max().float()) for t in tensors)
+    return bf16(bf16(top) / FP8_MAX) or 1.0
+
+
+def activation_scale(amax: float) -> float:
+    """The static E4M3 scale of a calibrated input range: bf16(amax / 448) (amax at least 1e-8)."""
+    return bf16(max(float(amax), 1e-8) / FP8_MAX)
+
+
 def fp8_fake_quant(x, scale: float):
     """What an E4M3 QuantizeLinear/DequantizeLinear pair with a per-tensor `scale` computes, in fp32."""
     return to_e4m3(x, scale).float() * scale
@@ -90,7 +103,7 @@ def quantize_weight(w):
     import torch
 
     wb = torch.from_numpy(w).float().to(torch.bfloat16).float()
-    scale = bf16(float(wb.abs().max()) / FP8_MAX) or 1.0
+    scale = weight_scale([wb])
     return to_e4m3(wb, scale).view(torch.uint8).numpy().view(_e4m3_numpy()), scale
 
 
@@ -156,9 +169,8 @@ def scales_from_calibration(module, module_amax: dict, groups: list[list[str]]) 
         if missing:
             raise FluxtrtError(f"the calibration has no range for {missing[0]}; it was made for another model: run "
                                "`fluxtrt calibrate --model ...` for this one")
-        amax = max(max(float(module_amax[m]) for m in group), 1e-8)
-        wmax = max(float(module.get_submodule(m).weight.detach().abs().max().float()) for m in group)
-        sx, sw = bf16(amax / FP8_MAX), bf16(wmax / FP8_MAX) or 1.0
+        sx = activation_scale(max(float(module_amax[m]) for m in group))
+        sw = weight_scale([module.get_submodule(m).weight for m in group])
         out.update({m: (sx, sw) for m in group})
     return out
 
@@ -209,7 +221,7 @@ def fp8_linear(lin, sx: float, sw: float):
 
         def forward(self, x):
             shape = x.shape
-            x8 = (x.reshape(-1, shape[-1]).float() / self.sx).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            x8 = to_e4m3(x.reshape(-1, shape[-1]), self.sx)
             y = torch._scaled_mm(x8, self.w8.t(), scale_a=self.sx, scale_b=self.sw, bias=self.bias,
                                  out_dtype=x.dtype)
             return y.reshape(*shape[:-1], self.out_features)

@@ -23,8 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import FluxtrtError
-from ..fp8 import FP8_MAX, QDQ_KEY, to_e4m3
-from ..fp8 import bf16 as _bf16
+from ..fp8 import QDQ_KEY, activation_scale, to_e4m3, weight_scale
 from .qdq import _Writer, linear_weight, plan
 
 NATIVE_RECIPES = ("fp8", "fp4")
@@ -67,7 +66,7 @@ def quantize_weight_fp8(parts, transposed: bool):
     import torch
 
     ws = _bf16_tensors(parts)
-    scale = _bf16(max(float(w.abs().max()) for w in ws) / FP8_MAX) or 1.0
+    scale = weight_scale(ws)
     q = torch.cat([to_e4m3(w, scale) for w in ws], 0 if transposed else 1)
     if transposed:
         q = q.t()
@@ -116,7 +115,7 @@ def _fp8_layer(n, wname, parts, transposed, amax, data, data_name):
     qt = TensorProto(name=f"{wname}__fp8", data_type=TensorProto.FLOAT8E4M3FN, dims=q.shape, raw_data=q.tobytes())
     written = _external(data, data_name, qt)
     out = _Writer()
-    n.input[0] = out.qdq(n.input[0], f"{n.name}__act", _bf16(amax / FP8_MAX), "fp8", ml_dtypes.bfloat16)
+    n.input[0] = out.qdq(n.input[0], f"{n.name}__act", activation_scale(amax), "fp8", ml_dtypes.bfloat16)
     sname = out.const(f"{wname}__wscale", np.array(scale, dtype=ml_dtypes.bfloat16))
     out.inits.append(qt)
     out.nodes.append(helper.make_node("DequantizeLinear", [qt.name, sname], [f"{wname}__dq"], name=f"{n.name}__w_dq"))

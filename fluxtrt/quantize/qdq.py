@@ -25,7 +25,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .. import weightmap
 from ..errors import FluxtrtError
-from ..fp8 import FP8_MAX, QDQ_KEY, bf16, quantize_weight
+from ..fp8 import FP8_MAX, QDQ_KEY, activation_scale, quantize_weight
 from ..precisions import RECIPES
 
 INT4_BLOCK = 128
@@ -239,7 +239,7 @@ def quantize_model(model: onnx.ModelProto, recipe: str, act_amax: dict | None = 
                 out.nodes += nodes
             elif recipe in ("fp8", "fp8-attn"):
                 wname = n.input[1]
-                n.input[0] = out.qdq(x, f"{n.name}__act", bf16(amax_of(x, n.name) / FP8_MAX), "fp8")
+                n.input[0] = out.qdq(x, f"{n.name}__act", activation_scale(amax_of(x, n.name)), "fp8")
                 n.input[1] = out.weight(w, wname, n.name, "fp8")
                 if wname in prov:  # which PyTorch modules it computes, for the torch executor (fp8.py)
                     record[n.name] = {"modules": [k.rsplit(".", 1)[0] for k in weightmap.source_keys(prov[wname])],
