@@ -303,9 +303,8 @@ class RunOptions:
             raise FluxtrtError(f"--batch must be at least 1, got {self.batch}")
         if self.seed < 0 or self.seed >= 2**63:
             raise FluxtrtError(f"--seed must be in 0..2^63-1, got {self.seed}")
-        for what, v in (("--height", self.height), ("--width", self.width), ("--steps", self.steps)):
-            if v is not None and v < 1:
-                raise FluxtrtError(f"{what} must be at least 1, got {v}")
+        if self.steps is not None and self.steps < 1:  # --height / --width: check_number above
+            raise FluxtrtError(f"--steps must be at least 1, got {self.steps}")
         if self.steps is not None and self.steps > MAX_STEPS:
             raise FluxtrtError(f"--steps {self.steps} is more than {MAX_STEPS}; FLUX.1-dev uses 28-50, schnell 4")
         if self.weight_streaming_budget is not None and self.weight_streaming_budget < 0:

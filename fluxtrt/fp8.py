@@ -50,7 +50,6 @@ def to_e4m3(x, scale: float):
 def weight_scale(tensors) -> float:
     """The one E4M3 scale of a linear weight (a fused projection: all its parts): bf16(max |w| / 448), max |w|
     taken of the bf16 weight, as TensorRT's FP8 GEMM takes one weight scale; 1 for an all-zero weight."""
-
     top = max(float(t.detach().abs().max().float()) for t in tensors)
     return bf16(bf16(top) / FP8_MAX) or 1.0
 

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .api import MAX_STEPS
+from .api import MAX_STEPS, check_number
 from .errors import FluxtrtError
 
 MAX_PROMPT_CHARS = 10_000  # T5 reads at most 512 tokens; a longer body is a client bug, not a prompt
@@ -43,6 +43,10 @@ class TooLarge(BadRequest):
     """A body over MAX_BODY_BYTES: 413."""
 
     status = 413
+
+    @classmethod
+    def of(cls, size: str | int) -> "TooLarge":
+        return cls(f"the body has {size} bytes, over the {MAX_BODY_BYTES} byte limit; send a prompt and a few settings")
 
 
 def _depth(body: bytes) -> int:
@@ -77,8 +81,7 @@ class Generation:
 def parse_request(body: bytes, default_size: tuple[int, int], default_steps: int) -> Generation:
     """The request body as a Generation, or BadRequest naming the field and what it takes."""
     if len(body) > MAX_BODY_BYTES:
-        raise TooLarge(f"the body has {len(body)} bytes, over the {MAX_BODY_BYTES} byte limit; send a prompt and "
-                       "a few settings")
+        raise TooLarge.of(len(body))
     if _depth(body) > MAX_JSON_DEPTH:
         raise BadRequest(f"the body nests JSON deeper than {MAX_JSON_DEPTH} levels; send a flat JSON object")
     try:
@@ -248,8 +251,7 @@ def deployment(engines, model, backend, max_batch, max_queue, replicas: int, gpu
         async def generations(self, request: Request):
             body = await bounded_body(request)
             if body is None:
-                return JSONResponse(_error(TooLarge(f"the body is over the {MAX_BODY_BYTES} byte limit; send a "
-                                                    "prompt and a few settings")), status_code=413)
+                return JSONResponse(_error(TooLarge.of("more than")), status_code=413)
             status, payload, headers = await self.service.generate(body)
             return JSONResponse(payload, status_code=status, headers=headers)
 
@@ -290,13 +292,9 @@ def check_serve_options(host: str, port: int, replicas: int, max_batch: int | No
     """`fluxtrt serve`'s own options, and its port, checked before Ray starts (one line each)."""
     import socket
 
-    if not 1 <= port <= 65535:
-        raise FluxtrtError(f"--port must be in 1..65535, got {port}")
-    for flag, value in (("--replicas", replicas), ("--max-batch", max_batch), ("--max-queue", max_queue)):
-        if value is not None and value < 1:
-            raise FluxtrtError(f"{flag} must be at least 1, got {value}")
-    if replicas > 1024 or max_queue > 100_000 or (max_batch or 1) > 1024:
-        raise FluxtrtError("--replicas and --max-batch are at most 1024, --max-queue at most 100000")
+    for flag, value, hi in (("--port", port, 65535), ("--replicas", replicas, 1024), ("--max-batch", max_batch, 1024),
+                            ("--max-queue", max_queue, 100_000)):
+        check_number(flag, value, 1, hi)
     if address is not None:
         return  # Ray Serve's HTTP proxy runs on the cluster's nodes, not here
     try:
