@@ -186,16 +186,18 @@ def check_out_folder(folder: Path, flag: str = "--out") -> None:
             return
 
 
-def read_json(path: Path, what: str, fix: str):
-    """A JSON file we did not write: its value, or one line naming `what` it should be and the `fix`. A file of
-    more than 256 MB, unreadable bytes or nesting past the parser's limit are refused the same way."""
+def read_json(path: Path, what: str, fix: str, error=None):
+    """A JSON file we did not write: its value, or one line (`error`, a FluxtrtError class) naming `what` it should
+    be and the `fix`. A file of more than 256 MB, unreadable bytes or nesting past the parser's limit are refused
+    the same way."""
     from .errors import FluxtrtError
 
+    error = error or FluxtrtError
     try:
         if Path(path).stat().st_size > 256 << 20:
-            raise FluxtrtError(f"{path} is too large for {what}; {fix}")
+            raise error(f"{path} is too large for {what}; {fix}")
         return json.loads(Path(path).read_bytes())
     except OSError as e:
-        raise FluxtrtError(f"cannot read {what} {path}: {e.strerror}; {fix}") from None
+        raise error(f"cannot read {what} {path}: {e.strerror}; {fix}") from None
     except (ValueError, UnicodeDecodeError, RecursionError):
-        raise FluxtrtError(f"{path} is not {what} (JSON); {fix}") from None
+        raise error(f"{path} is unreadable: not {what} (JSON); {fix}") from None

@@ -17,7 +17,6 @@ Where it runs:
 from __future__ import annotations
 
 import json
-import math
 
 from .errors import FluxtrtError
 
@@ -177,12 +176,12 @@ def scales_from_calibration(module, module_amax: dict, groups: list[list[str]]) 
 def read_calibration(path, model_hash: str) -> dict:
     """The activation ranges by module of a `fluxtrt calibrate` cache file (untrusted: checked), for this model."""
     from .fileio import read_json
+    from .records import is_number
 
     data = read_json(path, "a calibration file", "pass --calibration the file `fluxtrt calibrate` wrote")
     amax = data.get("amax") if isinstance(data, dict) else None
     if not isinstance(amax, dict) or data.get("method") != "linear-inputs" or not all(
-            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-            for k, v in amax.items()):
+            isinstance(k, str) and is_number(v) and v >= 0 for k, v in amax.items()):
         raise FluxtrtError(f"--calibration {path} holds no ranges by module; make one with `fluxtrt calibrate` (the "
                            "default zero-copy path)")
     if data.get("model_hash") != model_hash:

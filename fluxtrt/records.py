@@ -243,11 +243,13 @@ def read_manifest(engine_dir: Path, required: bool = True) -> Manifest | None:
             hint = _subfolders_hint(Path(engine_dir))
             raise ManifestError(f"no {MANIFEST} in {engine_dir}; {hint or 'build engines first with `fluxtrt build`'}")
         return None
+    from .fileio import read_json
+
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        data = read_json(path, "a fluxtrt manifest", "rebuild with `fluxtrt build --force`", ManifestError)
+    except ManifestError:
         if required:
-            raise ManifestError(f"{path} is unreadable ({e}); rebuild with `fluxtrt build --force`") from None
+            raise
         return None
     if not isinstance(data, dict) or not isinstance(data.get("components"), dict):
         if required:
@@ -277,7 +279,8 @@ def _is_int(v, lo: int = 0) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= lo
 
 
-def _is_number(v) -> bool:
+def is_number(v) -> bool:
+    """A finite JSON number (not a bool)."""
     import math
 
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
@@ -300,7 +303,7 @@ def _has_type(value, annotation: str) -> bool:
             continue
         if a in ("int", "float") and isinstance(value, bool):
             continue
-        if a == "float" and not _is_number(value):
+        if a == "float" and not is_number(value):
             continue
         if isinstance(value, kind):
             return True
@@ -321,19 +324,19 @@ def check_manifest(m: Manifest, folder: Path) -> None:
             value = getattr(record, f.name)
             if not _has_type(value, str(f.type)):
                 raise bad(f.name, value)
-    sr = m.shape_range
-    if not isinstance(sr, dict) or any(not (isinstance(sr.get(k), list) and len(sr[k]) == 3 and all(_is_int(v, 1) for v in sr[k]))
-                                       for k in ("min", "opt", "max")):
+    sr = m.shape_range  # a dict and a list, as typed above; their contents here
+    if any(not (isinstance(sr.get(k), list) and len(sr[k]) == 3 and all(_is_int(v, 1) for v in sr[k]))
+           for k in ("min", "opt", "max")):
         raise bad("shape_range", sr)
-    if not _is_int(m.pixel_multiple, 1) or not isinstance(m.workflows, list):
-        raise bad("pixel_multiple / workflows", (m.pixel_multiple, m.workflows))
+    if not _is_int(m.pixel_multiple, 1):
+        raise bad("pixel_multiple", m.pixel_multiple)
     for name, e in m.components.items():
         shapes_ok = all(isinstance(k, str) and isinstance(v, dict) and all(
             isinstance(v.get(p), list) and all(_is_int(d) for d in v[p]) for p in ("min", "opt", "max"))
             for k, v in e.profile.items())
         tensors_ok = all(isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("dtype"), str)
                          for t in e.inputs + e.outputs)
-        memory_ok = e.memory is None or all(_is_number(v) for v in e.memory.values())
+        memory_ok = e.memory is None or all(is_number(v) for v in e.memory.values())
         if not (shapes_ok and tensors_ok and memory_ok and _is_int(e.bytes) and _is_int(e.layers)):
             raise bad(f"component {name!r}", "its profile, tensors or sizes")
         inside(folder, e.engine, f"{name}.engine")

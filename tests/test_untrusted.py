@@ -151,6 +151,8 @@ def test_fuzzed_manifests_inspect_cleanly(engines, tmp_path_factory, data):
     ("model/scheduler/scheduler_config.json", "[1, 2]", "not a JSON object"),
     ("model/vae/config.json", "{}", "lacks"),
     ("model/transformer/config.json", '{"in_channels": -4}', "no FLUX.1 model has"),
+    ("model/scheduler/scheduler_config.json", "[" * 100_000 + "]" * 100_000, "unreadable: not a model config (JSON)"),
+    ("manifest.json", "[" * 100_000 + "]" * 100_000, "unreadable: not a fluxtrt manifest (JSON)"),
 ])
 def test_configs_and_tokenizers_of_an_engine_folder_are_checked(engines, tmp_path, target, text, says):
     folder, manifest = engines

@@ -9,7 +9,6 @@ timesteps, dt, guidance and conditioning are uploaded once."""
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 from .. import flux_math as fm
 from ..components import Geometry, ShapePoint, specs_for
 from ..errors import FluxtrtError
-from ..records import IMAGE_COMPONENTS, RUN_COMPONENTS, ManifestError, read_manifest
+from ..records import IMAGE_COMPONENTS, RUN_COMPONENTS, ManifestError, is_number, read_manifest
 from ..workflows import Context, ImageInputs, Prepared, select
 from .executors import (
     OnnxRuntimeExecutor,
@@ -146,8 +145,7 @@ class FluxEngines:
         try:
             fm.check_scheduler_config(self.scheduler_config)
             self.scaling_factor, self.shift_factor = vae["scaling_factor"], vae.get("shift_factor") or 0.0
-            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and abs(v) < 1e3
-                       for v in (self.scaling_factor, self.shift_factor)):
+            if not all(is_number(v) and abs(v) < 1e3 for v in (self.scaling_factor, self.shift_factor)):
                 raise ValueError("the VAE's scaling_factor / shift_factor are not finite numbers")
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ManifestError(f"the configs in {assets} are not a FLUX.1 model's ({e}); rebuild with `fluxtrt "
@@ -604,12 +602,9 @@ def _sync_guard(dev, enabled: bool):
 
 
 def _json(path: Path) -> dict:
-    import json
+    from ..fileio import read_json
 
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise ManifestError(f"cannot read {path} ({e}); rebuild with `fluxtrt build`") from None
+    return read_json(path, "a model config", "rebuild with `fluxtrt build`", ManifestError)
 
 
 def _elapsed(t0: float, dev) -> float:
