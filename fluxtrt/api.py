@@ -343,8 +343,8 @@ def _gpu_only_flags(opts: RunOptions, backend: str, ort_provider: str = "cpu") -
         flags += ["--compile"] if opts.compile else []
         return [f"{', '.join(flags)} ha{'s' if len(flags) == 1 else 've'} no effect with ONNX Runtime "
                 f"({ort_provider.upper()})"] if flags else []
-    if backend == "torch":  # --cuda-graph captures engines' steps; the PyTorch modules take --compile instead
-        ignored = [f for f in flags if f in ("--weight-streaming-budget", "--allow-host-code", "--cuda-graph")]
+    if backend == "torch":  # --cuda-graph captures the PyTorch step too (compiled or not)
+        ignored = [f for f in flags if f in ("--weight-streaming-budget", "--allow-host-code")]
         return [f"{', '.join(ignored)}: TensorRT engine options, unused by the PyTorch modules"] if ignored else []
     return []
 

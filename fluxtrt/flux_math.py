@@ -109,7 +109,7 @@ def latents_for_vae(latents: torch.Tensor, scaling_factor: float, shift_factor: 
 
 
 def to_uint8(image: torch.Tensor) -> np.ndarray:
-    """VAE output [B, 3, H, W] in [-1, 1] -> [B, H, W, 3] uint8, as diffusers' image processor does."""
-    image = (image * 0.5 + 0.5).clamp(0, 1)
-    image = image.cpu().permute(0, 2, 3, 1).float().numpy()
-    return (image * 255).round().astype("uint8")
+    """VAE output [B, 3, H, W] in [-1, 1] -> [B, H, W, 3] uint8, as diffusers' image processor does (the same
+    float32 operations, computed where the image is: only the uint8 bytes cross to the host)."""
+    image = (image.float() * 0.5 + 0.5).clamp(0, 1)
+    return (image * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()

@@ -5,7 +5,8 @@ accuracy: one transformer call of the fp8 recipe through torch._scaled_mm agains
   class's default initialisation the model is chaotic); the scales come from one calibration call.
 speed: end to end (text encoders, N steps, VAE decode) for diffusers eager bf16 (the baseline, same run), diffusers
   with the transformer compiled, fluxtrt's torch executor bf16 compiled (q/k/v fused) and fp8 compiled
-  (`--calibration` from `fluxtrt calibrate`: the product's two commands), each with its first call (compile) timed.
+  (`--calibration` from `fluxtrt calibrate`: the product's two commands), each with its first call (compile) timed;
+  `bf16-graph` / `fp8-graph`: the same with the compiled step captured as a CUDA graph (`--cuda-graph`).
 
 Rows go to --out as JSON after every measurement (a cut run keeps what it measured); `speed` also writes the
 `fast_torch.json` form: [{size, batch, steps, variant, e2e_s, baseline_s, ratio, ...}].
@@ -114,7 +115,8 @@ def speed(a) -> None:
                 pipe.transformer = torch.compile(pipe.transformer, fullgraph=False, dynamic=False)
         else:
             pipe = FluxEngines(None, "torch", model=src, torch_dtype="bf16" if a.device == "cuda" else "fp32",
-                               compile=a.compile, calibration=cal.path if variant == "fp8" else None)
+                               compile=a.compile, calibration=cal.path if variant.startswith("fp8") else None,
+                               cuda_graph=variant.endswith("-graph"))
         load_s = time.perf_counter() - t_load
         for size, batch in shapes:
             t1 = time.perf_counter()
@@ -140,9 +142,24 @@ def speed(a) -> None:
                           "first_call_s": round(first, 1), "peak_gb": row.peak_memory_gb})
             print(json.dumps(table[-1]), flush=True)
             save()
+            if variant == a.profile:
+                profile(pipe, size, batch, Path(a.out).with_name(f"profile_{variant}_{size}x{batch}.txt"))
         del pipe
         if a.device == "cuda":
             torch.cuda.empty_cache()
+
+
+def profile(pipe, size: int, batch: int, path: Path) -> None:
+    """Device time by kernel over a 2-step generation (after the measured runs: nothing is compiled here)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        pipe.generate(["a photo of a cat"] * batch, size, size, 2, seed=3)
+    table = p.key_averages().table(sort_by="cuda_time_total" if torch.cuda.is_available() else "cpu_time_total",
+                                   row_limit=40)
+    path.write_text(table)
+    print(table[:6000], flush=True)
 
 
 def main():
@@ -157,6 +174,7 @@ def main():
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--work", default="/tmp/fast-torch", help="speed: calibration cache root")
+    ap.add_argument("--profile", default="", help="speed: this variant's kernels over 2 steps, after its runs")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     accuracy(a) if a.phase == "accuracy" else speed(a)

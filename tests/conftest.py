@@ -127,3 +127,28 @@ def fp8_build(tiny_bf16, tmp_path_factory):
     calib = CalibrationSettings(size=3, steps=2)
     manifest, results = build_gpu(tiny_bf16, cfg, root, ["transformer"], calibration=calib)
     return tiny_bf16, cfg, root, manifest, results, before, calib
+
+
+_ENGINES = {}
+
+
+@pytest.fixture(scope="session")
+def engines(tmp_path_factory):
+    """engines(model) -> (source, GPU folder, manifest): every component of a tiny model built in fp32 for the 4090
+    (sm89), once per session, so ONNX Runtime over the built ONNX can be compared with fp32 diffusers."""
+    pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installed (pip install -e '.[rtx]')")
+    from fluxtrt.gpus import load_gpu
+    from fluxtrt.models.source import resolve_model
+    from fluxtrt.stages.build import build_gpu
+
+    def get(model):
+        if model not in _ENGINES:
+            src = resolve_model(model)
+            root = tmp_path_factory.mktemp(f"eng-{model}")
+            cfg = load_gpu("4090")
+            cfg = cfg.with_precision({c: "fp32" for c in cfg.precision})
+            manifest, _ = build_gpu(src, cfg, root)
+            _ENGINES[model] = (src, root / "4090", manifest)
+        return _ENGINES[model]
+
+    return get

@@ -80,6 +80,8 @@ def test_gpu_only_flags_are_said_on_onnx_runtime():
     assert "--cuda-graph" in line and "--weight-streaming-budget" in line and "--compile" in line
     assert api._gpu_only_flags(api.RunOptions(), "onnxruntime") == []
     assert api._gpu_only_flags(opts, "tensorrt") == []
+    assert api._gpu_only_flags(opts, "torch") == [  # the PyTorch step is captured too
+        "--weight-streaming-budget: TensorRT engine options, unused by the PyTorch modules"]
     low = api.RunOptions(low_vram=True)
     assert "--low-vram" in api._gpu_only_flags(low, "onnxruntime", "cpu")[0]  # nothing to free on the CPU
     assert api._gpu_only_flags(low, "onnxruntime", "cuda") == []  # sessions leave the GPU stage by stage

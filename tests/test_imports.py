@@ -19,7 +19,8 @@ LAYERS = {
     3: ["fluxtrt.export", "fluxtrt.optimize", "fluxtrt.quantize", "fluxtrt.engine.build", "fluxtrt.engine.refit"],
     4: ["fluxtrt.stages"],
     5: ["fluxtrt.runtime"],
-    6: ["fluxtrt.bench", "fluxtrt.crosscheck", "fluxtrt.artifacts", "fluxtrt.api", "fluxtrt.render", "fluxtrt.serving"],
+    6: ["fluxtrt.bench", "fluxtrt.crosscheck", "fluxtrt.artifacts", "fluxtrt.api", "fluxtrt.render", "fluxtrt.serving",
+        "fluxtrt.dropin"],
     7: ["fluxtrt.cli"],
 }
 # The runtime runs engines and ONNX; it never reaches into the tools that make them.

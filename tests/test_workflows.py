@@ -210,30 +210,6 @@ def test_cli_unreadable_image_is_one_line(tmp_path, make, message):
 
 # --- engines: real TensorRT-RTX builds for sm89, run with ONNX Runtime -----------------------------------------
 
-_ENGINES = {}
-
-
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    """Every component of a workflow's tiny model built in fp32 for the 4090 (sm89), so ONNX Runtime over the
-    built ONNX can be compared with fp32 diffusers."""
-    pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installed (pip install -e '.[rtx]')")
-    from fluxtrt.gpus import load_gpu
-    from fluxtrt.stages.build import build_gpu
-
-    def get(model):
-        if model not in _ENGINES:
-            src = resolve_model(model)
-            root = tmp_path_factory.mktemp(f"eng-{model}")
-            cfg = load_gpu("4090")
-            cfg = cfg.with_precision({c: "fp32" for c in cfg.precision})
-            manifest, _ = build_gpu(src, cfg, root)
-            _ENGINES[model] = (src, root / "4090", manifest)
-        return _ENGINES[model]
-
-    return get
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("workflow", list(MODEL))
 def test_engines_build_with_the_workflows_profile(engines, workflow):

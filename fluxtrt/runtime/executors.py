@@ -271,8 +271,10 @@ class TorchExecutor(Executor):
             raw = self.source.load_component(self.spec.subfolder, self.dtype, self._device)
             if self.fp8 is not None:
                 self.fp8_note = self._quantize(raw)  # fuses q/k/v where it runs on tensor cores
-            elif self.compile and self.device.type == "cuda" and hasattr(raw, "fuse_qkv_projections"):
-                raw.fuse_qkv_projections()  # one GEMM for q/k/v, as the optimize stage fuses them
+            elif self.compile and self.device.type == "cuda":
+                from ..fp8 import fuse_projections
+
+                fuse_projections(raw)  # one GEMM per shared input, as the optimize stage fuses them
             self.module = self.spec.wrap(raw).eval()
         self._fn = self.module
         if self.compile:
