@@ -16,6 +16,7 @@ Rehearse here: python3 scripts/fast_torch.py accuracy --model tiny --device cpu 
                python3 scripts/fast_torch.py speed --model tiny --device cpu --shapes 256x1 --steps 2 --no-compile ..."""
 
 import argparse
+import gc
 import json
 import time
 from pathlib import Path
@@ -145,6 +146,7 @@ def speed(a) -> None:
             if variant == a.profile:
                 profile(pipe, size, batch, Path(a.out).with_name(f"profile_{variant}_{size}x{batch}.txt"))
         del pipe
+        gc.collect()  # the next variant's memory baseline must not include this one (reference cycles)
         if a.device == "cuda":
             torch.cuda.empty_cache()
 
