@@ -190,6 +190,7 @@ def optimize(in_dir: Path, out_dir: Path, passes=None, dtype: str = "fp32", comp
 MAX_STEPS = 1000  # diffusers' schedulers have 1000 training timesteps; more steps than that are a typo
 MAX_PROMPTS_BYTES = 16 << 20  # a prompts file of more is not prompts (e.g. /dev/zero or a model file)
 MAX_GUIDANCE = 100.0  # distilled guidance and true-CFG scales (FLUX uses 1-30); more is a typo
+MAX_CACHE_THRESHOLD = 10.0  # First-Block Cache's relative change; past 1 every step after the first is skipped
 MAX_SIDE = 8192  # pixels a side: over any FLUX profile (the engines' own range is checked per request)
 
 
@@ -273,6 +274,7 @@ class RunOptions:
     strength: float | None = None  # img2img / Fill
     max_area: int | None = None  # Kontext
     calibration: Path | None = None  # --backend torch --model M: a `fluxtrt calibrate` file gives the fp8 recipe
+    cache_threshold: float = 0.0  # First-Block Cache (stepcache.py): 0 off
 
     def inputs(self) -> dict:
         """The request's input files by flag (an output may replace none of them)."""
@@ -294,6 +296,7 @@ class RunOptions:
                                     ("--true-cfg", self.true_cfg, 1.0, MAX_GUIDANCE),
                                     ("--strength", self.strength, -math.inf, math.inf),  # (0, 1]: the workflow says
                                     ("--lora-scale", self.lora_scale, -10.0, 10.0),
+                                    ("--cache-threshold", self.cache_threshold, 0.0, MAX_CACHE_THRESHOLD),
                                     ("--height", self.height, 1, MAX_SIDE), ("--width", self.width, 1, MAX_SIDE),
                                     ("--max-area", self.max_area, 1, MAX_SIDE * MAX_SIDE)):
             check_number(flag, value, lo, hi)
@@ -378,6 +381,8 @@ def open_pipeline(opts: RunOptions):
     choice = choose_backend(opts.backend, engines)
     provider = _ort_provider(opts.ort_provider, choice)
     choice.notes += _gpu_only_flags(opts, choice.backend, provider)
+    if opts.cache_threshold > 0 and opts.cuda_graph:
+        choice.notes.append("--cuda-graph has no effect with --cache-threshold: the cache decides on the host every step")
     if opts.negative_prompt is not None and opts.true_cfg <= 1:
         choice.notes.append("--negative-prompt has no effect without --true-cfg > 1 (as in diffusers' FluxPipeline)")
     budget = opts.weight_streaming_budget << 20 if opts.weight_streaming_budget is not None else None
@@ -415,7 +420,8 @@ def generate(prompts: list[str], opts: RunOptions | None = None, on_step=None, s
     for k, chunk in enumerate(chunks):
         negatives = [opts.negative_prompt] * len(chunk) if opts.negative_prompt is not None else None
         res = pipe.generate(chunk, opts.height or opt[1], opts.width or opt[2], steps, guidance, opts.seed + k,
-                            on_step=on_step, negative_prompts=negatives, true_cfg=opts.true_cfg, inputs=inputs)
+                            on_step=on_step, negative_prompts=negatives, true_cfg=opts.true_cfg, inputs=inputs,
+                            cache_threshold=opts.cache_threshold)
         for j, img in enumerate(res.images):
             idx = sum(len(c) for c in chunks[:k]) + j
             dest = dests[idx]
@@ -423,6 +429,9 @@ def generate(prompts: list[str], opts: RunOptions | None = None, on_step=None, s
             meta.update(_workflow_metadata(wf, opts))
             if opts.true_cfg > 1:
                 meta.update(negative_prompt=opts.negative_prompt, true_cfg=opts.true_cfg)
+            if res.timings.cache is not None:
+                meta.update(cache_threshold=opts.cache_threshold, steps_computed=res.timings.cache["computed"],
+                            steps_skipped=res.timings.cache["skipped"])
             save_png(img, dest, meta)
             paths.append(dest)
         timings.append(res.timings)

@@ -40,6 +40,7 @@ class Row:
     outside_transformer_share: float  # of end-to-end time: text encoders, scheduler, VAE, Python
     peak_memory_gb: float | None
     ratios: dict = field(default_factory=dict)  # diffusers time / ours, per measure (> 1: we are faster)
+    cache: dict | None = None  # First-Block Cache: threshold and the median computed / skipped steps of the runs
 
 
 def _peak_gb(device) -> float | None:
@@ -56,7 +57,7 @@ def _sync(device):
 
 
 def bench_fluxtrt(pipe, label: str, h: int, w: int, batch: int, steps: int, runs: int, warmup: int,
-                  inputs=None) -> Row:
+                  inputs=None, cache_threshold: float = 0.0) -> Row:
     import torch
 
     prompts = [PROMPT] * batch
@@ -66,15 +67,18 @@ def bench_fluxtrt(pipe, label: str, h: int, w: int, batch: int, steps: int, runs
         if pipe.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         _sync(pipe.device)
-        res = pipe.generate(prompts, h, w, steps, seed=k, inputs=inputs)
+        res = pipe.generate(prompts, h, w, steps, seed=k, inputs=inputs, cache_threshold=cache_threshold)
         if k >= warmup:
             samples.append(res.timings)
     total = Measure.of(t.total for t in samples)
     inside = statistics.median(sum(t.steps) for t in samples)
+    cache = None if samples[0].cache is None else {
+        "threshold": cache_threshold, **{k: statistics.median(t.cache[k] for t in samples) for k in ("computed", "skipped")}}
     return Row(label, h, w, batch, steps, Measure.of(t.text_encoders for t in samples),
                Measure.of(statistics.median(t.steps) for t in samples), Measure.of(t.vae for t in samples), total,
                total.median / batch, 60 * batch / total.median, 1 - inside / total.median,
-               max((t.peak_memory_gb or 0) for t in samples) if samples[0].peak_memory_gb is not None else None)
+               max((t.peak_memory_gb or 0) for t in samples) if samples[0].peak_memory_gb is not None else None,
+               cache=cache)
 
 
 class _CallTimer:
@@ -190,6 +194,7 @@ class BenchOptions:
     cuda_graph: bool = False
     inputs: object = None  # workflows.ImageInputs: img2img, Fill, Control or Kontext instead of text-to-image
     ort_provider: str = "auto"  # --backend onnxruntime: its execution provider
+    cache_threshold: float = 0.0  # First-Block Cache on fluxtrt's rows (diffusers' baseline stays uncached)
 
     def check(self) -> "BenchOptions":
         from .errors import FluxtrtError
@@ -200,6 +205,8 @@ class BenchOptions:
             raise FluxtrtError("--runs must be at least 1 and --warmup at least 0")
         if self.baseline not in ("diffusers", "none"):
             raise FluxtrtError(f"--baseline is diffusers or none, got {self.baseline!r}")
+        if not 0 <= self.cache_threshold <= 10:
+            raise FluxtrtError(f"--cache-threshold is between 0 (off) and 10, got {self.cache_threshold}")
         return self
 
 
@@ -230,7 +237,8 @@ def run_bench(pipe, source, backend: str, opts: BenchOptions, say=lambda line: N
     for size in opts.sizes:
         for b in opts.batches:
             say(f"measuring {label} {size}x{size} batch {b}, {steps} steps ...")
-            ours = bench_fluxtrt(pipe, label, size, size, b, steps, opts.runs, opts.warmup, opts.inputs)
+            ours = bench_fluxtrt(pipe, label, size, size, b, steps, opts.runs, opts.warmup, opts.inputs,
+                                 opts.cache_threshold)
             rows.append(ours)
             for name, transformer in baselines:
                 say(f"measuring {name} {size}x{size} batch {b} ...")
@@ -248,5 +256,6 @@ def run_bench(pipe, source, backend: str, opts: BenchOptions, say=lambda line: N
             pipe.device.type == "cuda" else "cpu", "backend": backend, "steps": steps, "runs": opts.runs,
             "warmup": opts.warmup, "compile": opts.compile, "cuda_graph": opts.cuda_graph,
             "torch_dtype": opts.torch_dtype, "model": source.id if source else pipe.manifest.model.id,
+            "cache_threshold": opts.cache_threshold,
             "date": time.strftime("%Y-%m-%d"), "variant": pipe.geo.variant, "workflow": wf.name}
     return rows, meta

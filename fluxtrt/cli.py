@@ -139,6 +139,8 @@ TORCH_DTYPE = _opt("bf16", "--torch-dtype", help="dtype of PyTorch components (a
                    "GPU: bf16, fp16, fp32.")
 COMPILE = _opt(False, "--compile", help="torch.compile the PyTorch components (and the baseline's).")
 CUDA_GRAPH = _opt(False, "--cuda-graph", help="Capture the transformer step as a CUDA graph.")
+CACHE_THRESHOLD = _opt(0.0, "--cache-threshold", help="First-Block Cache as diffusers' (e.g. 0.12-0.2): skip the "
+                       "remaining blocks when the first block's residual changed less; 0: off (--backend torch).")
 STEPS = _opt(None, "--steps", help="Denoising steps (default: 28 dev, 4 schnell; at most 1000).")
 CALIBRATION = _opt(None, "--calibration", help="With --backend torch --model: the file `fluxtrt calibrate` wrote; the "
                    "PyTorch transformer computes the fp8 recipe (E4M3 tensor cores on sm89+, emulated elsewhere). "
@@ -318,7 +320,7 @@ def run(
     negative_prompt: Optional[str] = _opt(None, "--negative-prompt", help="What to steer away from (with --true-cfg)."),
     true_cfg: float = _opt(1.0, "--true-cfg", help="True classifier-free guidance scale, > 1 to use --negative-prompt "
                            "(diffusers' true_cfg_scale; two transformer calls per step)."),
-    calibration: Optional[Path] = CALIBRATION,
+    calibration: Optional[Path] = CALIBRATION, cache_threshold: float = CACHE_THRESHOLD,
 ):
     """Generate images from built engines, with the diffusers pipeline's semantics seed for seed: text-to-image,
     img2img (--image), Fill (--image --mask), Control (--control-image), Kontext (--image), as the engines serve."""
@@ -352,7 +354,7 @@ def bench(
     image: Optional[Path] = IMAGE, mask: Optional[Path] = MASK, control_image: Optional[Path] = CONTROL_IMAGE,
     json_out: Optional[Path] = _opt(None, "--json", help="Write the table as JSON."),
     plot_out: Optional[Path] = _opt(None, "--plot", help="Write a PNG chart (needs matplotlib)."),
-    calibration: Optional[Path] = CALIBRATION,
+    calibration: Optional[Path] = CALIBRATION, cache_threshold: float = CACHE_THRESHOLD,
 ):
     """Measure latency per component, seconds per image and peak memory, optionally against diffusers' pipeline
     of the same workflow."""
@@ -363,7 +365,7 @@ def bench(
     try:
         size_list, batch_list = ([int(v) for v in api.split_list([x])] for x in (sizes, batches))
         opts = BenchOptions(size_list, batch_list, steps, runs, warmup, baseline, torch_dtype, compile, cuda_graph,
-                            api.image_inputs(image, mask, control_image), ort_provider)
+                            api.image_inputs(image, mask, control_image), ort_provider, cache_threshold)
     except ValueError:
         raise FluxtrtError(f"--sizes and --batch take comma-separated integers, got {sizes!r} / {batches!r}") from None
     rows, meta, written = api.bench(engines, model, backend, opts, say=lambda line: r.console.print(line),
@@ -413,7 +415,7 @@ def serve(
     max_queue: int = _opt(64, "--max-queue", help="Images accepted per replica before answering 503 (Retry-After)."),
     address: Optional[str] = _opt(None, "--address", help="Join this Ray cluster (e.g. ray://head:10001 or auto); "
                                   "default: start Ray inside this process."),
-    calibration: Optional[Path] = CALIBRATION,
+    calibration: Optional[Path] = CALIBRATION, cache_threshold: float = CACHE_THRESHOLD,
 ):
     """Serve text-to-image over HTTP (Ray Serve) with step-level continuous batching: POST /v1/images/generations,
     GET /health. Prints the URL when ready; Ctrl-C stops."""
@@ -421,7 +423,7 @@ def serve(
     from .serving import serve_forever
 
     serve_forever(engines, model, backend, host, port, replicas, max_batch, max_queue, address, r.out.print, torch_dtype,
-                  calibration=calibration)
+                  calibration=calibration, cache_threshold=cache_threshold)
 
 
 @app.command()

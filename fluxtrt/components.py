@@ -40,6 +40,7 @@ class Geometry:
     vae_scale_factor: int
     out_channels: int = 0  # transformer output channels (0: as in_channels)
     pipeline: str = "FluxPipeline"  # model_index.json's class: which workflows the model serves (workflows/)
+    transformer_dim: int = 0  # the transformer's hidden width (heads x head dim): its blocks' activations
 
     @property
     def guidance(self) -> bool:
@@ -96,6 +97,7 @@ class Geometry:
             vae_scale_factor=2 ** (len(vae["block_out_channels"]) - 1),
             out_channels=tr.get("out_channels") or tr["in_channels"],
             pipeline=pipeline,
+            transformer_dim=tr["num_attention_heads"] * tr["attention_head_dim"],
         )
 
     @property
@@ -291,6 +293,81 @@ def _wrap_transformer(model):
     return FluxStep()
 
 
+def _transformer_prologue(m, hidden_states, timestep, pooled_projections, guidance, guided):
+    """FluxTransformer2DModel.forward up to its blocks' inputs: (embedded hidden states, temb)."""
+    x = m.x_embedder(hidden_states)
+    t = timestep.to(x.dtype) * 1000
+    temb = (m.time_text_embed(t, guidance.to(x.dtype) * 1000, pooled_projections) if guided
+            else m.time_text_embed(t, pooled_projections))
+    return x, temb
+
+
+def _rotary(m, img_ids, txt_ids):
+    import torch
+
+    return m.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
+
+
+def _wrap_transformer_head(model):
+    """First-Block Cache's head (stepcache.py): the embeddings and the first block, as diffusers' forward runs
+    them; returns the block's outputs, temb, and the residual the cache decides on."""
+    import torch
+
+    guided = bool(model.config.guidance_embeds)
+
+    class FluxHead(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
+                    guidance=None):
+            m = self.model
+            x, temb = _transformer_prologue(m, hidden_states, timestep, pooled_projections, guidance, guided)
+            encoder, hidden = m.transformer_blocks[0](
+                hidden_states=x, encoder_hidden_states=m.context_embedder(encoder_hidden_states), temb=temb,
+                image_rotary_emb=_rotary(m, img_ids, txt_ids))
+            return hidden, encoder, temb, hidden - x
+
+    return FluxHead()
+
+
+def _wrap_transformer_tail(model):
+    """First-Block Cache's tail: every block after the first; returns the last block's image stream."""
+    import torch
+
+    class FluxTail(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, head_hidden, head_encoder, temb, img_ids, txt_ids):
+            m = self.model
+            rotary = _rotary(m, img_ids, txt_ids)
+            hidden, encoder = head_hidden, head_encoder
+            for block in list(m.transformer_blocks)[1:] + list(m.single_transformer_blocks):
+                encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, temb=temb,
+                                        image_rotary_emb=rotary)
+            return hidden
+
+    return FluxTail()
+
+
+def _wrap_transformer_out(model):
+    """What runs after the blocks at every step: norm_out and proj_out."""
+    import torch
+
+    class FluxOut(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, hidden, temb):
+            return self.model.proj_out(self.model.norm_out(hidden, temb))
+
+    return FluxOut()
+
+
 def _wrap_vae_decoder(vae):
     import torch
 
@@ -365,6 +442,31 @@ VAE_ENCODER = ComponentSpec(
                                                   "latent_width")),),
 )
 
+_HIDDEN = ("batch", "image_tokens", "geo.transformer_dim")
+_TEXT = ("batch", "geo.t5_length", "geo.transformer_dim")
+_TEMB = ("batch", "geo.transformer_dim")
+TRANSFORMER_HEAD = ComponentSpec(
+    name="transformer_head", subfolder="transformer", rtol_fp32=1e-4, wrap=_wrap_transformer_head,
+    needs_guidance=True, inputs=TRANSFORMER.inputs,
+    outputs=(TensorSpec("head_hidden", _F, _HIDDEN), TensorSpec("head_encoder", _F, _TEXT),
+             TensorSpec("temb", _F, _TEMB), TensorSpec("head_residual", _F, _HIDDEN)),
+)
+TRANSFORMER_TAIL = ComponentSpec(
+    name="transformer_tail", subfolder="transformer", rtol_fp32=1e-4, wrap=_wrap_transformer_tail,
+    inputs=(TensorSpec("head_hidden", _F, _HIDDEN), TensorSpec("head_encoder", _F, _TEXT),
+            TensorSpec("temb", _F, _TEMB), TensorSpec("img_ids", _F, ("image_tokens", 3)),
+            TensorSpec("txt_ids", _F, ("geo.t5_length", 3))),
+    outputs=(TensorSpec("tail_hidden", _F, _HIDDEN),),
+)
+TRANSFORMER_OUT = ComponentSpec(
+    name="transformer_out", subfolder="transformer", rtol_fp32=1e-4, wrap=_wrap_transformer_out,
+    inputs=(TensorSpec("hidden", _F, _HIDDEN), TensorSpec("temb", _F, _TEMB)),
+    outputs=(TensorSpec("noise_pred", _F, ("batch", "image_tokens", "geo.out_channels")),),
+)
+# The transformer as First-Block Cache's three parts (stepcache.py); the runtime runs them where caching is on.
+TRANSFORMER_PARTS: Mapping[str, ComponentSpec] = {
+    s.name: s for s in (TRANSFORMER_HEAD, TRANSFORMER_TAIL, TRANSFORMER_OUT)}
+
 ALL: Mapping[str, ComponentSpec] = {s.name: s for s in (CLIP, T5, TRANSFORMER, VAE_DECODER, VAE_ENCODER)}
 # What `fluxtrt run` needs for text-to-image; the VAE encoder is exported for image-to-image.
 DEFAULT_COMPONENTS = ("clip", "t5", "transformer", "vae_decoder", "vae_encoder")
@@ -387,3 +489,8 @@ def specs_for(geo: Geometry, names=None) -> dict[str, ComponentSpec]:
 
         raise FluxtrtError(f"unknown component(s) {', '.join(unknown)}; choose from {', '.join(ALL)}")
     return {n: for_variant(ALL[n], geo) for n in names}
+
+
+def transformer_parts(geo: Geometry) -> dict[str, ComponentSpec]:
+    """The transformer's First-Block Cache parts for this model (schnell's head has no guidance input)."""
+    return {n: for_variant(s, geo) for n, s in TRANSFORMER_PARTS.items()}

@@ -143,10 +143,11 @@ def timings(generated) -> None:
     for k, t in enumerate(generated.timings):
         st = t.steps or [0.0]
         mem = f"{t.peak_memory_gb:.2f}" if t.peak_memory_gb is not None else "-"
+        cached = "-" if t.cache is None else f"{t.cache['computed']} / {t.cache['skipped']}"
         rows.append((str(k), f"{t.text_encoders:.3f}", f"{sum(st) / len(st):.3f}", f"{min(st):.3f}",
-                     f"{max(st):.3f}", f"{t.vae:.3f}", f"{t.total:.3f}", mem))
+                     f"{max(st):.3f}", f"{t.vae:.3f}", f"{t.total:.3f}", mem, cached))
     out.print(table("timings (seconds)", ("call", "text encoders", "step mean", "step min", "step max",
-                                          "VAE decode", "total", "peak GPU GB"), rows))
+                                          "VAE decode", "total", "peak GPU GB", "steps computed / skipped"), rows))
     for p in generated.paths:
         out.print(f"wrote {p}")
 
@@ -158,6 +159,8 @@ def bench_rows(rows, meta) -> None:
     body = []
     for r in rows:
         speed = f"{r.ratios['end_to_end_s']:.2f}x (step {r.ratios['transformer_step_s']:.2f}x)" if r.ratios else ""
+        if r.cache is not None:
+            speed += f" cache {r.cache['threshold']:g}: {r.cache['computed']:g} computed, {r.cache['skipped']:g} skipped"
         body.append((r.system, f"{r.width}x{r.height}", str(r.batch), fmt(r.text_encoders_s),
                      fmt(r.transformer_step_s), fmt(r.vae_decode_s), fmt(r.end_to_end_s), f"{r.seconds_per_image:.3f}",
                      f"{r.images_per_minute:.1f}", f"{100 * r.outside_transformer_share:.1f}%",

@@ -4,8 +4,9 @@ batcher (runtime/batching.py). On one machine Ray runs embedded (a local runtime
 
 HTTP API (OpenAI-style images):
   POST /v1/images/generations  {"prompt": str, "n": 1, "size": "WIDTHxHEIGHT", "steps": int, "guidance": float,
-                                "seed": int, "response_format": "b64_json"}   (all but prompt optional)
-    200 {"created": unix time, "data": [{"b64_json": PNG, "seed": int}], "timings": {...}}
+                                "seed": int, "cache_threshold": float, "response_format": "b64_json"}
+                                (all but prompt optional; cache_threshold: First-Block Cache per image, 0 off)
+    200 {"created": unix time, "data": [{"b64_json": PNG, "seed": int[, "cache": {...}]}], "timings": {...}}
     400 {"error": {"message": one line}} for anything `fluxtrt run` refuses; 503 + Retry-After when the queue
     is full; 500 when a generation fails (the server keeps serving)
   GET /health  200 {"status": "ok", ...} once the engines are loaded
@@ -23,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .api import MAX_STEPS, check_number
+from .api import MAX_CACHE_THRESHOLD, MAX_STEPS, check_number
 from .errors import FluxtrtError
 
 MAX_PROMPT_CHARS = 10_000  # T5 reads at most 512 tokens; a longer body is a client bug, not a prompt
@@ -76,9 +77,11 @@ class Generation:
     steps: int
     guidance: float
     seed: int
+    cache_threshold: float = 0.0
 
 
-def parse_request(body: bytes, default_size: tuple[int, int], default_steps: int) -> Generation:
+def parse_request(body: bytes, default_size: tuple[int, int], default_steps: int,
+                  default_cache_threshold: float = 0.0) -> Generation:
     """The request body as a Generation, or BadRequest naming the field and what it takes."""
     if len(body) > MAX_BODY_BYTES:
         raise TooLarge.of(len(body))
@@ -116,7 +119,8 @@ def parse_request(body: bytes, default_size: tuple[int, int], default_steps: int
         raise BadRequest(f"\"size\" must be positive pixels, e.g. \"1024x768\"; got {size!r}")
     return Generation(prompt, number("n", 1, int, 1, MAX_N), width, height,
                       number("steps", default_steps, int, 1, MAX_STEPS), number("guidance", 3.5, float, 0.0, 100.0),
-                      number("seed", 0, int, 0, 2**63 - 1 - MAX_N))
+                      number("seed", 0, int, 0, 2**63 - 1 - MAX_N),
+                      number("cache_threshold", default_cache_threshold, float, 0.0, MAX_CACHE_THRESHOLD))
 
 
 def png_b64(image) -> str:
@@ -131,7 +135,8 @@ class Service:
     """One replica's state and request handling, independent of Ray (tests drive it directly)."""
 
     def __init__(self, engines: str | None, model: str | None, backend: str, max_batch: int | None, max_queue: int,
-                 metrics=None, torch_dtype: str = "bf16", calibration: str | None = None):
+                 metrics=None, torch_dtype: str = "bf16", calibration: str | None = None,
+                 cache_threshold: float = 0.0):
         from .runtime.batching import ContinuousBatcher
         from .runtime.choice import choose_backend
         from .runtime.pipeline import FluxEngines
@@ -153,6 +158,8 @@ class Service:
         opt = self.pipe.manifest.shape_range["opt"] if self.pipe.manifest is not None else [1, 1024, 1024]
         self.default_size = (opt[1], opt[2])
         self.default_steps = 28 if self.pipe.geo.guidance else 4
+        self.pipe.step_cache(cache_threshold)  # refused now where the executor cannot run the cache's parts
+        self.default_cache_threshold = cache_threshold
 
     def _record(self, stats) -> None:
         if self.metrics is not None:
@@ -183,8 +190,9 @@ class Service:
 
         t0 = time.perf_counter()
         try:
-            req = parse_request(body, self.default_size, self.default_steps)
-            future = self.batcher.submit(req.prompt, req.height, req.width, req.steps, req.guidance, req.seed, req.n)
+            req = parse_request(body, self.default_size, self.default_steps, self.default_cache_threshold)
+            future = self.batcher.submit(req.prompt, req.height, req.width, req.steps, req.guidance, req.seed, req.n,
+                                         req.cache_threshold)
         except QueueFull as e:
             return 503, _error(e), {"Retry-After": "2"}
         except ShuttingDown as e:
@@ -200,7 +208,8 @@ class Service:
         except FluxtrtError as e:
             return 500, _error(e), {}
         images = await asyncio.to_thread(lambda: [png_b64(img) for img in done.images])
-        data = [{"b64_json": b64, "seed": req.seed + i} for i, b64 in enumerate(images)]
+        data = [{"b64_json": b64, "seed": req.seed + i, **({"cache": c} if c is not None else {})}
+                for i, (b64, c) in enumerate(zip(images, done.caches))]
         timings = {"queue_s": round(done.queue_seconds, 4), "generate_s": round(done.seconds, 4),
                    "total_s": round(time.perf_counter() - t0, 4), "steps": req.steps}
         return 200, {"created": int(time.time()), "data": data, "timings": timings}, {"X-Fluxtrt-Replica": str(os.getpid())}
@@ -231,7 +240,7 @@ def _metrics_recorder():
 
 
 def deployment(engines, model, backend, max_batch, max_queue, replicas: int, gpus_per_replica: float,
-               torch_dtype: str = "bf16", calibration: str | None = None):
+               torch_dtype: str = "bf16", calibration: str | None = None, cache_threshold: float = 0.0):
     """The Ray Serve application: `replicas` copies of the service, each on its own GPU when there are GPUs."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse
@@ -245,7 +254,7 @@ def deployment(engines, model, backend, max_batch, max_queue, replicas: int, gpu
     class FluxService:
         def __init__(self):
             self.service = Service(engines, model, backend, max_batch, max_queue, _metrics_recorder(), torch_dtype,
-                                   calibration)
+                                   calibration, cache_threshold)
 
         @app.post(ROUTE)
         async def generations(self, request: Request):
@@ -351,7 +360,7 @@ def _bounded(fn, seconds: float, say) -> None:
 
 def serve_forever(engines: Path | None, model: str | None, backend: str, host: str, port: int, replicas: int,
                   max_batch: int | None, max_queue: int, address: str | None, say=print, torch_dtype: str = "bf16",
-                  calibration: Path | None = None) -> None:
+                  calibration: Path | None = None, cache_threshold: float = 0.0) -> None:
     """Start (or join) Ray, run the app, say the URL, block until Ctrl-C / SIGTERM, then shut down."""
     import signal
 
@@ -363,6 +372,10 @@ def serve_forever(engines: Path | None, model: str | None, backend: str, host: s
     import torch
 
     check_serve_options(host, port, replicas, max_batch, max_queue, address)
+    check_number("--cache-threshold", cache_threshold, 0.0, MAX_CACHE_THRESHOLD)
+    if cache_threshold > 0 and backend not in ("torch", "auto"):
+        raise FluxtrtError(f"--cache-threshold runs the transformer as First-Block Cache's parts, which the {backend} "
+                           "executor's single transformer cannot; use --backend torch")
     check_servable(engines, model, backend)
     if calibration is not None and not Path(calibration).is_file():
         raise FluxtrtError(f"--calibration {calibration}: no such file; pass the file `fluxtrt calibrate` wrote")
@@ -384,7 +397,7 @@ def serve_forever(engines: Path | None, model: str | None, backend: str, host: s
         try:
             serve.run(deployment(str(Path(engines).resolve()) if engines else None, model, backend, max_batch,
                                  max_queue, replicas, gpus, torch_dtype,
-                                 str(Path(calibration).resolve()) if calibration else None),
+                                 str(Path(calibration).resolve()) if calibration else None, cache_threshold),
                       name="fluxtrt", route_prefix="/")
         except RuntimeError as e:  # the replicas' own error is in Ray's logs
             raise FluxtrtError(f"the replicas did not start ({str(e).splitlines()[0]}); see Ray's logs in "

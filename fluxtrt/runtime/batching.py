@@ -10,6 +10,10 @@ height, width, reference size). A sample's image is therefore independent of wha
 the executor's batch-size rounding; tests bound it at 2/255 against `fluxtrt run` with the same arguments).
 
 A sample with seed s equals `fluxtrt run --seed s` (batch 1); a request for n images uses seeds s, s+1, ....
+First-Block Cache (a request's `cache_threshold`, stepcache.py) decides per sample, as `fluxtrt run` batch 1
+does: the head runs for the whole batch; when any sample's residual changed past its threshold the tail runs
+for the whole batch, and only those samples take (and keep) its output; the others take their kept residual.
+So a sample's image does not depend on its batch-mates' decisions.
 The library is usable without Ray: `submit` returns a `concurrent.futures.Future`, one thread runs the loop."""
 
 from __future__ import annotations
@@ -49,8 +53,10 @@ class Job:
     n: int
     future: Future = field(default_factory=Future)
     images: dict = field(default_factory=dict)  # sample index -> uint8 [H, W, 3]
+    caches: dict = field(default_factory=dict)  # sample index -> First-Block Cache summary (or None)
     created: float = field(default_factory=time.perf_counter)
     started: float | None = None  # first step
+    cache_threshold: float = 0.0  # First-Block Cache, per sample (0: off)
 
 
 @dataclass
@@ -60,6 +66,7 @@ class Finished:
     images: list
     queue_seconds: float  # submitted -> first transformer step
     seconds: float  # submitted -> last image decoded
+    caches: list = field(default_factory=list)  # per image: First-Block Cache's computed / skipped steps (or None)
 
 
 @dataclass
@@ -77,6 +84,7 @@ class Sample:
     img_ids: object
     step: int = 0
     order: int = 0  # admission order (oldest first)
+    cache: object = None  # stepcache.FirstBlockCache of this sample (None: off)
 
     @property
     def done(self) -> bool:
@@ -117,7 +125,7 @@ class ContinuousBatcher:
 
     # -- the API ------------------------------------------------------------------------------------------------
     def submit(self, prompt: str, height: int, width: int, steps: int, guidance: float = 3.5, seed: int = 0,
-               n: int = 1) -> Future:
+               n: int = 1, cache_threshold: float = 0.0) -> Future:
         """Queue a request; the future's result is a `Finished` with n uint8 [H, W, 3] images. Checks the request now
         (one-line RequestError) and refuses with QueueFull when `max_queue` samples are already pending."""
         if not isinstance(prompt, str) or not prompt.strip():
@@ -125,9 +133,10 @@ class ContinuousBatcher:
         if n < 1:
             raise RequestError(f"n must be at least 1, got {n}")
         self.pipe.check_request(1, height, width, steps)
+        self.pipe.step_cache(cache_threshold)  # one line where the executor cannot run the cache's parts
         if self._stop.is_set():
             raise ShuttingDown("the server is shutting down")
-        job = Job(prompt, height, width, steps, guidance, seed, n)
+        job = Job(prompt, height, width, steps, guidance, seed, n, cache_threshold=cache_threshold)
         with self._lock:
             if self._pending + n > self.max_queue:
                 raise QueueFull(f"{self._pending} images are queued (max {self.max_queue}); retry shortly")
@@ -224,7 +233,8 @@ class ContinuousBatcher:
         self._order += 1
         return Sample(job, index, (wf.name, height, width, reference), cond.latents, cond,
                       (prep.timesteps / 1000).to(dev), (prep.sigmas[1:] - prep.sigmas[:-1]).to(dev), guidance,
-                      pooled.to(dev), text.to(dev), cond.img_ids, order=self._order)
+                      pooled.to(dev), text.to(dev), cond.img_ids, order=self._order,
+                      cache=pipe.step_cache(job.cache_threshold))
 
     def _step(self, batch: list[Sample]) -> None:
         import torch
@@ -243,7 +253,10 @@ class ContinuousBatcher:
                      "img_ids": first.img_ids, "txt_ids": fm.text_ids(pipe.geo.t5_length).to(dev)}
             if pipe.geo.guidance:
                 feeds["guidance"] = torch.cat([s.guidance for s in batch])
-            out = pipe.executors["transformer"].infer(feeds)["noise_pred"]
+            if any(s.cache is not None for s in batch):
+                out = self._cached_transformer(batch, feeds)
+            else:
+                out = pipe.executors["transformer"].infer(feeds)["noise_pred"]
             tokens = first.latents.shape[1]
             for i, s in enumerate(batch):  # each sample's own Euler step (its own dt)
                 s.latents = fm.euler_step(s.latents, out[i:i + 1, :tokens].float(), s.dts[s.step])
@@ -256,6 +269,29 @@ class ContinuousBatcher:
         self.stats.batch_histogram[len(batch)] += 1
         if self.on_step is not None:
             self.on_step(self.stats)
+
+    def _cached_transformer(self, batch: list[Sample], feeds: dict):
+        """The transformer through First-Block Cache's parts, each sample deciding for itself (module doc)."""
+        import torch
+
+        from ..components import transformer_parts
+
+        parts, ex = transformer_parts(self.pipe.geo), self.pipe.executors["transformer"]
+        head = ex.infer_part(parts["transformer_head"], feeds)
+        rows = [{k: v[i:i + 1] for k, v in head.items()} for i in range(len(batch))]
+        compute = [s.cache is None or s.cache.must_compute("cond", r["head_residual"]) for s, r in zip(batch, rows)]
+        tail = None
+        if any(compute):
+            tail = ex.infer_part(parts["transformer_tail"], dict(head, img_ids=feeds["img_ids"],
+                                                                 txt_ids=feeds["txt_ids"]))["tail_hidden"]
+        hidden = []
+        for i, (s, r, c) in enumerate(zip(batch, rows, compute)):
+            if s.cache is not None:
+                s.cache.record("cond", c)
+                if c:
+                    s.cache.keep("cond", r["head_residual"], r["head_hidden"], tail[i:i + 1])
+            hidden.append(tail[i:i + 1] if c else s.cache.cached("cond", r["head_hidden"]))
+        return ex.infer_part(parts["transformer_out"], {"hidden": torch.cat(hidden), "temb": head["temb"]})["noise_pred"]
 
     def _decode(self, finished: list[Sample]) -> None:
         import torch
@@ -279,6 +315,7 @@ class ContinuousBatcher:
                         self._finish(s.job, exception=RequestError("the VAE decoder produced NaN/Inf"))
                         continue
                     s.job.images[s.index] = img
+                    s.job.caches[s.index] = s.cache.summary() if s.cache is not None else None
                     if len(s.job.images) == s.job.n:
                         self._finish(s.job)
 
@@ -293,7 +330,7 @@ class ContinuousBatcher:
         else:
             now = time.perf_counter()
             job.future.set_result(Finished([job.images[i] for i in range(job.n)], (job.started or now) - job.created,
-                                           now - job.created))
+                                           now - job.created, [job.caches.get(i) for i in range(job.n)]))
 
     def _fail(self, samples: list[Sample], e: Exception) -> None:
         jobs = {id(s.job): s.job for s in samples}

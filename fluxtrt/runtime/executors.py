@@ -252,6 +252,7 @@ class TorchExecutor(Executor):
         self.dtype_name = dtype
         self.module = None
         self._cpu_copy = None
+        self._parts: dict = {}  # First-Block Cache's parts over the same module, made when first asked
 
     @property
     def device(self):
@@ -299,9 +300,27 @@ class TorchExecutor(Executor):
             scales = fp8.scales_from_calibration(raw, self.fp8["amax"], groups)
         return fp8.quantize_module(raw, scales, self.device)
 
+    def infer_part(self, spec, feeds: dict) -> dict:
+        """One of the transformer's First-Block Cache parts (components.TRANSFORMER_PARTS) on this module:
+        {output name: tensor}."""
+        import torch
+
+        if not self.active:
+            self.activate()
+        if spec.name not in self._parts:
+            part = spec.wrap(self.module.model).eval()
+            self._parts[spec.name] = torch.compile(part, fullgraph=False, dynamic=False) if self.compile else part
+        args = [feeds[t.name].to(self.device, self.dtype) if feeds[t.name].is_floating_point()
+                else feeds[t.name].to(self.device) for t in spec.inputs if t.name in feeds]
+        with torch.inference_mode():
+            out = self._parts[spec.name](*args)
+        out = out if isinstance(out, tuple) else (out,)
+        return {t.name: v for t, v in zip(spec.outputs, out)}
+
     def deactivate(self) -> None:
         import torch
 
+        self._parts = {}
         if self.module is not None:
             self._cpu_copy = self.module.to("cpu")
         self.module = self._fn = None

@@ -52,6 +52,7 @@ class Timings:
     vae: float = 0.0
     total: float = 0.0
     peak_memory_gb: float | None = None
+    cache: dict | None = None  # First-Block Cache: {"threshold", "computed", "skipped"} steps (None: off)
 
 
 @dataclass
@@ -290,6 +291,38 @@ class FluxEngines:
 
         return eager
 
+    def step_cache(self, threshold: float):
+        """A fresh First-Block Cache for one generation, or None for threshold 0 (the uncached step, bit for
+        bit); one line where the transformer's executor cannot run its parts."""
+        from ..stepcache import FirstBlockCache
+
+        if not threshold:
+            return None
+        ex = self.executors["transformer"]
+        if not hasattr(ex, "infer_part"):
+            raise RequestError(f"--cache-threshold runs the transformer as First-Block Cache's parts, which the "
+                               f"{ex.kind} executor's single transformer cannot; use --backend torch")
+        return FirstBlockCache(threshold)
+
+    def _cached_step(self, feeds: dict, cache, branch: str):
+        """step(latents, timestep) -> noise_pred through the transformer's parts and `cache` (stepcache.py)."""
+        from ..components import transformer_parts
+
+        parts, ex = transformer_parts(self.geo), self.executors["transformer"]
+
+        def step(latents, timestep):
+            feeds["hidden_states"], feeds["timestep"] = latents, timestep
+            head = ex.infer_part(parts["transformer_head"], feeds)
+
+            def tail():
+                return ex.infer_part(parts["transformer_tail"], dict(
+                    head, img_ids=feeds["img_ids"], txt_ids=feeds["txt_ids"]))["tail_hidden"]
+
+            hidden = cache.step(branch, head, tail)
+            return ex.infer_part(parts["transformer_out"], {"hidden": hidden, "temb": head["temb"]})["noise_pred"]
+
+        return step
+
     # -- request checks -------------------------------------------------------------------------------
     def plan(self, height: int, width: int, inputs: ImageInputs | None = None):
         """(workflow, output height, output width, reference size) for a request's image inputs; one line
@@ -372,11 +405,12 @@ class FluxEngines:
 
     def generate(self, prompts: list[str], height: int, width: int, steps: int, guidance: float = 3.5,
                  seed: int = 0, trace: bool = False, on_step=None, negative_prompts: list[str] | None = None,
-                 true_cfg: float = 1.0, inputs: ImageInputs | None = None) -> Result:
+                 true_cfg: float = 1.0, inputs: ImageInputs | None = None, cache_threshold: float = 0.0) -> Result:
         """Images for `prompts`. `inputs`: the image workflows' images and settings (workflows/); the model and
         these pick the workflow. True classifier-free guidance as diffusers' `true_cfg_scale`: with `true_cfg` > 1
         and `negative_prompts`, each step also runs the transformer on the negative prompts and uses
-        neg + true_cfg * (pos - neg) (in the transformer's output dtype, as diffusers does)."""
+        neg + true_cfg * (pos - neg) (in the transformer's output dtype, as diffusers does). `cache_threshold` > 0:
+        First-Block Cache with diffusers' semantics (stepcache.py)."""
 
         batch = len(prompts)
         if batch == 0 or any(not isinstance(p, str) for p in prompts):
@@ -387,6 +421,7 @@ class FluxEngines:
         inputs = inputs or ImageInputs()
         wf, height, width, reference = self.plan(height, width, inputs)
         self.check_request(batch, height, width, steps, reference)
+        cache = self.step_cache(cache_threshold)
         geo, dev = self.geo, self.device
         timings = Timings()
         memory = MemoryWatch(self._memory_base) if dev.type == "cuda" else None
@@ -411,7 +446,7 @@ class FluxEngines:
             self._release("vae_encoder")
         negative = (neg_pooled, neg_text) if cfg else None
         latents, trace_latents = self._denoise(prep, pooled, text, guidance, negative, true_cfg, trace, on_step,
-                                               timings)
+                                               timings, cache)
         _check_finite(latents, "transformer")  # after the loop: the loop itself never reads the device
         if memory is not None:
             memory.sample()
@@ -440,6 +475,7 @@ class FluxEngines:
                     log.warning(note)
         if not (images.size and finite):
             raise NonFiniteError("vae_decoder produced NaN/Inf; build it in fp32 (`--precision vae_decoder=fp32`)")
+        timings.cache = cache.summary() if cache is not None else None
         return Result(images, timings, trace_latents, wf.name, height, width)
 
     def prepare(self, wf, batch: int, height: int, width: int, steps: int, seed: int, inputs: ImageInputs) -> Prepared:
@@ -472,9 +508,11 @@ class FluxEngines:
         _check_finite(out, "vae_encoder")
         return out
 
-    def _denoise(self, prep: Prepared, pooled, text, guidance, negative, true_cfg, trace, on_step, timings):
+    def _denoise(self, prep: Prepared, pooled, text, guidance, negative, true_cfg, trace, on_step, timings,
+                 cache=None):
         """The FlowMatch Euler loop of every workflow: (final packed latents, latents after each step if traced).
-        Everything the loop needs is on the device before it starts; inside it nothing is read back."""
+        Everything the loop needs is on the device before it starts; inside it nothing is read back, except
+        First-Block Cache's one number per step when `cache` is on."""
         import torch
 
         dev, batch, steps = self.device, prep.latents.shape[0], len(prep.timesteps)
@@ -488,15 +526,17 @@ class FluxEngines:
                      "txt_ids": fm.text_ids(self.geo.t5_length).to(dev), "timestep": t_in[0].expand(batch)}
             if self.geo.guidance:
                 feeds["guidance"] = torch.full([batch], guidance, dtype=torch.float32).to(dev)
-            step = self._step_function(feeds, refresh=negative is not None)
+            step = (self._step_function(feeds, refresh=negative is not None) if cache is None
+                    else self._cached_step(feeds, cache, "cond"))
             if negative is not None:  # the same call with the negative prompts' embeddings
                 neg_feeds = dict(feeds, encoder_hidden_states=negative[1].to(dev),
                                  pooled_projections=negative[0].to(dev))
-                step_neg = self._step_function(neg_feeds, refresh=True)
+                step_neg = (self._step_function(neg_feeds, refresh=True) if cache is None
+                            else self._cached_step(neg_feeds, cache, "uncond"))
             tokens = latents.shape[1]  # Kontext: the output's first tokens are the target's
             trace_latents = []
             step_marks = [_mark(dev)]
-            with _sync_guard(dev, self.sync_check):
+            with _sync_guard(dev, self.sync_check and cache is None):
                 for i in range(steps):
                     model_input = cond.model_input(latents)
                     noise_pred = step(model_input, t_in[i].expand(batch))[:, :tokens]

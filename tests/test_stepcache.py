@@ -1,0 +1,147 @@
+"""First-Block Cache (fluxtrt/stepcache.py) against diffusers' own hook (`transformer.enable_cache(
+FirstBlockCacheConfig(threshold=T))`): at thresholds where diffusers skips some steps but not all, the torch
+executor skips the same steps and gives the same latents and images, for every workflow and true CFG; T = 0 is
+the uncached run bit for bit; served images equal `fluxtrt run` with the same T; the CLI records it."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from typer.testing import CliRunner
+
+from fluxtrt.cli import app
+from fluxtrt.models.source import resolve_model
+from fluxtrt.runtime.pipeline import FluxEngines
+from fluxtrt.workflows import WORKFLOWS, ImageInputs
+from tests.test_workflows import inputs_for
+
+MAX_UINT8_DIFF = 2
+LATENT_BOUND = 1e-4  # torch executor (fp32, CPU) vs diffusers, max |diff| of the latents after every step
+THRESHOLDS = (0.3, 0.5, 0.8, 1.2, 2.0)  # tried in order: the first at which diffusers skips some, not all
+CASES = [("tiny", "txt2img", 6), ("tiny-schnell", "txt2img", 4), ("tiny", "img2img", 8),
+         ("tiny-fill", "fill", 6), ("tiny-control", "control", 6), ("tiny-kontext", "kontext", 5)]
+
+
+def diffusers_run(src, workflow, prompts, h, w, steps, guidance, seed, inputs, threshold, negative=None):
+    """(uint8 images, latents per step, steps that ran the tail) of diffusers' pipeline with its own cache."""
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    pipe = src.load_pipeline(pipeline=WORKFLOWS[workflow].pipeline)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+    tails, latents = [0], []
+    pipe.transformer.single_transformer_blocks[-1].attn.register_forward_pre_hook(
+        lambda *a: tails.__setitem__(0, tails[0] + 1))  # runs only when the tail runs
+    extra = {"negative_prompt": [negative] * len(prompts), "true_cfg_scale": 2.5} if negative else {}
+    import contextlib
+
+    # FluxPipeline names its branches itself; diffusers' image pipelines call the transformer outside any cache
+    # context (the hook then raises), so their one branch is named here, as fluxtrt names it
+    own = workflow == "txt2img"
+    with contextlib.nullcontext() if own else pipe.transformer.cache_context("cond"):
+        img = pipe(prompt=prompts, height=h, width=w, num_inference_steps=steps, guidance_scale=guidance,
+                   max_sequence_length=src.geometry.t5_length, generator=torch.Generator().manual_seed(seed),
+                   output_type="np", callback_on_step_end=lambda p, i, t, kw: (latents.append(kw["latents"].clone()),
+                                                                               {})[1],
+                   **WORKFLOWS[workflow].diffusers_kwargs(inputs), **extra).images
+    return (img * 255).round().astype("uint8"), latents, tails[0] // (2 if negative else 1)
+
+
+def compare(model, workflow, steps, negative=None):
+    src = resolve_model(model)
+    pipe = FluxEngines(None, "torch", model=src, device="cpu", torch_dtype="fp32")
+    rng = np.random.default_rng()
+    prompts, h, w = ["a red fox in the snow", "a bowl of ramen"], 256, 320
+    seed, guidance = int(rng.integers(0, 2**31)), float(rng.uniform(2.0, 8.0))
+    inputs = inputs_for(workflow, rng, h, w) if workflow != "txt2img" else ImageInputs()
+    for threshold in THRESHOLDS:
+        ref, ref_latents, computed = diffusers_run(src, workflow, prompts, h, w, steps, guidance, seed, inputs,
+                                                   threshold, negative)
+        if 1 <= computed < len(ref_latents):
+            break
+    else:
+        pytest.fail(f"{model}: diffusers skipped no step or all steps at every threshold in {THRESHOLDS}")
+    res = pipe.generate(prompts, h, w, steps, guidance, seed, trace=True, inputs=inputs, cache_threshold=threshold,
+                        negative_prompts=[negative] * 2 if negative else None, true_cfg=2.5 if negative else 1.0)
+    assert res.timings.cache == {"threshold": threshold, "computed": computed,
+                                 "skipped": len(ref_latents) - computed}, (res.timings.cache, computed)
+    for i, (a, b) in enumerate(zip(res.latents_per_step, ref_latents, strict=True)):
+        err = float((a - b).abs().max())
+        assert err < LATENT_BOUND, f"{model}: latents diverge from diffusers' at step {i}: {err:.2e}"
+    diff = int(np.abs(res.images.astype(int) - ref.astype(int)).max())
+    assert diff <= MAX_UINT8_DIFF and res.images.std() > 1, diff
+    uncached = pipe.generate(prompts, h, w, steps, guidance, seed, inputs=inputs,
+                             negative_prompts=[negative] * 2 if negative else None, true_cfg=2.5 if negative else 1.0)
+    assert np.abs(uncached.images.astype(int) - res.images.astype(int)).max() > 0  # the skipped steps show
+    return pipe, threshold, seed, computed
+
+
+@pytest.mark.parametrize("model,workflow,steps", CASES, ids=[f"{m}-{w}" for m, w, _ in CASES])
+def test_torch_executor_skips_the_steps_diffusers_skips(model, workflow, steps):
+    compare(model, workflow, steps)
+
+
+def test_true_cfg_branches_keep_their_own_cache():
+    compare("tiny", "txt2img", 6, negative="blurry, low quality")
+
+
+def test_zero_threshold_is_the_uncached_run_bit_for_bit():
+    pipe = FluxEngines(None, "torch", model=resolve_model("tiny"), device="cpu", torch_dtype="fp32")
+    seed = int(np.random.default_rng().integers(0, 2**31))
+    a = pipe.generate(["a lighthouse"], 256, 256, 4, 3.5, seed, cache_threshold=0.0)
+    b = pipe.generate(["a lighthouse"], 256, 256, 4, 3.5, seed)
+    assert np.array_equal(a.images, b.images) and a.timings.cache is None
+
+
+def test_served_images_equal_run_with_the_same_threshold():
+    """Three requests in one continuous batch, each deciding for itself (one uncached), against `fluxtrt run`
+    batch 1 with the same threshold and seed: same steps skipped, images within 2/255."""
+    from fluxtrt.runtime.batching import ContinuousBatcher
+
+    pipe = FluxEngines(None, "torch", model=resolve_model("tiny"), device="cpu", torch_dtype="fp32")
+    batcher = ContinuousBatcher(pipe, max_batch=4)
+    seeds = [int(s) for s in np.random.default_rng().integers(0, 2**31, 3)]
+    asks = [(0.5, seeds[0]), (0.0, seeds[1]), (1.2, seeds[2])]
+    futures = [batcher.submit("a red fox", 256, 256, 6, 3.5, seed, 1, t) for t, seed in asks]
+    batcher.run_until_idle()
+    assert batcher.stats.batch_histogram[3] >= 1  # they did share the transformer
+    for (t, seed), fut in zip(asks, futures):
+        done = fut.result()
+        alone = pipe.generate(["a red fox"], 256, 256, 6, 3.5, seed, cache_threshold=t)
+        assert done.caches[0] == alone.timings.cache
+        assert int(np.abs(done.images[0].astype(int) - alone.images[0].astype(int)).max()) <= MAX_UINT8_DIFF
+    assert futures[2].result().caches[0]["skipped"] > 0  # the test exercises a skip
+
+
+def test_cli_records_the_cache_and_refuses_where_it_cannot_run(tmp_path):
+    runner = CliRunner()
+    out = tmp_path / "a.png"
+    res = runner.invoke(app, ["run", "--backend", "torch", "--model", "tiny", "--prompt", "a fox", "--steps", "6",
+                              "--height", "256", "--width", "256", "--torch-dtype", "fp32", "--cache-threshold", "1.2",
+                              "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    meta = Image.open(out).text
+    assert float(meta["cache_threshold"]) == 1.2 and int(meta["steps_computed"]) + int(meta["steps_skipped"]) == 6
+    assert int(meta["steps_skipped"]) > 0 and "computed / skipped" in res.output
+    bad = runner.invoke(app, ["run", "--backend", "torch", "--model", "tiny", "--prompt", "x", "--cache-threshold",
+                              "-1", "--out", str(tmp_path / "b.png")])
+    assert bad.exit_code == 2 and "--cache-threshold must be at least 0" in bad.output
+    bench = runner.invoke(app, ["bench", "--backend", "torch", "--model", "tiny", "--sizes", "256", "--steps", "6",
+                                "--runs", "1", "--warmup", "0", "--torch-dtype", "fp32", "--cache-threshold", "1.2",
+                                "--json", str(tmp_path / "b.json")])
+    assert bench.exit_code == 0, bench.output
+    rows = json.loads((tmp_path / "b.json").read_text())
+    row = rows["rows"][0] if isinstance(rows, dict) else rows[0]
+    assert row["cache"]["threshold"] == 1.2 and row["cache"]["skipped"] > 0
+
+
+@pytest.mark.parametrize("value,message", [(-0.1, "in 0.0..10.0"), ("0.2", "must be a number"), (float("inf"), "number"),
+                                           (True, "must be a number")])
+def test_a_request_threshold_is_checked(value, message):
+    from fluxtrt.serving import BadRequest, parse_request
+
+    with pytest.raises(BadRequest, match=message):
+        parse_request(json.dumps({"prompt": "x", "cache_threshold": value}).encode(), (256, 256), 4)
+    assert parse_request(b'{"prompt": "x"}', (256, 256), 4, 0.2).cache_threshold == 0.2  # the server's default
