@@ -114,7 +114,8 @@ def resolve_target(gpu: str | None, config: Path | None, precision=None, compone
 def build(gpu: str | None = None, model: str | None = None, out_dir: Path = Path("engines"), components=None,
           precision=None, config: Path | None = None, static_shape: bool | None = None, force: bool = False,
           calibration: CalibrationSettings | None = None, weightless: bool = False, zero_copy: bool = True,
-          validate: bool = True, progress: Callable[[str, str], None] = lambda c, p: None) -> BuildSummary:
+          validate: bool = True, progress: Callable[[str, str], None] = lambda c, p: None, *,
+          first_block_cache: bool = False) -> BuildSummary:
     """Export, optimize (and quantize), then build every requested engine for one GPU, reusing unchanged stages."""
     from .models.source import resolve_model
     from .stages.build import build_gpu
@@ -126,7 +127,7 @@ def build(gpu: str | None = None, model: str | None = None, out_dir: Path = Path
     source = resolve_model(model)
     calibration = (calibration or CalibrationSettings()).check()
     manifest, results = build_gpu(source, cfg, Path(out_dir), split_list(components) or None, static_shape, force,
-                                  progress, calibration, weightless, zero_copy, validate)
+                                  progress, calibration, weightless, zero_copy, validate, first_block_cache)
     return BuildSummary(cfg, source, Path(out_dir), manifest, results, notes)
 
 

@@ -190,6 +190,8 @@ def build(
                            "when it is stored in the engine's dtype (no fp32 copy); --copy-weights takes the fp32 "
                            "path (graph passes, every recipe) for all."),
     validate: bool = VALIDATE,
+    first_block_cache: bool = _opt(False, "--first-block-cache", help="Also build the transformer as First-Block "
+                                   "Cache's parts (head, tail, out) for `run --cache-threshold`."),
 ):
     """Export, optimize (and quantize), then build serialized TensorRT engines for one GPU, reusing every
     unchanged stage; each engine also gets a weight map and a weight-free ONNX for the user's own weights."""
@@ -200,7 +202,7 @@ def build(
     calib = CalibrationSettings(calibration_size, calibration_steps, calibration_prompts, smoothquant_alpha)
     with r.phases([]) as update:
         summary = api.build(gpu, model, out_dir, components, precision, config, static_shape, force,
-                            calib, weightless, zero_copy, validate, update)
+                            calib, weightless, zero_copy, validate, update, first_block_cache=first_block_cache)
     r.build_summary(summary)
 
 

@@ -466,6 +466,8 @@ TRANSFORMER_OUT = ComponentSpec(
 # The transformer as First-Block Cache's three parts (stepcache.py); the runtime runs them where caching is on.
 TRANSFORMER_PARTS: Mapping[str, ComponentSpec] = {
     s.name: s for s in (TRANSFORMER_HEAD, TRANSFORMER_TAIL, TRANSFORMER_OUT)}
+# the tensors between the parts: outputs of a part's graph that are not the model's (recipes treat them as inner)
+PART_BOUNDARY = frozenset(t.name for s in (TRANSFORMER_HEAD, TRANSFORMER_TAIL) for t in s.outputs)
 
 ALL: Mapping[str, ComponentSpec] = {s.name: s for s in (CLIP, T5, TRANSFORMER, VAE_DECODER, VAE_ENCODER)}
 # What `fluxtrt run` needs for text-to-image; the VAE encoder is exported for image-to-image.
@@ -482,13 +484,21 @@ def for_variant(spec: ComponentSpec, geo: Geometry) -> ComponentSpec:
 
 
 def specs_for(geo: Geometry, names=None) -> dict[str, ComponentSpec]:
+    """The specs of `names` (default: the five components; the transformer's parts are asked for by name)."""
     names = list(names or DEFAULT_COMPONENTS)
-    unknown = [n for n in names if n not in ALL]
+    known = {**ALL, **TRANSFORMER_PARTS}
+    unknown = [n for n in names if n not in known]
     if unknown:
         from .errors import FluxtrtError
 
         raise FluxtrtError(f"unknown component(s) {', '.join(unknown)}; choose from {', '.join(ALL)}")
-    return {n: for_variant(ALL[n], geo) for n in names}
+    return {n: for_variant(known[n], geo) for n in names}
+
+
+def family(name: str) -> str:
+    """The component whose precision, recipe, tolerances, profile and LoRA a part shares: "transformer" for the
+    transformer's First-Block Cache parts, the name itself otherwise."""
+    return "transformer" if name in TRANSFORMER_PARTS else name
 
 
 def transformer_parts(geo: Geometry) -> dict[str, ComponentSpec]:

@@ -23,8 +23,10 @@ RTOL_BY_COMPONENT = {("transformer", "fp16"): 5e-2, ("transformer", "bf16"): 1e-
 def bound_for(component: str, dtype: str, fp32_bound: float) -> float:
     if dtype == "fp32":
         return fp32_bound
-    if (component, dtype) in RTOL_BY_COMPONENT:
-        return RTOL_BY_COMPONENT[(component, dtype)]
+    from .components import family
+
+    if (family(component), dtype) in RTOL_BY_COMPONENT:
+        return RTOL_BY_COMPONENT[(family(component), dtype)]
     return RTOL_BY_DTYPE[dtype]
 
 

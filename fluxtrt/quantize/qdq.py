@@ -80,7 +80,9 @@ def plan(model: onnx.ModelProto, recipe: str) -> QuantPlan:
     g = model.graph
     inits = {t.name: t for t in g.initializer}
     graph_inputs = {i.name for i in g.input}
-    graph_outputs = {o.name for o in g.output}
+    from ..components import PART_BOUNDARY
+
+    graph_outputs = {o.name for o in g.output if o.name not in PART_BOUNDARY}  # a part's boundary is not an output
     cons = _consumers(g)
     producers = {o: n for n in g.node for o in n.output}
     p = QuantPlan(recipe)

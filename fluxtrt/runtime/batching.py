@@ -274,16 +274,14 @@ class ContinuousBatcher:
         """The transformer through First-Block Cache's parts, each sample deciding for itself (module doc)."""
         import torch
 
-        from ..components import transformer_parts
-
-        parts, ex = transformer_parts(self.pipe.geo), self.pipe.executors["transformer"]
-        head = ex.infer_part(parts["transformer_head"], feeds)
+        pipe = self.pipe
+        head = pipe.run_part("transformer_head", feeds)
         rows = [{k: v[i:i + 1] for k, v in head.items()} for i in range(len(batch))]
         compute = [s.cache is None or s.cache.must_compute("cond", r["head_residual"]) for s, r in zip(batch, rows)]
         tail = None
         if any(compute):
-            tail = ex.infer_part(parts["transformer_tail"], dict(head, img_ids=feeds["img_ids"],
-                                                                 txt_ids=feeds["txt_ids"]))["tail_hidden"]
+            tail = pipe.run_part("transformer_tail", dict(head, img_ids=feeds["img_ids"],
+                                                          txt_ids=feeds["txt_ids"]))["tail_hidden"]
         hidden = []
         for i, (s, r, c) in enumerate(zip(batch, rows, compute)):
             if s.cache is not None:
@@ -291,7 +289,7 @@ class ContinuousBatcher:
                 if c:
                     s.cache.keep("cond", r["head_residual"], r["head_hidden"], tail[i:i + 1])
             hidden.append(tail[i:i + 1] if c else s.cache.cached("cond", r["head_hidden"]))
-        return ex.infer_part(parts["transformer_out"], {"hidden": torch.cat(hidden), "temb": head["temb"]})["noise_pred"]
+        return pipe.run_part("transformer_out", {"hidden": torch.cat(hidden), "temb": head["temb"]})["noise_pred"]
 
     def _decode(self, finished: list[Sample]) -> None:
         import torch

@@ -90,7 +90,9 @@ class WeightSource:
         free = (inside(engine_dir, entry.weightfree_onnx, f"{name}.weightfree_onnx") if entry.weightfree_onnx
                 else None)
         folder = inside(source.path, wmap["subfolder"], "the weight map's subfolder")
-        return cls(name, folder, wmap, lora if name == "transformer" else None, free)
+        from ..components import family
+
+        return cls(name, folder, wmap, lora if family(name) == "transformer" else None, free)
 
     def graph_constants(self) -> dict:
         """The weight-free ONNX's own initializers (shape constants, epsilons, rotary tables): what a stripped

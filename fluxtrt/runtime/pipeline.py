@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import flux_math as fm
-from ..components import Geometry, ShapePoint, specs_for
+from ..components import TRANSFORMER_PARTS, Geometry, ShapePoint, specs_for
 from ..errors import FluxtrtError
 from ..records import IMAGE_COMPONENTS, RUN_COMPONENTS, ManifestError, is_number, read_manifest
 from ..workflows import Context, ImageInputs, Prepared, select
@@ -107,6 +107,8 @@ class FluxEngines:
         elif calibration is not None:
             raise FluxtrtError("--calibration gives the PyTorch transformer the fp8 recipe: add --backend torch")
         engine_names = [n for n in names if n not in torch_names]
+        if "transformer" in engine_names:  # First-Block Cache's parts, where the build made them
+            engine_names += [p for p in TRANSFORMER_PARTS if p in self.manifest.components]
         sources = self._weight_sources(engine_names, weights, lora, lora_scale)
         if engine_names and backend == "tensorrt":
             self._tensorrt_executors(engine_names, sources, weight_streaming_budget, cuda_graph, allow_host_code,
@@ -299,27 +301,35 @@ class FluxEngines:
         if not threshold:
             return None
         ex = self.executors["transformer"]
-        if not hasattr(ex, "infer_part"):
-            raise RequestError(f"--cache-threshold runs the transformer as First-Block Cache's parts, which the "
-                               f"{ex.kind} executor's single transformer cannot; use --backend torch")
+        if not hasattr(ex, "infer_part") and not all(p in self.executors for p in TRANSFORMER_PARTS):
+            raise RequestError("--cache-threshold runs the transformer as First-Block Cache's parts, which these "
+                               "engines lack; rebuild with `fluxtrt build --first-block-cache` (or --backend torch)")
         return FirstBlockCache(threshold)
+
+    def run_part(self, name: str, feeds: dict) -> dict:
+        """One of the transformer's First-Block Cache parts: the PyTorch module's (TorchExecutor.infer_part) or
+        its own engine / ONNX (`fluxtrt build --first-block-cache`)."""
+        ex = self.executors["transformer"]
+        if hasattr(ex, "infer_part"):
+            from ..components import transformer_parts
+
+            return ex.infer_part(transformer_parts(self.geo)[name], feeds)
+        spec = specs_for(self.geo, [name])[name]
+        return self.executors[name].infer({t.name: feeds[t.name] for t in spec.inputs})
 
     def _cached_step(self, feeds: dict, cache, branch: str):
         """step(latents, timestep) -> noise_pred through the transformer's parts and `cache` (stepcache.py)."""
-        from ..components import transformer_parts
-
-        parts, ex = transformer_parts(self.geo), self.executors["transformer"]
 
         def step(latents, timestep):
             feeds["hidden_states"], feeds["timestep"] = latents, timestep
-            head = ex.infer_part(parts["transformer_head"], feeds)
+            head = self.run_part("transformer_head", feeds)
 
             def tail():
-                return ex.infer_part(parts["transformer_tail"], dict(
+                return self.run_part("transformer_tail", dict(
                     head, img_ids=feeds["img_ids"], txt_ids=feeds["txt_ids"]))["tail_hidden"]
 
             hidden = cache.step(branch, head, tail)
-            return ex.infer_part(parts["transformer_out"], {"hidden": hidden, "temb": head["temb"]})["noise_pred"]
+            return self.run_part("transformer_out", {"hidden": hidden, "temb": head["temb"]})["noise_pred"]
 
         return step
 

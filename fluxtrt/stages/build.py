@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from .. import __version__
-from ..components import specs_for
+from ..components import TRANSFORMER_PARTS, family, specs_for
 from ..engine.backends import get_backend
 from ..engine.build import build_engine
 from ..errors import FluxtrtError
@@ -104,13 +104,20 @@ def write_weight_files(onnx_path: Path, gpu_dir: Path, name: str, subfolder: str
 def build_gpu(source: ModelSource, cfg: GpuConfig, out_root: Path, components=None, static: bool | None = None,
               force: bool = False, progress: Callable[[str, str], None] = lambda c, p: None,
               calibration: CalibrationSettings | None = None, weightless: bool = False, zero_copy: bool = True,
-              validate: bool = True) -> tuple[Manifest, list[StageResult]]:
+              validate: bool = True, first_block_cache: bool = False) -> tuple[Manifest, list[StageResult]]:
     """Build (or reuse) every requested component's engine for one GPU config. Returns (manifest, stage results).
     `zero_copy`: build from the checkpoint's own bytes where it is stored in the engine's dtype (zerocopy_plan);
-    `validate`: check every ONNX against PyTorch (off for models whose fp32 copy does not fit in memory)."""
+    `validate`: check every ONNX against PyTorch (off for models whose fp32 copy does not fit in memory);
+    `first_block_cache`: also the transformer's First-Block Cache parts (head, tail, out: stepcache.py), each at
+    the transformer's precision and profile."""
     backend = get_backend(cfg.backend)
     backend.check_target(cfg.compute_capability)
-    specs = specs_for(source.geometry, components)
+    names = list(components or specs_for(source.geometry))
+    if first_block_cache:
+        if "transformer" not in names:
+            raise FluxtrtError("--first-block-cache splits the transformer: build it too (--components transformer)")
+        names += [p for p in TRANSFORMER_PARTS if p not in names]
+    specs = specs_for(source.geometry, names)
     rng = cfg.shape_range(static)
     gpu_dir = Path(out_root) / cfg.key
     check_out_folder(Path(out_root))
@@ -151,7 +158,7 @@ def _build_locked(source, cfg, backend, specs, rng, out_root, gpu_dir, force, pr
                       f"model {source.id} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
             for name, spec in specs.items():
                 on_phase = lambda p, n=name: progress(n, p)  # noqa: E731
-                onnx_path, res = ensure_onnx(source, name, cfg.precision[name], out_root, force, on_phase, calib,
+                onnx_path, res = ensure_onnx(source, name, cfg.precision[family(name)], out_root, force, on_phase, calib,
                                              zero_copy, validate)
                 results.extend(res)
                 results.append(_engine_stage(source, cfg, backend, spec, rng, onnx_path, res, manifest, gpu_dir, log,
@@ -177,10 +184,10 @@ def _engine_stage(source, cfg, backend, spec, rng, onnx_path, res, manifest, gpu
                   on_phase) -> StageResult:
     """The engine build stage: its inputs are the ONNX's hash, the target, the profile and the backend version
     (build_key); reused when they match the manifest's entry and the engine file still has its sha256."""
-    name, geo, dtype = spec.name, source.geometry, cfg.precision[spec.name]
+    name, geo, dtype = spec.name, source.geometry, cfg.precision[family(spec.name)]
     onnx_sha = sha256_file(onnx_path)
-    ws = name in cfg.weight_streaming
-    rng = profile_range(geo, name, rng)  # e.g. Kontext: the transformer's tokens cover target + reference
+    ws = family(name) in cfg.weight_streaming
+    rng = profile_range(geo, family(name), rng)  # e.g. Kontext: the transformer's tokens cover target + reference
     profile = spec.profile(rng, geo)
     key = build_key(onnx_sha, backend.name, backend.version, cfg, profile, ws, weightless)
     engine_path = gpu_dir / f"{name}.engine"
