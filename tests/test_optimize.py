@@ -269,3 +269,35 @@ def test_attention_scale_is_exact_as_the_dtype_allows(dtype):
 
 def test_default_passes_are_registered():
     assert set(DEFAULT_PASSES) <= set(PASSES)
+
+
+def test_precision_placement_keeps_every_output_of_a_multi_output_node():
+    """An fp32 island with several outputs (LayerNormalization's Y, Mean, InvStdDev) gets one Cast back per output,
+    each to the graph's precision, and the placed graph checks with strict shape inference (before the fix the
+    second output raised IndexError). In fp32 the graph runs in ONNX Runtime and reads every output."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from fluxtrt.optimize.precision import place_precision
+
+    rng = np.random.default_rng()
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in (("y", [2, 8]), ("m", [2, 1]))]
+    scale = numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), "scale")
+    ln = helper.make_node("LayerNormalization", ["x", "scale"], ["ln_y", "ln_mean", "ln_inv"], name="ln", axis=-1)
+    nodes = [ln, helper.make_node("Mul", ["ln_y", "ln_inv"], ["y"], name="mul"),
+             helper.make_node("Identity", ["ln_mean"], ["m"], name="id")]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], outs, [scale]),
+                              opset_imports=[helper.make_opsetid("", 18)])
+    y, m = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": rng.standard_normal((2, 8)).astype(np.float32)})
+    assert y.shape == (2, 8) and m.shape == (2, 1)
+    placed = place_precision(onnx.load_from_string(model.SerializeToString()), "bf16")
+    onnx.checker.check_model(placed)
+    onnx.shape_inference.infer_shapes(placed, strict_mode=True)
+    backs = {n.output[0]: n for n in placed.graph.node if n.op_type == "Cast" and n.input[0].startswith("ln_")}
+    assert sorted(backs) == ["ln_inv", "ln_mean", "ln_y"]
+    assert all(helper.get_attribute_value(n.attribute[0]) == TensorProto.BFLOAT16 for n in backs.values())
+    ln_placed = next(n for n in placed.graph.node if n.op_type == "LayerNormalization")
+    assert list(ln_placed.output) == ["ln_y__fp32", "ln_mean__fp32", "ln_inv__fp32"]

@@ -49,9 +49,11 @@ def diffusers_run(src, workflow, prompts, h, w, steps, guidance, seed, inputs, t
     return (img * 255).round().astype("uint8"), latents, tails[0] // (2 if negative else 1)
 
 
-def compare(model, workflow, steps, negative=None):
+def compare(model, workflow, steps, negative=None, pipe=None, bound=LATENT_BOUND):
+    """`pipe` (default: the torch executor, fp32) with First-Block Cache against diffusers' own, at the first
+    threshold where diffusers skips some steps but not all."""
     src = resolve_model(model)
-    pipe = FluxEngines(None, "torch", model=src, device="cpu", torch_dtype="fp32")
+    pipe = pipe or FluxEngines(None, "torch", model=src, device="cpu", torch_dtype="fp32")
     rng = np.random.default_rng()
     prompts, h, w = ["a red fox in the snow", "a bowl of ramen"], 256, 320
     seed, guidance = int(rng.integers(0, 2**31)), float(rng.uniform(2.0, 8.0))
@@ -69,7 +71,7 @@ def compare(model, workflow, steps, negative=None):
                                  "skipped": len(ref_latents) - computed}, (res.timings.cache, computed)
     for i, (a, b) in enumerate(zip(res.latents_per_step, ref_latents, strict=True)):
         err = float((a - b).abs().max())
-        assert err < LATENT_BOUND, f"{model}: latents diverge from diffusers' at step {i}: {err:.2e}"
+        assert err < bound, f"{model}: latents diverge from diffusers' at step {i}: {err:.2e}"
     diff = int(np.abs(res.images.astype(int) - ref.astype(int)).max())
     assert diff <= MAX_UINT8_DIFF and res.images.std() > 1, diff
     uncached = pipe.generate(prompts, h, w, steps, guidance, seed, inputs=inputs,
@@ -145,3 +147,70 @@ def test_a_request_threshold_is_checked(value, message):
     with pytest.raises(BadRequest, match=message):
         parse_request(json.dumps({"prompt": "x", "cache_threshold": value}).encode(), (256, 256), 4)
     assert parse_request(b'{"prompt": "x"}', (256, 256), 4, 0.2).cache_threshold == 0.2  # the server's default
+
+
+# --- the split engines: real TensorRT-RTX builds (sm89), their ONNX in ONNX Runtime ------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,workflow,steps", [c for c in CASES if c[0] != "tiny-control"],
+                         ids=[f"{m}-{w}" for m, w, _ in CASES if m != "tiny-control"])
+def test_split_onnx_in_onnxruntime_skips_the_steps_diffusers_skips(engines, model, workflow, steps):
+    """ONNX Runtime over the parts' ONNX of a real fp32 build (`fluxtrt build --first-block-cache`)."""
+    src, folder, manifest = engines(model)
+    pipe = FluxEngines(folder, "onnxruntime")
+    assert {"transformer_head", "transformer_tail", "transformer_out"} <= set(pipe.executors)
+    compare(model, workflow, steps, pipe=pipe, bound=1e-3)
+
+
+@pytest.mark.slow
+def test_split_parts_take_weights_and_lora_from_a_checkpoint(engines, tmp_path):
+    """--weights and --lora fill every part through its weight map: the cached image equals the one from the
+    engines' own weights, and a LoRA changes it as it changes the uncached one."""
+    from tests.test_weights_from_checkpoint import write_lora
+
+    src, folder, _ = engines("tiny")
+    seed = int(np.random.default_rng().integers(0, 2**31))
+
+    def image(pipe, t):
+        return pipe.generate(["a red fox"], 256, 256, 6, 3.5, seed, cache_threshold=t)
+
+    own = image(FluxEngines(folder, "onnxruntime"), 0.5)
+    from_ckpt = image(FluxEngines(folder, "onnxruntime", weights=src.path), 0.5)
+    assert own.timings.cache == from_ckpt.timings.cache and own.timings.cache["skipped"] > 0
+    assert np.abs(own.images.astype(int) - from_ckpt.images.astype(int)).max() <= 1
+    write_lora(src, tmp_path / "lora.safetensors")
+    lora = FluxEngines(folder, "onnxruntime", weights=src.path, lora=tmp_path / "lora.safetensors")
+    assert np.abs(image(lora, 0.5).images.astype(int) - own.images.astype(int)).max() > 10
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gpu", ["4090", "5090"])
+def test_split_engines_build_and_inspect(gpu, tmp_path):
+    """The parts build for the 4090 (sm89) and the 5090 (sm120) at the config's transformer precision, quantize the
+    transformer's layers and no others, and `fluxtrt inspect` lists them; their layer and size reports are what
+    docs/benchmarks.md tabulates."""
+    from fluxtrt import api
+    from fluxtrt.components import TRANSFORMER_PARTS
+
+    summary = api.build(gpu=gpu, model="tiny", out_dir=tmp_path, components=["transformer"], first_block_cache=True)
+    comps = summary.manifest.components
+    assert set(TRANSFORMER_PARTS) | {"transformer"} == set(comps)
+    assert {comps[p].precision for p in TRANSFORMER_PARTS} == {comps["transformer"].precision}
+    for p in TRANSFORMER_PARTS:
+        assert comps[p].layers > 10 and comps[p].bytes > 10_000 and comps[p].refittable
+    res = CliRunner().invoke(app, ["inspect", "--engines", str(tmp_path / gpu)])
+    assert res.exit_code == 0 and all(p in res.output for p in TRANSFORMER_PARTS), res.output
+    computed = sum(comps[p].computed_layers for p in TRANSFORMER_PARTS)
+    print(f"{gpu}: transformer {comps['transformer'].computed_layers} computed layers, {comps['transformer'].bytes} B;"
+          f" parts {computed} computed layers, {sum(comps[p].bytes for p in TRANSFORMER_PARTS)} B")
+
+
+def test_cache_threshold_on_engines_without_parts_is_one_line(tmp_path):
+    from fluxtrt.runtime.pipeline import RequestError
+
+    pipe = FluxEngines(None, "torch", model=resolve_model("tiny"), device="cpu", torch_dtype="fp32")
+    import types
+
+    pipe.executors["transformer"] = types.SimpleNamespace(kind="tensorrt")  # an engine without the parts beside it
+    with pytest.raises(RequestError, match="rebuild with `fluxtrt build --first-block-cache`"):
+        pipe.step_cache(0.2)

@@ -110,19 +110,16 @@ def place_precision(model: onnx.ModelProto, dtype: str, component: str = "") -> 
                 new_nodes.append(helper.make_node("Cast", [name], [cast_out], to=TensorProto.FLOAT,
                                                   name=f"{n.name}__in{k}_fp32"))
                 n.input[k] = cast_out
-            outs = list(n.output)
-            for k, name in enumerate(outs):
-                tmp = f"{name}__fp32"
-                n.output[k] = tmp
-                new_nodes.append(n)
-                n = helper.make_node("Cast", [tmp], [name], to=low, name=f"{n.name}__out{k}_back")
+            new_nodes.append(n)
+            for k, name in enumerate(list(n.output)):  # every output back to the graph's precision
+                if not name:
+                    continue  # an optional output nobody reads
+                n.output[k] = f"{name}__fp32"
+                new_nodes.append(helper.make_node("Cast", [f"{name}__fp32"], [name], to=low,
+                                                  name=f"{n.name}__out{k}_back"))
+            continue
         new_nodes.append(n)
-    # de-duplicate (a node with several outputs was appended once per output above)
-    seen, ordered = set(), []
-    for n in new_nodes:
-        if id(n) not in seen:
-            seen.add(id(n))
-            ordered.append(n)
+    ordered = new_nodes
     outs = {o.name for o in g.output if o.type.tensor_type.elem_type == TensorProto.FLOAT}
     final = []
     for n in ordered:

@@ -114,7 +114,7 @@ class WeightSource:
         if self.lora is None:
             return weightmap.materialize(self.weight_map, get)
         out = weightmap.materialize(self.weight_map, self.lora.wrap(get))
-        self.lora.check_all_used()
+        self.lora.check_all_used(() if self.component == "transformer" else get.index)
         return out
 
 

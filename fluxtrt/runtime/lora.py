@@ -47,8 +47,10 @@ class Lora:
             return cast(w.astype("float32") + delta, str(w.dtype))
         return read
 
-    def check_all_used(self) -> None:
-        unused = sorted(set(self.deltas) - self.used)
+    def check_all_used(self, elsewhere=()) -> None:
+        """Every delta met its weight; `elsewhere`: checkpoint keys another part of the transformer reads (a First-
+        Block Cache part reads some blocks only)."""
+        unused = sorted(set(self.deltas) - self.used - set(elsewhere))
         if unused:
             raise FluxtrtError(f"LoRA {self.path} targets weights the transformer does not have: "
                                f"{', '.join(unused[:3])}" + (" ..." if len(unused) > 3 else ""))
