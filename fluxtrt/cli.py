@@ -422,10 +422,12 @@ def serve(
     """Serve text-to-image over HTTP (Ray Serve) with step-level continuous batching: POST /v1/images/generations,
     GET /health. Prints the URL when ready; Ctrl-C stops."""
     _quiet_libraries()
-    from .serving import serve_forever
+    from .serving import ServeArgs, serve_forever
 
-    serve_forever(engines, model, backend, host, port, replicas, max_batch, max_queue, address, r.out.print, torch_dtype,
-                  calibration=calibration, cache_threshold=cache_threshold)
+    args = ServeArgs(str(engines) if engines else None, model, backend, max_batch, max_queue, replicas,
+                     torch_dtype=torch_dtype, calibration=str(calibration) if calibration else None,
+                     cache_threshold=cache_threshold)
+    serve_forever(args, host, port, address, r.out.print)
 
 
 @app.command()
@@ -433,9 +435,9 @@ def serve(
 def optimize(
     in_dir: Path = _opt(..., "--in", help="Folder written by `fluxtrt export` (fp32)."),
     out_dir: Path = _opt(..., "--out", help="Folder for the optimized ONNX files."),
-    passes: Optional[list[str]] = _opt(None, "--passes", help="Passes, comma-separated (default: cleanup, "
-                                       "fold_constants, infer_shapes, fuse_projections, fuse_rmsnorm, fuse_gelu_tanh, "
-                                       "cleanup)."),
+    passes: Optional[list[str]] = _opt(None, "--passes", help="Passes, comma-separated (default: all of "
+                                       "optimize.passes.DEFAULT_PASSES, the ones `build` runs; the report lists "
+                                       "them; a wrong name lists the available ones)."),
     dtype: str = _opt("fp32", "--dtype", help="Precision placement: fp32, fp16 or bf16 (norms, softmax, outputs fp32)."),
     components: Optional[list[str]] = COMPONENTS,
 ):

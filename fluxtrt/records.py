@@ -13,7 +13,7 @@ from pathlib import Path
 from .errors import FluxtrtError
 
 MANIFEST = "manifest.json"
-SCHEMA = 2  # 2: typed records (fluxtrt 0.2); 1: the dict manifest of fluxtrt 0.1 (same fields)
+SCHEMA = 2  # manifest schema 2: typed records; 1: the earlier dict manifest (same fields)
 READABLE_SCHEMAS = (1, 2)  # schema 1 has the same fields: read as is
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "prompts.txt"  # in the wheel; calibration/ links to it
 

@@ -157,7 +157,7 @@ class Service:
         self.batcher = ContinuousBatcher(self.pipe, max_batch, max_queue, on_step=self._record).start()
         opt = self.pipe.manifest.shape_range["opt"] if self.pipe.manifest is not None else [1, 1024, 1024]
         self.default_size = (opt[1], opt[2])
-        self.default_steps = 28 if self.pipe.geo.guidance else 4
+        self.default_steps = self.pipe.plan(*self.default_size)[0].default_steps(self.pipe.geo)  # the workflow's
         self.pipe.step_cache(cache_threshold)  # refused now where the executor cannot run the cache's parts
         self.default_cache_threshold = cache_threshold
 
@@ -239,47 +239,141 @@ def _metrics_recorder():
     return record
 
 
-def deployment(engines, model, backend, max_batch, max_queue, replicas: int, gpus_per_replica: float,
-               torch_dtype: str = "bf16", calibration: str | None = None, cache_threshold: float = 0.0):
-    """The Ray Serve application: `replicas` copies of the service, each on its own GPU when there are GPUs."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse
-    from ray import serve
+@dataclass
+class ServeArgs:
+    """What one fluxtrt Ray Serve application serves: the application builder's arguments (`serve run
+    fluxtrt.serving:app engines=DIR ...`, a Serve config's `args`, KubeRay's RayService) and what `fluxtrt serve`
+    passes. `gpus_per_replica` None: 1 where the cluster has GPUs (0 for ONNX Runtime on the CPU)."""
 
-    app = FastAPI(title="fluxtrt", docs_url=None, redoc_url=None)
+    engines: str | None = None
+    model: str | None = None
+    backend: str = "auto"
+    max_batch: int | None = None
+    max_queue: int = 64
+    replicas: int = 1
+    gpus_per_replica: float | None = None
+    torch_dtype: str = "bf16"
+    calibration: str | None = None
+    cache_threshold: float = 0.0
 
-    @serve.deployment(num_replicas=replicas, max_ongoing_requests=max_queue + max(max_batch or 4, 1),
-                      ray_actor_options={"num_gpus": gpus_per_replica, "num_cpus": 1}, health_check_period_s=5)
-    @serve.ingress(app)
-    class FluxService:
-        def __init__(self):
-            self.service = Service(engines, model, backend, max_batch, max_queue, _metrics_recorder(), torch_dtype,
-                                   calibration, cache_threshold)
+    @classmethod
+    def parse(cls, args: dict) -> "ServeArgs":
+        """From a builder's arguments (strings from `serve run k=v`, or YAML values), each checked in one line."""
+        import dataclasses
+        import typing
 
-        @app.post(ROUTE)
-        async def generations(self, request: Request):
-            body = await bounded_body(request)
-            if body is None:
-                return JSONResponse(_error(TooLarge.of("more than")), status_code=413)
-            status, payload, headers = await self.service.generate(body)
-            return JSONResponse(payload, status_code=status, headers=headers)
+        if not isinstance(args, dict):
+            raise FluxtrtError("the fluxtrt app takes key=value arguments (engines=DIR, backend=..., ...)")
+        hints = typing.get_type_hints(cls)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(args) - fields)
+        if unknown:
+            raise FluxtrtError(f"unknown argument {', '.join(map(str, unknown))}; the fluxtrt app takes "
+                               f"{', '.join(sorted(fields))}")
+        out = {}
+        for key, value in args.items():
+            hint = hints[key]
+            kind = next((t for t in (int, float) if t in (hint, *typing.get_args(hint))), str)
+            if value is None:
+                out[key] = None
+                continue
+            try:
+                if isinstance(value, bool) or (kind is str and not isinstance(value, (str, Path))):
+                    raise TypeError
+                out[key] = kind(value)
+            except (TypeError, ValueError):
+                what = {int: "an integer", float: "a number", str: "a string"}[kind]
+                raise FluxtrtError(f"{key}={value!r}: expected {what}") from None
+        return cls(**out).check()
 
-        @app.get("/health")
-        def health(self):
-            return self.service.health()
+    def check(self) -> "ServeArgs":
+        for flag, value, lo, hi in (("replicas", self.replicas, 1, 1024), ("max_batch", self.max_batch, 1, 1024),
+                                    ("max_queue", self.max_queue, 1, 100_000),
+                                    ("gpus_per_replica", self.gpus_per_replica, 0, 8),
+                                    ("cache_threshold", self.cache_threshold, 0.0, MAX_CACHE_THRESHOLD)):
+            check_number(flag, value, lo, hi)
+        check_servable(Path(self.engines) if self.engines else None, self.model, self.backend)
+        if self.cache_threshold > 0 and self.backend not in ("torch", "auto"):
+            raise FluxtrtError(f"cache_threshold runs the transformer as First-Block Cache's parts: the {self.backend} "
+                               "backend needs engines built with `fluxtrt build --first-block-cache` (or backend torch)")
+        return self
 
-        @app.get("/metrics")
-        def metrics(self):
-            return PlainTextResponse(self.service.metrics_text(), media_type="text/plain; version=0.0.4")
+    def gpus(self) -> float:
+        if self.gpus_per_replica is not None:
+            return self.gpus_per_replica
+        if self.backend == "onnxruntime":
+            return 0
+        import ray
 
-        def check_health(self):  # Ray restarts a replica whose batcher thread died
-            if not self.service.batcher.alive:
-                raise RuntimeError("the batcher thread stopped")
+        if ray.is_initialized():
+            return 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
+        import torch
 
-        def __del__(self):
+        return 1 if torch.cuda.is_available() else 0
+
+
+class FluxService:
+    """The Ray Serve deployment: one `Service` per replica behind FastAPI (made a deployment by `app`)."""
+
+    def __init__(self, args: ServeArgs):
+        self.service = Service(args.engines, args.model, args.backend, args.max_batch, args.max_queue,
+                               _metrics_recorder(), args.torch_dtype, args.calibration, args.cache_threshold)
+
+    async def generations(self, request):
+        from fastapi.responses import JSONResponse
+
+        body = await bounded_body(request)
+        if body is None:
+            return JSONResponse(_error(TooLarge.of("more than")), status_code=413)
+        status, payload, headers = await self.service.generate(body)
+        return JSONResponse(payload, status_code=status, headers=headers)
+
+    def health(self):
+        return self.service.health()
+
+    def metrics(self):
+        from fastapi.responses import PlainTextResponse
+
+        return PlainTextResponse(self.service.metrics_text(), media_type="text/plain; version=0.0.4")
+
+    def check_health(self):  # Ray restarts a replica whose batcher thread died
+        if not self.service.batcher.alive:
+            raise RuntimeError("the batcher thread stopped")
+
+    def __del__(self):
+        if hasattr(self, "service"):
             self.service.close()
 
-    return FluxService.bind()
+
+def app(args: dict | ServeArgs):
+    """The Ray Serve application builder: `serve run fluxtrt.serving:app engines=engines/4090 backend=auto`, the
+    `import_path` of a Serve config file (docs/serve-config.yaml) or of KubeRay's RayService
+    (docs/kuberay-rayservice.yaml). `fluxtrt serve` runs the same application. The deployment is named
+    FluxService (a config's `deployments:` entry overrides its replicas and resources)."""
+    from fastapi import FastAPI, Request
+    from ray import serve
+
+    opts = args if isinstance(args, ServeArgs) else ServeArgs.parse(args)
+    api = FastAPI(title="fluxtrt", docs_url=None, redoc_url=None)
+
+    @serve.deployment(name="FluxService", num_replicas=opts.replicas,
+                      max_ongoing_requests=opts.max_queue + max(opts.max_batch or 4, 1),
+                      ray_actor_options={"num_gpus": opts.gpus(), "num_cpus": 1}, health_check_period_s=5)
+    @serve.ingress(api)
+    class Deployment(FluxService):
+        @api.post(ROUTE)
+        async def generations(self, request: Request):
+            return await FluxService.generations(self, request)
+
+        @api.get("/health")
+        def health(self):
+            return FluxService.health(self)
+
+        @api.get("/metrics")
+        def metrics(self):
+            return FluxService.metrics(self)
+
+    return Deployment.bind(opts)
 
 
 async def bounded_body(request) -> bytes | None:
@@ -358,10 +452,10 @@ def _bounded(fn, seconds: float, say) -> None:
         say(f"Ray Serve did not stop within {seconds} s; stopping Ray")
 
 
-def serve_forever(engines: Path | None, model: str | None, backend: str, host: str, port: int, replicas: int,
-                  max_batch: int | None, max_queue: int, address: str | None, say=print, torch_dtype: str = "bf16",
-                  calibration: Path | None = None, cache_threshold: float = 0.0) -> None:
-    """Start (or join) Ray, run the app, say the URL, block until Ctrl-C / SIGTERM, then shut down."""
+def serve_forever(args: ServeArgs, host: str, port: int, address: str | None, say=print) -> None:
+    """`fluxtrt serve`: check everything, start (or join) Ray, run `app(args)` (the same application `serve run
+    fluxtrt.serving:app` runs), say the URL, block until Ctrl-C / SIGTERM, then shut down."""
+    import dataclasses
     import signal
 
     try:
@@ -369,24 +463,19 @@ def serve_forever(engines: Path | None, model: str | None, backend: str, host: s
         from ray import serve
     except ImportError:
         raise FluxtrtError("fluxtrt serve needs Ray Serve: pip install \"fluxtrt[serve]\"") from None
-    import torch
 
-    check_serve_options(host, port, replicas, max_batch, max_queue, address)
-    check_number("--cache-threshold", cache_threshold, 0.0, MAX_CACHE_THRESHOLD)
-    if cache_threshold > 0 and backend not in ("torch", "auto"):
-        raise FluxtrtError(f"--cache-threshold runs the transformer as First-Block Cache's parts, which the {backend} "
-                           "executor's single transformer cannot; use --backend torch")
-    check_servable(engines, model, backend)
-    if calibration is not None and not Path(calibration).is_file():
-        raise FluxtrtError(f"--calibration {calibration}: no such file; pass the file `fluxtrt calibrate` wrote")
+    check_serve_options(host, port, args.replicas, args.max_batch, args.max_queue, address)
+    if args.calibration is not None and not Path(args.calibration).is_file():
+        raise FluxtrtError(f"--calibration {args.calibration}: no such file; pass the file `fluxtrt calibrate` wrote")
+    args = dataclasses.replace(args, engines=str(Path(args.engines).resolve()) if args.engines else None,
+                               calibration=str(Path(args.calibration).resolve()) if args.calibration else None).check()
     import logging
 
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
-    gpus = 1 if torch.cuda.is_available() and backend != "onnxruntime" else 0
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False,
-                 **({} if address else {"num_cpus": max(os.cpu_count() or 1, replicas + 1)}))
+                 **({} if address else {"num_cpus": max(os.cpu_count() or 1, args.replicas + 1)}))
     # Ctrl-C even when started with SIGINT ignored (a shell's background job inherits that; so did this
     # project's own CI runs, where 'Ctrl-C took 60 s' was the server never seeing the signal), and SIGTERM
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -395,14 +484,11 @@ def serve_forever(engines: Path | None, model: str | None, backend: str, host: s
     try:
         serve.start(http_options={"host": host, "port": port})
         try:
-            serve.run(deployment(str(Path(engines).resolve()) if engines else None, model, backend, max_batch,
-                                 max_queue, replicas, gpus, torch_dtype,
-                                 str(Path(calibration).resolve()) if calibration else None, cache_threshold),
-                      name="fluxtrt", route_prefix="/")
+            serve.run(app(args), name="fluxtrt", route_prefix="/")
         except RuntimeError as e:  # the replicas' own error is in Ray's logs
             raise FluxtrtError(f"the replicas did not start ({str(e).splitlines()[0]}); see Ray's logs in "
                                "/tmp/ray/session_latest/logs/serve/") from None
-        say(f"fluxtrt serving on http://{host}:{port}{ROUTE} ({replicas} replica(s); Ctrl-C stops)")
+        say(f"fluxtrt serving on http://{host}:{port}{ROUTE} ({args.replicas} replica(s); Ctrl-C stops)")
         while True:
             time.sleep(0.5)
     except KeyboardInterrupt:

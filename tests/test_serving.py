@@ -349,3 +349,99 @@ def test_two_replicas_serve_together(tiny_engines):
         assert len({a[2].get("X-Fluxtrt-Replica") or a[2].get("x-fluxtrt-replica") for a in answers}) == 2
     finally:
         server.stop()
+
+
+# --- the Ray Serve application builder: serve run, Serve config files, KubeRay -----------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("args,message", [
+    ({"engines": "x", "max_batch": "four"}, "max_batch='four': expected an integer"),
+    ({"model": "tiny", "backend": "torch", "cache_threshold": True}, "expected a number"),
+    ({"model": "tiny", "backend": "torch", "replicas": "0"}, "replicas must be at least 1"),
+    ({"model": "tiny", "backend": "torch", "port": "80"}, "unknown argument port"),
+    ({"model": "tiny"}, "add --backend torch"),
+    ({"engines": ["a"]}, "expected a string"),
+])
+def test_app_builder_arguments_are_one_line(args, message):
+    from fluxtrt.errors import FluxtrtError
+    from fluxtrt.serving import ServeArgs
+
+    with pytest.raises(FluxtrtError, match=re.escape(message)):
+        ServeArgs.parse(args)
+
+
+def test_app_builder_types_its_arguments_and_builds_the_application():
+    """`serve run fluxtrt.serving:app k=v` passes strings: they are typed; the result is a bound Serve app whose
+    deployment is the FluxService the config files name."""
+    pytest.importorskip("ray")
+    from ray.serve import Application
+
+    from fluxtrt.serving import ServeArgs, app
+
+    args = ServeArgs.parse({"model": "tiny", "backend": "torch", "max_batch": "2", "cache_threshold": "0.2",
+                            "gpus_per_replica": "0", "torch_dtype": "fp32"})
+    assert (args.max_batch, args.cache_threshold, args.gpus_per_replica) == (2, 0.2, 0.0)
+    built = app({"model": "tiny", "backend": "torch", "gpus_per_replica": "0"})
+    assert isinstance(built, Application)
+
+
+def test_serve_config_and_kuberay_service_name_the_same_application():
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    config = yaml.safe_load((ROOT / "docs" / "serve-config.yaml").read_text())
+    ServeDeploySchema(**config)
+    service = yaml.safe_load((ROOT / "docs" / "kuberay-rayservice.yaml").read_text())
+    assert service["kind"] == "RayService"
+    assert yaml.safe_load(service["spec"]["serveConfigV2"])["applications"] == config["applications"]
+    (application,) = config["applications"]
+    assert application["import_path"] == "fluxtrt.serving:app"
+    assert [d["name"] for d in application["deployments"]] == ["FluxService"]
+    from fluxtrt.serving import ServeArgs
+
+    assert set(application["args"]) <= set(ServeArgs.__dataclass_fields__)
+
+
+@pytest.mark.slow
+def test_serve_run_with_the_config_file_serves(tiny_engines, tmp_path):
+    """Ray's own `serve run` on docs/serve-config.yaml (engines pointed at a real build, no GPU, a free port):
+    the app imports, loads and answers like `fluxtrt serve`."""
+    import yaml
+
+    config = yaml.safe_load((ROOT / "docs" / "serve-config.yaml").read_text())
+    port = free_port()
+    config["http_options"] = {"host": "127.0.0.1", "port": port}
+    app_cfg = config["applications"][0]
+    app_cfg["args"] = {"engines": str(tiny_engines), "backend": "onnxruntime", "gpus_per_replica": 0}
+    app_cfg["deployments"] = [{"name": "FluxService", "num_replicas": 1}]
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    serve_cli = Path(sys.executable).with_name("serve")
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([str(serve_cli), "run", str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, cwd=tmp_path, start_new_session=True)
+    try:
+        deadline, status, payload = time.time() + 240, None, None
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/images/generations", method="POST",
+                                             data=json.dumps({"prompt": "a cat", "size": "256x256", "steps": 2,
+                                                              "seed": 3}).encode(),
+                                             headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    status, payload = r.status, json.loads(r.read())
+                break
+            except (urllib.error.URLError, OSError, ValueError):
+                time.sleep(2)
+        assert status == 200, (proc.poll(), proc.stdout.read() if proc.poll() is not None else "")
+        alone = FluxEngines(tiny_engines, "onnxruntime").generate(["a cat"], 256, 256, 2, 3.5, 3).images[0]
+        assert diff(np.asarray(Image.open(io.BytesIO(base64.b64decode(payload["data"][0]["b64_json"])))), alone) \
+            <= MAX_UINT8_DIFF
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -185,20 +185,21 @@ def test_split_parts_take_weights_and_lora_from_a_checkpoint(engines, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("gpu", ["4090", "5090"])
-def test_split_engines_build_and_inspect(gpu, tmp_path):
-    """The parts build for the 4090 (sm89) and the 5090 (sm120) at the config's transformer precision, quantize the
-    transformer's layers and no others, and `fluxtrt inspect` lists them; their layer and size reports are what
-    docs/benchmarks.md tabulates."""
+def test_split_engines_build_and_inspect(gpu, tiny_bf16, tmp_path):
+    """The parts build for the 4090 (sm89) and the 5090 (sm120) at the config's transformer precision (bf16, from
+    a bf16 checkpoint: the zero-copy path FLUX.1 checkpoints take), and `fluxtrt inspect` lists them; their layer
+    and size reports are what docs/benchmarks.md tabulates."""
     from fluxtrt import api
     from fluxtrt.components import TRANSFORMER_PARTS
 
-    summary = api.build(gpu=gpu, model="tiny", out_dir=tmp_path, components=["transformer"], first_block_cache=True)
+    summary = api.build(gpu=gpu, model=str(tiny_bf16.path), out_dir=tmp_path, components=["transformer"],
+                        first_block_cache=True)
     comps = summary.manifest.components
     assert set(TRANSFORMER_PARTS) | {"transformer"} == set(comps)
-    assert {comps[p].precision for p in TRANSFORMER_PARTS} == {comps["transformer"].precision}
+    assert {comps[p].precision for p in TRANSFORMER_PARTS} == {comps["transformer"].precision} == {"bf16"}
     for p in TRANSFORMER_PARTS:
         assert comps[p].layers > 10 and comps[p].bytes > 10_000 and comps[p].refittable
-    res = CliRunner().invoke(app, ["inspect", "--engines", str(tmp_path / gpu)])
+    res = CliRunner().invoke(app, ["inspect", str(tmp_path / gpu)])
     assert res.exit_code == 0 and all(p in res.output for p in TRANSFORMER_PARTS), res.output
     computed = sum(comps[p].computed_layers for p in TRANSFORMER_PARTS)
     print(f"{gpu}: transformer {comps['transformer'].computed_layers} computed layers, {comps['transformer'].bytes} B;"
