@@ -239,3 +239,22 @@ def test_plan_is_streamed_to_disk_and_a_failed_write_leaves_nothing(built, tmp_p
         build_engine(backend, onnx_file, spec, src.geometry, cfg.shape_range(), cfg.compute_capability, bad)
     assert err.value.errno == errno.ENOSPC and err.value.filename == str(bad)  # the CLI names the engine
     assert list(bad.parent.iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["zero-copy", "copying"])
+def test_another_calibration_resolution_rebuilds_the_fp8_graph(path, tiny_bf16, tmp_path):
+    """Both plans key a calibrated graph on the resolution it is calibrated at (stages.base.calibration_inputs,
+    one stage runner): a config with another opt resolution rebuilds the fp8 graph; the same one reuses it."""
+    from fluxtrt.records import CalibrationSettings
+    from fluxtrt.stages.build import ensure_onnx
+
+    def quantize_status(resolution):
+        calib = CalibrationSettings(size=2, steps=1, opt_resolution=resolution)
+        _, results = ensure_onnx(tiny_bf16, "transformer", "fp8", tmp_path, calib=calib,
+                                 zero_copy=path == "zero-copy", validate=False)
+        (q,) = [r for r in results if r.stage == "quantize"]
+        assert (q.info or {}).get("path", "copying") == path
+        return q.status
+
+    assert [quantize_status(r) for r in (256, 256, 512, 512)] == ["built", "reused", "built", "reused"]

@@ -217,7 +217,7 @@ def test_weight_only_recipes_read_no_calibration_prompts(tiny_dev, tmp_path, mon
     def no_prompts(calib):
         raise AssertionError("a weight-only recipe hashed the calibration prompts")
 
-    monkeypatch.setattr("fluxtrt.stages.fp32_plan.prompts_sha256", no_prompts)
+    monkeypatch.setattr("fluxtrt.stages.base.prompts_sha256", no_prompts)
     calib = CalibrationSettings(prompts_file=tmp_path / "missing.txt")
     path, results = ensure_fp32_plan(tiny_dev, "transformer", "int4-wo", tmp_path, False, lambda p: None, calib,
                                      validate=False)

@@ -3,14 +3,15 @@ the one reuse check, and the check of a stage's ONNX against PyTorch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from .. import __version__
 from ..components import specs_for
 from ..errors import FluxtrtError
 from ..export import DEFAULT_OPSET
-from ..fileio import sha256_file
+from ..fileio import peak_rss_mb, sha256_file
 from ..records import StageInfo, StageRecord
 
 OPTIMIZE_INFO = "optimize.json"
@@ -80,6 +81,64 @@ def prompts_sha256(calib) -> str:
     except OSError as e:
         raise FluxtrtError(f"cannot read the calibration prompts {path}: {e.strerror}; pass a prompt file with "
                            "--calibration-prompts (one prompt per line)") from None
+
+
+def calibration_inputs(calib) -> dict:
+    """What a calibrated stage's output depends on (both plans' reuse keys): the prompts, their count and steps,
+    the resolution they are run at, and SmoothQuant's alpha (int8)."""
+    return {"prompts_sha256": prompts_sha256(calib), "size": calib.size, "steps": calib.steps,
+            "opt_resolution": calib.opt_resolution, "alpha": calib.alpha}
+
+
+@dataclass
+class Step:
+    """One recorded stage of a plan, stated by the plan: where its output goes (`folder/<component>.onnx`),
+    the inputs that decide reuse, how to make it, and how to describe it. `run_step` does the rest."""
+
+    stage: str  # "optimize" or "quantize" (the record lives in folder/optimize.json)
+    folder: Path
+    inputs: dict
+    make: Callable  # () -> Made
+    dtype: str  # the dtype the output is validated at
+    what: str  # the validation's label ("optimized (zero-copy)", ...)
+    reused: str  # the reason said when reused
+    reusable: Callable = None  # (folder, info, component, inputs, validate) -> StageRecord | None; default recorded
+
+
+@dataclass
+class Made:
+    """What a step's `make` returns: the output, the record's extra fields, the detail line, and results of
+    sub-stages it ran inside it (the copying plan quantizes inside its optimize step)."""
+
+    path: Path
+    record: dict = field(default_factory=dict)  # StageRecord fields besides inputs / sha256 / max_rel_err
+    detail: str = ""
+    info: dict | None = None  # the StageResult's info
+    extra: list = field(default_factory=list)  # more StageResults
+    seconds_excluded: float = 0.0  # time of `extra`, not this stage's
+
+
+def run_step(source, component: str, step: Step, *, force: bool, on_phase, validate: bool):
+    """The one stage runner of both plans: reuse `step`'s recorded output when its inputs are unchanged, else
+    make, validate (deleting a graph that fails) and record it. Returns (path, the reused record or None, the
+    made step's [StageResult, ...] or None): the plan says what a reused step reports."""
+    import time
+
+    reusable = step.reusable or recorded
+    entry = None if force else reusable(step.folder, OPTIMIZE_INFO, component, step.inputs, validate)
+    if entry:
+        return step.folder / f"{component}.onnx", entry, None
+    on_phase(step.stage)
+    t0 = time.perf_counter()
+    made = step.make()
+    max_err = validated_or_removed(source, component, made.path, step.dtype, step.what, validate, on_phase)
+    record_entry(step.folder, component, StageRecord(inputs=step.inputs, sha256=sha256_file(made.path),
+                                                     max_rel_err=max_err, **made.record))
+    seconds = time.perf_counter() - t0 - made.seconds_excluded
+    detail = ", ".join(x for x in (made.detail, validation_text(max_err)) if x)
+    result = StageResult(component, step.stage, "built", seconds, detail, files_bytes(made.path), peak_rss_mb(),
+                         made.info)
+    return made.path, None, [result, *made.extra]
 
 
 def validated_or_removed(source, component: str, onnx_path: Path, dtype: str, what: str, validate: bool,

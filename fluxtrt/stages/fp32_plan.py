@@ -12,16 +12,14 @@ from ..components import specs_for
 from ..export import DEFAULT_OPSET, EXPORT_INFO, export_component, write_export_info
 from ..fileio import peak_rss_mb, sha256_file
 from ..precisions import REGISTRY, is_quantized
-from ..records import StageRecord
 from .base import (
-    OPTIMIZE_INFO,
+    Made,
     StageResult,
+    Step,
+    calibration_inputs,
     export_inputs,
-    files_bytes,
-    prompts_sha256,
-    record_entry,
     recorded,
-    validated_or_removed,
+    run_step,
     validation_text,
 )
 
@@ -66,30 +64,27 @@ def _ensure_optimized(source, component, dtype, fp32_path, out_root, force, on_p
 
         inputs["recipe_version"] = RECIPE_VERSION  # 2: fp8 weights and scales as the zero-copy path's (fp8.py)
         # weight-only recipes read no prompts: only a calibrated recipe depends on them
-        inputs["calibration"] = ({"prompts_sha256": prompts_sha256(calib), "size": calib.size, "steps": calib.steps,
-                                  "alpha": calib.alpha} if REGISTRY[dtype].calibrated else None)
-    entry = None if force else recorded(folder, OPTIMIZE_INFO, component, inputs, validate)
-    if entry:
-        res = [StageResult(component, "optimize", "reused", 0.0, "unchanged ONNX")]
-        if is_quantized(dtype):
-            res.append(StageResult(component, "quantize", "reused", 0.0, "unchanged ONNX and calibration",
-                                   info=entry.quantization))
-        return folder / f"{component}.onnx", res
-    on_phase("optimize")
-    t0 = time.perf_counter()
-    out_path, report, quant, quant_seconds = optimize_component(source, component, dtype, fp32_path, folder,
-                                                                out_root, calib, on_phase)
-    max_err = validated_or_removed(source, component, out_path, dtype, "optimized", validate, on_phase)
-    record_entry(folder, component, StageRecord(inputs=inputs, sha256=sha256_file(out_path), max_rel_err=max_err,
-                                                nodes=[report.rows[0][1], report.rows[-1][2]], quantization=quant))
-    seconds = time.perf_counter() - t0 - quant_seconds
-    res = [StageResult(component, "optimize", "built", seconds,
-                       f"{report.rows[0][1]} -> {report.rows[-1][2]} nodes, {validation_text(max_err)}",
-                       files_bytes(out_path), peak_rss_mb())]
-    if quant is not None:  # calibration + Q/DQ, timed inside the optimize stage; its bytes are the optimize output's
-        res.append(StageResult(component, "quantize", "built", quant_seconds,
-                               f"{quant['quantized_layers']} layers {dtype}", 0, peak_rss_mb(), quant))
-    return out_path, res
+        inputs["calibration"] = calibration_inputs(calib) if REGISTRY[dtype].calibrated else None
+
+    def make() -> Made:
+        out_path, report, quant, quant_seconds = optimize_component(source, component, dtype, fp32_path, folder,
+                                                                    out_root, calib, on_phase)
+        nodes = [report.rows[0][1], report.rows[-1][2]]
+        extra = [] if quant is None else [  # calibration + Q/DQ, timed inside; its bytes are the optimize output's
+            StageResult(component, "quantize", "built", quant_seconds, f"{quant['quantized_layers']} layers {dtype}",
+                        0, peak_rss_mb(), quant)]
+        return Made(out_path, {"nodes": nodes, "quantization": quant}, f"{nodes[0]} -> {nodes[1]} nodes",
+                    extra=extra, seconds_excluded=quant_seconds)
+
+    step = Step("optimize", folder, inputs, make, dtype, "optimized", "unchanged ONNX")
+    path, entry, made = run_step(source, component, step, force=force, on_phase=on_phase, validate=validate)
+    if not entry:
+        return path, made
+    res = [StageResult(component, "optimize", "reused", 0.0, step.reused)]
+    if is_quantized(dtype):
+        res.append(StageResult(component, "quantize", "reused", 0.0, "unchanged ONNX and calibration",
+                               info=entry.quantization))
+    return path, res
 
 
 def optimize_component(source, component, dtype, fp32_path, folder, out_root, calib, on_phase):

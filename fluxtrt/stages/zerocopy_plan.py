@@ -14,7 +14,6 @@ Memory stays near one weight tensor until TensorRT's builder. `--copy-weights` t
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 from .. import __version__
@@ -22,16 +21,15 @@ from ..components import specs_for
 from ..errors import FluxtrtError
 from ..fileio import peak_rss_mb, sha256_file
 from ..precisions import REGISTRY
-from ..records import CalibrationSettings, StageRecord
+from ..records import CalibrationSettings
 from .base import (
-    OPTIMIZE_INFO,
+    Made,
     StageResult,
+    Step,
+    calibration_inputs,
     export_inputs,
-    files_bytes,
-    prompts_sha256,
-    record_entry,
     recorded,
-    validated_or_removed,
+    run_step,
     validation_text,
 )
 
@@ -93,51 +91,46 @@ def _ensure_optimized(source, component, graph, zc_path, out_root, force, on_pha
     from ..optimize.pipeline import optimize_linked
 
     folder = Path(out_root) / "onnx" / f"{source.content_hash[:12]}-{graph}-zc-opt"
-    inputs = {"source_sha256": sha256_file(zc_path), "passes": list(DEFAULT_PASSES), "dtype": graph,
-              "fluxtrt": __version__}
-    entry = None if force else _reusable(folder, OPTIMIZE_INFO, component, inputs, validate)
+
+    def make() -> Made:
+        report = optimize_linked(zc_path, folder / f"{component}.onnx", component)
+        nodes = [report.rows[0][1], report.rows[-1][2]]
+        return Made(report.path, {"nodes": nodes, "zero_copy": report.zero_copy},
+                    f"{nodes[0]} -> {nodes[1]} nodes (zero-copy)", report.zero_copy)
+
+    step = Step("optimize", folder, {"source_sha256": sha256_file(zc_path), "passes": list(DEFAULT_PASSES),
+                                     "dtype": graph, "fluxtrt": __version__},
+                make, graph, "optimized (zero-copy)", "unchanged zero-copy graph", _reusable)
+    path, entry, made = run_step(source, component, step, force=force, on_phase=on_phase, validate=validate)
     if entry:
-        return folder / f"{component}.onnx", StageResult(component, "optimize", "reused", 0.0,
-                                                         "unchanged zero-copy graph", info=entry.zero_copy)
-    on_phase("optimize")
-    t0 = time.perf_counter()
-    report = optimize_linked(zc_path, folder / f"{component}.onnx", component)
-    max_err = validated_or_removed(source, component, report.path, graph, "optimized (zero-copy)", validate, on_phase)
-    nodes = [report.rows[0][1], report.rows[-1][2]]
-    record_entry(folder, component, StageRecord(inputs=inputs, sha256=sha256_file(report.path), max_rel_err=max_err,
-                                                nodes=nodes, zero_copy=report.zero_copy))
-    return report.path, StageResult(component, "optimize", "built", time.perf_counter() - t0,
-                                    f"{nodes[0]} -> {nodes[1]} nodes (zero-copy), {validation_text(max_err)}",
-                                    files_bytes(report.path), peak_rss_mb(), report.zero_copy)
+        return path, StageResult(component, "optimize", "reused", 0.0, step.reused, info=entry.zero_copy)
+    return path, made[0]
 
 
 def _ensure_quantized(source, component, recipe, zc_path, out_root, force, on_phase, calib, validate):
     from ..quantize.native import quantize_linked
 
     folder = Path(out_root) / "onnx" / f"{source.content_hash[:12]}-{recipe}-zc"
+
+    def make() -> Made:
+        on_phase("calibrate")
+        cal = calibrate_native(source, out_root, calib, lambda d, n: on_phase(f"calibrate {d}/{n} prompts"))
+        on_phase("quantize")
+        q = quantize_linked(zc_path, folder, recipe, cal.amax, lambda d, n: on_phase(f"quantize {d}/{n} weights"))
+        record = {"recipe": recipe, "path": "zero-copy", "calibration": cal.key, "calibration_cached": cal.cached,
+                  "calibration_samples": cal.samples, "calibration_file": str(cal.path.relative_to(Path(out_root))),
+                  "quantized_layers": q.quantized, "kept_in_high_precision": q.kept, "other_layers": "bf16",
+                  f"{recipe}_weight_bytes": q.weight_bytes, "linked_weight_bytes": q.linked_bytes}
+        return Made(q.path, {"quantization": record}, f"{q.quantized} {recipe} layers", record)
+
     inputs = {"source_sha256": sha256_file(zc_path), "recipe": recipe, "fluxtrt": __version__, "qdq_record": 1,
-              "calibration": {"prompts_sha256": prompts_sha256(calib), "size": calib.size, "steps": calib.steps,
-                              "opt_resolution": calib.opt_resolution}}
-    entry = None if force else _reusable(folder, OPTIMIZE_INFO, component, inputs, validate)
+              "calibration": calibration_inputs(calib)}
+    step = Step("quantize", folder, inputs, make, recipe, "quantized (zero-copy)",
+                "unchanged zero-copy graph and calibration", _reusable)
+    path, entry, made = run_step(source, component, step, force=force, on_phase=on_phase, validate=validate)
     if entry:
-        return folder / f"{component}.onnx", StageResult(component, "quantize", "reused", 0.0,
-                                                         "unchanged zero-copy graph and calibration",
-                                                         info=entry.quantization)
-    t0 = time.perf_counter()
-    on_phase("calibrate")
-    cal = calibrate_native(source, out_root, calib, lambda d, n: on_phase(f"calibrate {d}/{n} prompts"))
-    on_phase("quantize")
-    q = quantize_linked(zc_path, folder, recipe, cal.amax, lambda d, n: on_phase(f"quantize {d}/{n} weights"))
-    max_err = validated_or_removed(source, component, q.path, recipe, "quantized (zero-copy)", validate, on_phase)
-    record = {"recipe": recipe, "path": "zero-copy", "calibration": cal.key, "calibration_cached": cal.cached,
-              "calibration_samples": cal.samples, "calibration_file": str(cal.path.relative_to(Path(out_root))),
-              "quantized_layers": q.quantized, "kept_in_high_precision": q.kept, "other_layers": "bf16",
-              f"{recipe}_weight_bytes": q.weight_bytes, "linked_weight_bytes": q.linked_bytes}
-    record_entry(folder, component, StageRecord(inputs=inputs, sha256=sha256_file(q.path), max_rel_err=max_err,
-                                                quantization=record))
-    return q.path, StageResult(component, "quantize", "built", time.perf_counter() - t0,
-                               f"{q.quantized} {recipe} layers, {validation_text(max_err)}", files_bytes(q.path),
-                               peak_rss_mb(), record)
+        return path, StageResult(component, "quantize", "reused", 0.0, step.reused, info=entry.quantization)
+    return path, made[0]
 
 
 def calibrate_native(source, out_root: Path, calib: CalibrationSettings, on_prompt=lambda done, total: None):
