@@ -102,13 +102,13 @@ class EngineModule(torch.nn.Module):
         feeds = {t.name: feeds[t.name] for t in spec.inputs if t.name in feeds}
         ex.check_shapes({k: tuple(v.shape) for k, v in feeds.items()})
         if self.engines.low_vram:  # one component on the device at a time, whatever order the pipeline calls
-            self.engines._release(*[n for n, e in self.engines.executors.items() if n != name and e.active])
+            self.engines.release(*[n for n, e in self.engines.executors.items() if n != name and e.active])
         stream = self.engines.stream
         if stream is None:
             return ex.infer(feeds)
         caller = torch.cuda.current_stream()  # the pipeline's tensors come from the caller's stream: order both ways
         stream.wait_stream(caller)
-        with self.engines._on_stream():
+        with self.engines.on_stream():
             out = ex.infer(feeds)
         caller.wait_stream(stream)
         return out

@@ -51,19 +51,8 @@ class FirstBlockCache:
     def cached(self, branch: str, head_hidden):
         return self.branches[branch].tail_residual + head_hidden
 
-    def step(self, branch: str, head: dict, run_tail):
-        """The blocks' output for one step: `head` holds the head's outputs (head_hidden, head_residual);
-        `run_tail()` runs the tail on them and returns its output. Counts computed and skipped steps (the
-        first branch's calls: a true-CFG step counts once)."""
-        compute = self.must_compute(branch, head["head_residual"])
-        self.record(branch, compute)
-        if not compute:
-            return self.cached(branch, head["head_hidden"])
-        tail = run_tail()
-        self.keep(branch, head["head_residual"], head["head_hidden"], tail)
-        return tail
-
     def record(self, branch: str, compute: bool) -> None:
+        """Count a step (the first branch's: a true-CFG step counts once)."""
         if branch == "cond":
             self.computed, self.skipped = self.computed + compute, self.skipped + (not compute)
 

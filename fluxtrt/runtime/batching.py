@@ -216,7 +216,7 @@ class ContinuousBatcher:
                     return
                 job = self._incoming.popleft()
             try:
-                with self.pipe._on_stream():
+                with self.pipe.on_stream():
                     pooled, text = self.pipe.encode_prompts([job.prompt])
                     for i in range(job.n):
                         self._active.append(self._sample(job, i, pooled, text, torch))
@@ -245,16 +245,13 @@ class ContinuousBatcher:
         for s in batch:
             if s.job.started is None:
                 s.job.started = t0
-        with pipe._on_stream():
-            feeds = {"hidden_states": torch.cat([s.prep.model_input(s.latents) for s in batch]),
-                     "encoder_hidden_states": torch.cat([s.text for s in batch]),
-                     "pooled_projections": torch.cat([s.pooled for s in batch]),
-                     "timestep": torch.stack([s.t_in[s.step] for s in batch]),
-                     "img_ids": first.img_ids, "txt_ids": fm.text_ids(pipe.geo.t5_length).to(dev)}
-            if pipe.geo.guidance:
-                feeds["guidance"] = torch.cat([s.guidance for s in batch])
-            if any(s.cache is not None for s in batch):
-                out = self._cached_transformer(batch, feeds)
+        with pipe.on_stream():
+            feeds = pipe.step_inputs(torch.cat([s.prep.model_input(s.latents) for s in batch]),
+                                     torch.cat([s.text for s in batch]), torch.cat([s.pooled for s in batch]),
+                                     torch.stack([s.t_in[s.step] for s in batch]), first.img_ids,
+                                     torch.cat([s.guidance for s in batch]) if pipe.geo.guidance else None)
+            if any(s.cache is not None for s in batch):  # each sample decides for itself (module doc)
+                out = pipe.cached_transformer(feeds, [(s.cache, slice(i, i + 1)) for i, s in enumerate(batch)])
             else:
                 out = pipe.executors["transformer"].infer(feeds)["noise_pred"]
             tokens = first.latents.shape[1]
@@ -270,27 +267,6 @@ class ContinuousBatcher:
         if self.on_step is not None:
             self.on_step(self.stats)
 
-    def _cached_transformer(self, batch: list[Sample], feeds: dict):
-        """The transformer through First-Block Cache's parts, each sample deciding for itself (module doc)."""
-        import torch
-
-        pipe = self.pipe
-        head = pipe.run_part("transformer_head", feeds)
-        rows = [{k: v[i:i + 1] for k, v in head.items()} for i in range(len(batch))]
-        compute = [s.cache is None or s.cache.must_compute("cond", r["head_residual"]) for s, r in zip(batch, rows)]
-        tail = None
-        if any(compute):
-            tail = pipe.run_part("transformer_tail", dict(head, img_ids=feeds["img_ids"],
-                                                          txt_ids=feeds["txt_ids"]))["tail_hidden"]
-        hidden = []
-        for i, (s, r, c) in enumerate(zip(batch, rows, compute)):
-            if s.cache is not None:
-                s.cache.record("cond", c)
-                if c:
-                    s.cache.keep("cond", r["head_residual"], r["head_hidden"], tail[i:i + 1])
-            hidden.append(tail[i:i + 1] if c else s.cache.cached("cond", r["head_hidden"]))
-        return pipe.run_part("transformer_out", {"hidden": torch.cat(hidden), "temb": head["temb"]})["noise_pred"]
-
     def _decode(self, finished: list[Sample]) -> None:
         import torch
 
@@ -301,13 +277,7 @@ class ContinuousBatcher:
         for (_, height, width, _), group in by_key.items():
             for k in range(0, len(group), self.max_batch):
                 chunk = group[k:k + self.max_batch]
-                with pipe._on_stream():
-                    lat = fm.unpack_latents(torch.cat([s.latents for s in chunk]), height, width,
-                                            pipe.geo.vae_scale_factor)
-                    lat = fm.latents_for_vae(lat, pipe.scaling_factor, pipe.shift_factor)
-                    image = pipe.executors["vae_decoder"].infer({"latent": lat})["image"].float()
-                    finite = bool(image.isfinite().all())
-                    images = fm.to_uint8(image)
+                images, finite = pipe.decode(torch.cat([s.latents for s in chunk]), height, width)
                 for s, img in zip(chunk, images):
                     if not finite:
                         self._finish(s.job, exception=RequestError("the VAE decoder produced NaN/Inf"))

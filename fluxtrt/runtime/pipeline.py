@@ -235,7 +235,7 @@ class FluxEngines:
                                     "--backend onnxruntime --weights YOUR_FLUX_FOLDER")
             self.executors[name] = OnnxRuntimeExecutor(name, e, onnx_path, specs[name], self.geo, provider, weights=ws)
 
-    def _release(self, *names) -> None:
+    def release(self, *names) -> None:
         """--low-vram: free these stages' executors (a TensorRT executor may say its cache was not saved)."""
         for name in names:
             note = self.executors[name].deactivate()
@@ -260,7 +260,7 @@ class FluxEngines:
 
     sync_check = False  # tests set it: any host-device synchronisation inside the loop then raises
 
-    def _on_stream(self):
+    def on_stream(self):
         import contextlib
 
         import torch
@@ -322,14 +322,7 @@ class FluxEngines:
 
         def step(latents, timestep):
             feeds["hidden_states"], feeds["timestep"] = latents, timestep
-            head = self.run_part("transformer_head", feeds)
-
-            def tail():
-                return self.run_part("transformer_tail", dict(
-                    head, img_ids=feeds["img_ids"], txt_ids=feeds["txt_ids"]))["tail_hidden"]
-
-            hidden = cache.step(branch, head, tail)
-            return self.run_part("transformer_out", {"hidden": hidden, "temb": head["temb"]})["noise_pred"]
+            return self.cached_transformer(feeds, [(cache, slice(None))], branch)
 
         return step
 
@@ -396,6 +389,10 @@ class FluxEngines:
                         full.shape[-1], dropped)
         return ids
 
+    def forget_prompts(self) -> None:
+        """Drop the prompt embeddings kept for reuse within a run (bench times the encoders every run)."""
+        self._embeds.clear()
+
     def encode_prompts(self, prompts: list[str]):
         """(pooled [B, D], t5 [B, T, D']) as float32 on the executor device; each distinct prompt encoded once."""
         import torch
@@ -432,12 +429,12 @@ class FluxEngines:
         wf, height, width, reference = self.plan(height, width, inputs)
         self.check_request(batch, height, width, steps, reference)
         cache = self.step_cache(cache_threshold)
-        geo, dev = self.geo, self.device
+        dev = self.device
         timings = Timings()
         memory = MemoryWatch(self._memory_base) if dev.type == "cuda" else None
         t_start = time.perf_counter()
 
-        with self._on_stream():
+        with self.on_stream():
             pooled, text = self.encode_prompts(prompts)
             if cfg:
                 neg_pooled, neg_text = self.encode_prompts(negative_prompts)
@@ -447,13 +444,13 @@ class FluxEngines:
         _check_finite(pooled, "clip")
         _check_finite(text, "t5")
         if self.low_vram:
-            self._release("clip", "t5")
+            self.release("clip", "t5")
 
         t_prep = time.perf_counter()
         prep = self.prepare(wf, batch, height, width, steps, seed, inputs)
         timings.image_encoder = time.perf_counter() - t_prep
         if self.low_vram and wf.needs_encoder:
-            self._release("vae_encoder")
+            self.release("vae_encoder")
         negative = (neg_pooled, neg_text) if cfg else None
         latents, trace_latents = self._denoise(prep, pooled, text, guidance, negative, true_cfg, trace, on_step,
                                                timings, cache)
@@ -461,19 +458,14 @@ class FluxEngines:
         if memory is not None:
             memory.sample()
         if self.low_vram:
-            self._release("transformer")
+            self.release("transformer")
 
         t_vae = time.perf_counter()
-        with self._on_stream():  # all device work, including unpacking, on the one stream
-            lat = fm.unpack_latents(latents, height, width, geo.vae_scale_factor)
-            lat = fm.latents_for_vae(lat, self.scaling_factor, self.shift_factor)
-            image = self.executors["vae_decoder"].infer({"latent": lat})["image"].float()
-            images = fm.to_uint8(image)  # the copy to the host is ordered after the decode on our stream
-            finite = bool(image.isfinite().all())
+        images, finite = self.decode(latents, height, width)
         if memory is not None:
             memory.sample()
         if self.low_vram:  # finite/uint8 above waited for the decode
-            self._release("vae_decoder")
+            self.release("vae_decoder")
         timings.vae = time.perf_counter() - t_vae
         timings.total = time.perf_counter() - t_start
         if memory is not None:
@@ -487,6 +479,48 @@ class FluxEngines:
             raise NonFiniteError("vae_decoder produced NaN/Inf; build it in fp32 (`--precision vae_decoder=fp32`)")
         timings.cache = cache.summary() if cache is not None else None
         return Result(images, timings, trace_latents, wf.name, height, width)
+
+    def decode(self, latents, height: int, width: int):
+        """Packed latents [B, N, C] -> (uint8 images [B, H, W, 3], whether the VAE's output was finite): the one
+        decode of `generate` and the continuous batcher, on the pipeline's stream."""
+        with self.on_stream():  # all device work, including unpacking, on the one stream
+            lat = fm.unpack_latents(latents, height, width, self.geo.vae_scale_factor)
+            lat = fm.latents_for_vae(lat, self.scaling_factor, self.shift_factor)
+            image = self.executors["vae_decoder"].infer({"latent": lat})["image"].float()
+            images = fm.to_uint8(image)  # the copy to the host is ordered after the decode on our stream
+            return images, bool(image.isfinite().all())
+
+    def step_inputs(self, hidden_states, text, pooled, timestep, img_ids, guidance=None) -> dict:
+        """The transformer's inputs for one step, by name (the one place `generate` and the batcher build
+        them): per-sample `timestep` / `guidance` [B], text [B, T, D], pooled [B, D], shared ids."""
+        feeds = {"hidden_states": hidden_states, "encoder_hidden_states": text, "pooled_projections": pooled,
+                 "timestep": timestep, "img_ids": img_ids, "txt_ids": fm.text_ids(self.geo.t5_length).to(self.device)}
+        if self.geo.guidance:
+            feeds["guidance"] = guidance
+        return feeds
+
+    def cached_transformer(self, feeds: dict, groups: list, branch: str = "cond"):
+        """noise_pred through First-Block Cache's parts for `groups` [(FirstBlockCache or None, row slice)]: each
+        group decides on its own rows (a generation: one group over the batch, as diffusers; the batcher: one per
+        sample). The tail runs for the whole batch when any group needs it; a group that skips takes its kept
+        residual, and only groups that computed keep the tail's output. None: no cache (always computes)."""
+        import torch
+
+        head = self.run_part("transformer_head", feeds)
+        decided = [(c, rows, c is None or c.must_compute(branch, head["head_residual"][rows])) for c, rows in groups]
+        tail = None
+        if any(compute for _, _, compute in decided):
+            tail = self.run_part("transformer_tail", dict(head, img_ids=feeds["img_ids"],
+                                                          txt_ids=feeds["txt_ids"]))["tail_hidden"]
+        hidden = []
+        for c, rows, compute in decided:
+            if c is not None:
+                c.record(branch, compute)
+                if compute:
+                    c.keep(branch, head["head_residual"][rows], head["head_hidden"][rows], tail[rows])
+            hidden.append(tail[rows] if compute else c.cached(branch, head["head_hidden"][rows]))
+        hidden = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
+        return self.run_part("transformer_out", {"hidden": hidden, "temb": head["temb"]})["noise_pred"]
 
     def prepare(self, wf, batch: int, height: int, width: int, steps: int, seed: int, inputs: ImageInputs) -> Prepared:
         """The workflow's starting state for a request (CPU tensors), its noise from a CPU generator seeded
@@ -513,7 +547,7 @@ class FluxEngines:
         """The workflows' VAE encoder: images [b, 3, H, W] float32 -> latent parameters [b, 2C, H/8, W/8] (CPU)."""
         ex = self.executors["vae_encoder"]
         ex.check_shapes({"image": tuple(images.shape)})
-        with self._on_stream():
+        with self.on_stream():
             out = ex.infer({"image": images.to(ex.device)})["latent_parameters"].float().cpu()  # waits for the stream
         _check_finite(out, "vae_encoder")
         return out
@@ -526,16 +560,13 @@ class FluxEngines:
         import torch
 
         dev, batch, steps = self.device, prep.latents.shape[0], len(prep.timesteps)
-        with self._on_stream():
+        with self.on_stream():
             cond = prep.to(dev)
             latents = cond.latents
             t_in = (prep.timesteps / 1000).to(dev)
             dts = (prep.sigmas[1:] - prep.sigmas[:-1]).to(dev)
-            feeds = {"hidden_states": cond.model_input(latents), "encoder_hidden_states": text.to(dev),
-                     "pooled_projections": pooled.to(dev), "img_ids": cond.img_ids,
-                     "txt_ids": fm.text_ids(self.geo.t5_length).to(dev), "timestep": t_in[0].expand(batch)}
-            if self.geo.guidance:
-                feeds["guidance"] = torch.full([batch], guidance, dtype=torch.float32).to(dev)
+            feeds = self.step_inputs(cond.model_input(latents), text.to(dev), pooled.to(dev), t_in[0].expand(batch),
+                                     cond.img_ids, torch.full([batch], guidance, dtype=torch.float32).to(dev))
             step = (self._step_function(feeds, refresh=negative is not None) if cache is None
                     else self._cached_step(feeds, cache, "cond"))
             if negative is not None:  # the same call with the negative prompts' embeddings
