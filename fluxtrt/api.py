@@ -139,7 +139,7 @@ def calibrate(model: str, out_dir: Path, recipe: str = "fp8", settings: Calibrat
     from .models.source import resolve_model
     from .precisions import CALIBRATED
     from .stages.fp32_plan import calibrate_graph, optimized_fp32_transformer
-    from .stages.zerocopy_plan import calibrate_native, native_refusal
+    from .stages.zerocopy_plan import calibrate_zero_copy, zero_copy_plan_refusal
 
     if recipe not in CALIBRATED:
         raise FluxtrtError(f"only {', '.join(CALIBRATED)} need calibration (activation ranges); "
@@ -149,20 +149,20 @@ def calibrate(model: str, out_dir: Path, recipe: str = "fp8", settings: Calibrat
     settings = (settings or CalibrationSettings()).check()
     check_out_folder(Path(out_dir))
     source = resolve_model(model)
-    if zero_copy and native_refusal(source, "transformer", recipe) is None:
-        return source, calibrate_native(source, Path(out_dir), settings, on_prompt)
+    if zero_copy and zero_copy_plan_refusal(source, "transformer", recipe) is None:
+        return source, calibrate_zero_copy(source, Path(out_dir), settings, on_prompt)
     graph = optimized_fp32_transformer(source, Path(out_dir))
     return source, calibrate_graph(source, graph, recipe, Path(out_dir), settings)
 
 
 def optimize(in_dir: Path, out_dir: Path, passes=None, dtype: str = "fp32", components=None) -> list:
     """Graph passes and precision placement on an fp32 export: [(component, OptimizeReport, comparison)]."""
+    from .compare import bound_for, compare_onnx
     from .components import specs_for
     from .fileio import check_out_folder
     from .models.source import resolve_model
     from .optimize.pipeline import check_passes, optimize_file
     from .records import StageInfo
-    from .validate import bound_for, compare_onnx
 
     check_out_folder(Path(out_dir))
     if Path(out_dir).resolve() == Path(in_dir).resolve():
@@ -367,9 +367,9 @@ def _ort_provider(requested: str, choice) -> str:
 
 
 def open_pipeline(opts: RunOptions):
-    """(FluxEngines, backend choice) for these options: the executor `auto` picks, PyTorch where engines lack."""
+    """(Pipeline, backend choice) for these options: the executor `auto` picks, PyTorch where engines lack."""
     from .runtime.choice import choose_backend
-    from .runtime.pipeline import FluxEngines
+    from .runtime.pipeline import Pipeline
 
     engines = opts.engines
     if engines is None and opts.model is None:
@@ -387,7 +387,7 @@ def open_pipeline(opts: RunOptions):
     if opts.negative_prompt is not None and opts.true_cfg <= 1:
         choice.notes.append("--negative-prompt has no effect without --true-cfg > 1 (as in diffusers' FluxPipeline)")
     budget = opts.weight_streaming_budget << 20 if opts.weight_streaming_budget is not None else None
-    pipe = FluxEngines(engines, choice.backend, opts.low_vram, budget, opts.cuda_graph, provider, model=source,
+    pipe = Pipeline(engines, choice.backend, opts.low_vram, budget, opts.cuda_graph, provider, model=source,
                        fallback=sorted(set(opts.fallback) | set(choice.fallback)), torch_dtype=opts.torch_dtype,
                        compile=opts.compile, allow_host_code=opts.allow_host_code, weights=opts.weights,
                        lora=opts.lora, lora_scale=opts.lora_scale, calibration=opts.calibration)
@@ -479,7 +479,7 @@ def bench(engines: Path | None, model: str | None, backend: str, opts, say=lambd
     from .fileio import write_json_atomic
     from .models.source import resolve_model
     from .runtime.choice import choose_backend
-    from .runtime.pipeline import FluxEngines
+    from .runtime.pipeline import Pipeline
 
     opts.check()
     if plot_out is not None:
@@ -499,7 +499,7 @@ def bench(engines: Path | None, model: str | None, backend: str, opts, say=lambd
     provider = _ort_provider(opts.ort_provider, choice)
     for note in choice.notes:
         say(note)
-    pipe = FluxEngines(engines, choice.backend, model=source, fallback=choice.fallback, torch_dtype=opts.torch_dtype,
+    pipe = Pipeline(engines, choice.backend, model=source, fallback=choice.fallback, torch_dtype=opts.torch_dtype,
                        compile=opts.compile, cuda_graph=opts.cuda_graph, ort_provider=provider, calibration=calibration)
     rows, meta = run_bench(pipe, source, choice.backend, opts, say)
     meta["fp8"] = fp8_notes(pipe)
@@ -583,10 +583,10 @@ def artifacts(gpus: str, model: str, engines: Path, out_dir: Path, precision=Non
 def validate_engines(engines: Path, components=None, ort_provider: str = "auto", device: str | None = None,
                      model: str | None = None, json_out: Path | None = None, say=lambda line: None,
                      fp32: bool = False):
-    """`fluxtrt validate` (crosscheck.py): rows of ONNX Runtime vs PyTorch per component and shape, written as
+    """`fluxtrt validate` (validate.py): rows of ONNX Runtime vs PyTorch per component and shape, written as
     JSON lines too when asked (atomically; the folder is checked before any work)."""
-    from .crosscheck import cross_check
     from .fileio import write_bytes_atomic
+    from .validate import cross_check
 
     if json_out is not None:
         from .runtime.images import check_writable

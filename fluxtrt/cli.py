@@ -400,7 +400,7 @@ def validate(
 
     comps = api.split_list(components) if components else None
     rows = api.validate_engines(engines, comps, ort_provider, device, model, json_out, say=r.console.print, fp32=fp32)
-    r.crosscheck_rows(rows)
+    r.validate_rows(rows)
     if not all(row.ok for row in rows if row.decides):
         raise typer.Exit(1)
 

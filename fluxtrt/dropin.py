@@ -44,7 +44,7 @@ def _refuse(message: str):
 
 
 class EngineModule(torch.nn.Module):
-    """One component of a FluxEngines behind the torch.nn.Module face diffusers expects. It holds no parameters:
+    """One component of a Pipeline behind the torch.nn.Module face diffusers expects. It holds no parameters:
     the executor holds the weights, on its own device and in its own dtypes."""
 
     def __init__(self, engines, name: str, config_folder: str, dtype_input: str):
@@ -267,7 +267,7 @@ OPEN_OPTIONS = ("model", "backend", "ort_provider", "fallback", "torch_dtype", "
 
 
 def open_engines(engines=None, **options):
-    """A FluxEngines over the engines folder `engines` (or, with backend="torch", model=M and no engines, the
+    """A Pipeline over the engines folder `engines` (or, with backend="torch", model=M and no engines, the
     model's PyTorch modules) with `fluxtrt run`'s options (api.RunOptions fields: backend, ort_provider, low_vram,
     cuda_graph, compile, weights, lora, lora_scale, fallback, calibration, model, torch_dtype); the notes
     `fluxtrt run` prints are logged."""

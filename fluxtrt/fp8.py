@@ -1,11 +1,11 @@
-"""The fp8 recipe's arithmetic, in one place for the quantizer (quantize/), validation (crosscheck.py) and the
+"""The fp8 recipe's arithmetic, in one place for the quantizer (quantize/), validation (validate.py) and the
 torch executor (runtime/): per-tensor E4M3 weights scaled by max |w| / 448 (one scale per fused projection),
 calibrated static activation scales amax / 448, both rounded to bf16 as the graph holds them, and the layers the
 graph keeps in bf16 (x_embedder and context_embedder read model inputs, proj_out writes the output; the 2-D
 AdaLN and embedding linears are Gemms the recipe leaves alone).
 
 Where it runs:
-- `scales_from_graph`: the scales an fp8 ONNX graph (quantize.native.quantize_linked) recorded, by PyTorch module.
+- `scales_from_graph`: the scales an fp8 ONNX graph (quantize.zerocopy.quantize_zero_copy) recorded, by PyTorch module.
 - `scales_from_calibration`: the same scales from a calibration cache (`fluxtrt calibrate`) and the module's own
   weights, without a graph; the groups that share a weight scale are the linears that read one activation (what
   optimize's fuse_projections fuses). tests/test_fp8.py checks both give the same scales.
@@ -28,7 +28,7 @@ KEPT = ("x_embedder", "context_embedder", "proj_out")  # top-level linears the r
 
 def read_qdq(model) -> dict:
     """{MatMul name: {"modules": [PyTorch linear modules, a fused projection's parts in order], "act_scale":
-    initializer, "weight_scale": initializer (fp8)}} as quantize_linked recorded it; {} for other graphs."""
+    initializer, "weight_scale": initializer (fp8)}} as quantize_zero_copy recorded it; {} for other graphs."""
     return next((json.loads(p.value) for p in model.metadata_props if p.key == QDQ_KEY), {})
 
 
@@ -64,7 +64,7 @@ def fp8_fake_quant(x, scale: float):
 
 
 def fake_quantize_fp8(module, record: dict, scales: dict) -> int:
-    """Make `module` (in place) compute what an fp8 graph of quantize_linked computes, emulated: every linear
+    """Make `module` (in place) compute what an fp8 graph of quantize_zero_copy computes, emulated: every linear
     layer the graph quantized gets the graph's weight, dequantized with the graph's weight scale, and an input
     pre-hook quantizing with the graph's activation scale. `record`: read_qdq of the graph; `scales`: initializer
     name -> value. Returns the linear layers changed."""
@@ -97,7 +97,7 @@ def emulate(module, by_module: dict) -> int:
 def quantize_weight(w):
     """A linear weight (numpy, any layout; a fused projection's parts joined) -> (E4M3 codes as numpy, scale): the
     weight rounded to bf16 (the recipe's rest dtype, what a bf16 checkpoint stores), one scale bf16(max |w| / 448).
-    quantize.native computes the same from the checkpoint's bf16 bytes."""
+    quantize.zerocopy computes the same from the checkpoint's bf16 bytes."""
     import torch
 
     wb = torch.from_numpy(w).float().to(torch.bfloat16).float()
@@ -160,7 +160,7 @@ def linear_groups(module, args, root=None) -> list[list[str]]:
 
 def scales_from_calibration(module, module_amax: dict, groups: list[list[str]]) -> dict:
     """{module: (activation scale, weight scale)} from calibrated input ranges by module and the module's weights:
-    per group, bf16(max amax / 448) and bf16(max |w| / 448) (quantize.native's arithmetic)."""
+    per group, bf16(max amax / 448) and bf16(max |w| / 448) (quantize.zerocopy's arithmetic)."""
     out = {}
     for group in groups:
         missing = [m for m in group if m not in module_amax]

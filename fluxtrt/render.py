@@ -171,7 +171,7 @@ def bench_rows(rows, meta) -> None:
                                      "speedup vs diffusers"), body))
 
 
-def crosscheck_rows(rows) -> None:
+def validate_rows(rows) -> None:
     body = []
     for r in rows:
         ref = (f"{r.reference:.1e}" if r.reference > 0 else "0 (identical)") + (" fp64" if r.reference_kind == "fp64" else "")

@@ -1,4 +1,4 @@
-"""`fluxtrt serve`: text-to-image over HTTP on Ray Serve, each replica a `FluxEngines` with a continuous
+"""`fluxtrt serve`: text-to-image over HTTP on Ray Serve, each replica a `Pipeline` with a continuous
 batcher (runtime/batching.py). On one machine Ray runs embedded (a local runtime started in-process); with
 `--address` the same app joins an existing Ray cluster, one replica per GPU.
 
@@ -139,7 +139,7 @@ class Service:
                  cache_threshold: float = 0.0):
         from .runtime.batching import ContinuousBatcher
         from .runtime.choice import choose_backend
-        from .runtime.pipeline import FluxEngines
+        from .runtime.pipeline import Pipeline
 
         check_servable(Path(engines) if engines else None, model, backend)
         source = None
@@ -149,7 +149,7 @@ class Service:
             source = resolve_model(model)
         choice = choose_backend(backend, Path(engines) if engines else None)
         # LAZY kernel specialization: a server must not stall on the first request of a new shape
-        self.pipe = FluxEngines(Path(engines) if engines else None, choice.backend, model=source,
+        self.pipe = Pipeline(Path(engines) if engines else None, choice.backend, model=source,
                                 fallback=choice.fallback, torch_dtype=torch_dtype, kernel_specialization="lazy",
                                 calibration=Path(calibration) if calibration else None)
         self.backend = choice.backend

@@ -46,13 +46,13 @@ def main() -> None:
 
     import torch
 
+    from fluxtrt.compare import runnable_session
     from fluxtrt.components import ShapePoint, specs_for
-    from fluxtrt.crosscheck import relative_errors
     from fluxtrt.export import export_component
     from fluxtrt.models.source import resolve_model
     from fluxtrt.optimize.passes import DEFAULT_PASSES
-    from fluxtrt.optimize.pipeline import optimize_linked
-    from fluxtrt.validate import runnable_session
+    from fluxtrt.optimize.pipeline import optimize_zero_copy
+    from fluxtrt.validate import relative_errors
 
     work = Path(tempfile.mkdtemp(prefix="attention-scale-"))
     try:
@@ -61,8 +61,8 @@ def main() -> None:
         spec = specs_for(geo, ["transformer"])["transformer"]
         zc = export_component(src, spec, work / "zc", "bf16", validate=False, zero_copy=True).path
         without = [p for p in DEFAULT_PASSES if p != "exact_attention_scale"]
-        graphs = {"without the pass": optimize_linked(zc, work / "a" / "transformer.onnx", "transformer", without).path,
-                  "with the pass": optimize_linked(zc, work / "b" / "transformer.onnx", "transformer").path}
+        graphs = {"without the pass": optimize_zero_copy(zc, work / "a" / "transformer.onnx", "transformer", without).path,
+                  "with the pass": optimize_zero_copy(zc, work / "b" / "transformer.onnx", "transformer").path}
         feeds = spec.sample_inputs(ShapePoint(1, args.size, args.size), geo, args.seed)
         module = src.load_component("transformer", torch.float32, "cpu")
         wrapped = spec.wrap(module)

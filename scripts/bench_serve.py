@@ -1,5 +1,5 @@
 """Serving throughput and latency of `fluxtrt serve` on a CUDA machine, against one-at-a-time generation in the
-same run (the library's `FluxEngines.generate`, no server, no batching).
+same run (the library's `Pipeline.generate`, no server, no batching).
 
 For each replica count: start `fluxtrt serve` (PyTorch executor on the chosen model), warm it up, then for every
 size and concurrency send `--requests` requests from that many client threads over loopback HTTP: images per
@@ -48,9 +48,9 @@ def sequential(model, sizes, counts, steps):
     import torch
 
     from fluxtrt.models.source import resolve_model
-    from fluxtrt.runtime.pipeline import FluxEngines
+    from fluxtrt.runtime.pipeline import Pipeline
 
-    pipe = FluxEngines(None, "torch", model=resolve_model(model))
+    pipe = Pipeline(None, "torch", model=resolve_model(model))
     rows = []
     for size, n in zip(sizes, counts):
         pipe.generate(["warm up"], size, size, steps, seed=0)
@@ -59,7 +59,7 @@ def sequential(model, sizes, counts, steps):
             t = time.perf_counter()
             pipe.generate([f"a photo of a red fox, take {k}"], size, size, steps, seed=k)
             lat.append(time.perf_counter() - t)
-        rows.append(row("sequential (FluxEngines.generate)", size, 1, 1, lat, time.perf_counter() - t0))
+        rows.append(row("sequential (Pipeline.generate)", size, 1, 1, lat, time.perf_counter() - t0))
         print(rows[-1], flush=True)
     del pipe
     torch.cuda.empty_cache()

@@ -89,7 +89,7 @@ def accuracy(a) -> None:
 def speed(a) -> None:
     from fluxtrt import api
     from fluxtrt.quantize.calibration import calibrate_modules
-    from fluxtrt.runtime.pipeline import FluxEngines
+    from fluxtrt.runtime.pipeline import Pipeline
 
     src = resolve_model(a.model)
     dev = torch.device(a.device)
@@ -115,7 +115,7 @@ def speed(a) -> None:
             if variant == "diffusers-compiled":
                 pipe.transformer = torch.compile(pipe.transformer, fullgraph=False, dynamic=False)
         else:
-            pipe = FluxEngines(None, "torch", model=src, torch_dtype="bf16" if a.device == "cuda" else "fp32",
+            pipe = Pipeline(None, "torch", model=src, torch_dtype="bf16" if a.device == "cuda" else "fp32",
                                compile=a.compile, calibration=cal.path if variant.startswith("fp8") else None,
                                cuda_graph=variant.endswith("-graph"))
         load_s = time.perf_counter() - t_load

@@ -102,9 +102,9 @@ case "$STEP" in
            # and fp8 quantized from the unfused graph (as before the passes ran on this path) vs the fused one
     H=$(ls -d "$WORK/build/onnx/"*-bf16-zc | head -1); H=$(basename "$H"); H=${H%-bf16-zc}
     python3 -c "from pathlib import Path; import json
-from fluxtrt.quantize.native import quantize_linked
+from fluxtrt.quantize.zerocopy import quantize_zero_copy
 amax = json.loads(next(Path('$WORK/build/calibration').glob('*.json')).read_text())['amax']
-quantize_linked(Path('$WORK/build/onnx/$H-bf16-zc/transformer.onnx'), Path('$WORK/fp8-unfused'), 'fp8', amax)"
+quantize_zero_copy(Path('$WORK/build/onnx/$H-bf16-zc/transformer.onnx'), Path('$WORK/fp8-unfused'), 'fp8', amax)"
     python3 scripts/layer_counts.py "$WORK/build/onnx/$H-bf16-zc/transformer.onnx" \
       "$WORK/build/onnx/$H-bf16-zc-opt/transformer.onnx" "$WORK/fp8-unfused/transformer.onnx" \
       "$WORK/build/onnx/$H-fp8-zc/transformer.onnx" | tee "$OUTDIR/layers.jsonl"
@@ -124,8 +124,8 @@ quantize_linked(Path('$WORK/build/onnx/$H-bf16-zc/transformer.onnx'), Path('$WOR
 from pathlib import Path
 from fluxtrt.models.source import resolve_model
 from fluxtrt.records import CalibrationSettings
-from fluxtrt.stages.zerocopy_plan import ensure_native
-path, res = ensure_native(resolve_model('$FULL'), 'transformer', 'bf16', Path('$WORK/build'), False, print,
+from fluxtrt.stages.zerocopy_plan import ensure_zero_copy
+path, res = ensure_zero_copy(resolve_model('$FULL'), 'transformer', 'bf16', Path('$WORK/build'), False, print,
                           CalibrationSettings(), validate=False)
 print(path, *res, sep='\n')" ;;
   bf16-entry)  # the graph `build -p transformer=bf16` hands TensorRT (the bf16-zc-opt stage of build-fp4 or

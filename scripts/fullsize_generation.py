@@ -64,10 +64,10 @@ def main() -> None:
 
     import numpy as np
 
-    from fluxtrt.crosscheck import relative_errors
     from fluxtrt.dtypes import torch_dtype
     from fluxtrt.models.source import resolve_model
-    from fluxtrt.runtime.pipeline import FluxEngines
+    from fluxtrt.runtime.pipeline import Pipeline
+    from fluxtrt.validate import relative_errors
 
     src = resolve_model(args.model)
     dtype = torch_dtype(args.dtype)
@@ -75,9 +75,9 @@ def main() -> None:
     alt, alt_lat, alt_s = diffusers_run(src, args.prompt, args.size, args.steps, args.seed, dtype, args.device, True)
     t0 = time.perf_counter()
     if args.backend == "torch":
-        pipe = FluxEngines(None, "torch", model=src, torch_dtype=args.dtype, device=args.device)
+        pipe = Pipeline(None, "torch", model=src, torch_dtype=args.dtype, device=args.device)
     else:
-        pipe = FluxEngines(args.engines, "onnxruntime", ort_provider=args.provider, torch_dtype=args.dtype,
+        pipe = Pipeline(args.engines, "onnxruntime", ort_provider=args.provider, torch_dtype=args.dtype,
                            device=args.device)
     load_s = time.perf_counter() - t0
     res = pipe.generate([args.prompt], args.size, args.size, args.steps, 3.5, args.seed, trace=True)

@@ -25,9 +25,9 @@ def _valid(batch, h, w, steps):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(batch=st.integers(-2, 8), h=st.integers(-64, 2048), w=st.integers(-64, 2048), steps=st.integers(-3, 60))
 def test_request_validation_property(fake_engines, batch, h, w, steps):
-    from fluxtrt.runtime.pipeline import FluxEngines, RequestError
+    from fluxtrt.runtime.pipeline import Pipeline, RequestError
 
-    pipe = FluxEngines(fake_engines, "onnxruntime")
+    pipe = Pipeline(fake_engines, "onnxruntime")
     if _valid(batch, h, w, steps):
         pipe.check_request(batch, h, w, steps)
     else:
@@ -63,7 +63,7 @@ def test_out_of_memory_is_one_line_with_the_fixes(fake_engines, monkeypatch):
     def oom(*a, **k):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
-    monkeypatch.setattr("fluxtrt.runtime.pipeline.FluxEngines.generate", oom)
+    monkeypatch.setattr("fluxtrt.runtime.pipeline.Pipeline.generate", oom)
     res = CliRunner().invoke(app, ["run", "--engines", str(fake_engines), "--backend", "onnxruntime", "--prompt", "x",
                                    "--height", "256", "--width", "256"])
     assert res.exit_code == 2 and "Traceback" not in res.output
@@ -107,9 +107,9 @@ def test_very_long_prompt_is_truncated_with_a_warning(caplog):
     import logging
 
     from fluxtrt.models.source import resolve_model
-    from fluxtrt.runtime.pipeline import FluxEngines
+    from fluxtrt.runtime.pipeline import Pipeline
 
-    pipe = FluxEngines(None, "torch", model=resolve_model("tiny-schnell"), torch_dtype="fp32", device="cpu")
+    pipe = Pipeline(None, "torch", model=resolve_model("tiny-schnell"), torch_dtype="fp32", device="cpu")
     long_prompt = " ".join(["a red fox jumping over a sleepy dog in the snow"] * 120)
     with caplog.at_level(logging.WARNING, logger="fluxtrt"):
         res = pipe.generate([long_prompt], 256, 256, 1, seed=0)

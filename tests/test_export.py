@@ -7,9 +7,9 @@ import numpy as np
 import onnx
 import pytest
 
+from fluxtrt.compare import graph_io, validate_onnx
 from fluxtrt.components import ShapePoint, specs_for
 from fluxtrt.export import export_component
-from fluxtrt.validate import graph_io, validate_onnx
 
 COMPONENTS_UNDER_TEST = ("clip", "t5", "transformer", "vae_decoder", "vae_encoder")
 FP32_BOUND = 1e-4  # max|onnx - torch| / max|torch|, fp32, on fresh random inputs
@@ -157,7 +157,7 @@ def test_cli_hub_id_error_is_one_line():
 
 
 def test_fp16_export_within_its_bound(tiny_schnell, tmp_path):
-    from fluxtrt.validate import RTOL_BY_DTYPE
+    from fluxtrt.compare import RTOL_BY_DTYPE
 
     spec = specs_for(tiny_schnell.geometry)["vae_decoder"]
     r = export_component(tiny_schnell, spec, tmp_path, dtype="fp16")
@@ -169,7 +169,7 @@ def test_fp16_export_within_its_bound(tiny_schnell, tmp_path):
 @pytest.mark.parametrize("component", ["t5", "transformer"])
 def test_bf16_export_within_its_bound(tiny_dev, tmp_path, component):
     """bf16 graphs run in ONNX Runtime widened to fp32 (no bf16 CPU kernels): weights keep their bf16 rounding."""
-    from fluxtrt.validate import RTOL_BY_DTYPE
+    from fluxtrt.compare import RTOL_BY_DTYPE
 
     spec = specs_for(tiny_dev.geometry)[component]
     r = export_component(tiny_dev, spec, tmp_path, dtype="bf16")

@@ -23,9 +23,9 @@ def graph_of(root):
 
 
 def calibration_of(src, root, calib):
-    from fluxtrt.stages.zerocopy_plan import calibrate_native
+    from fluxtrt.stages.zerocopy_plan import calibrate_zero_copy
 
-    cal = calibrate_native(src, root, calib)
+    cal = calibrate_zero_copy(src, root, calib)
     assert cal.cached  # the build's own calibration
     return cal
 
@@ -49,8 +49,8 @@ def test_torch_executor_transformer_matches_the_fp8_graph(fp8_build):
     """One transformer call: the torch executor (emulated recipe, fp32) against the fp8 graph in ONNX Runtime
     (CPU: computed in fp32) within the fake-quant bound of `fluxtrt validate`, on fresh random inputs; the
     unquantized module is far outside it."""
+    from fluxtrt.compare import bound_for
     from fluxtrt.runtime.executors import OnnxRuntimeExecutor, TorchExecutor
-    from fluxtrt.validate import bound_for
 
     src, _, root, manifest, *_ = fp8_build
     spec = specs_for(src.geometry, ["transformer"])["transformer"]

@@ -15,11 +15,11 @@ LAYERS = {
     1: ["fluxtrt.precisions", "fluxtrt.nvfp4", "fluxtrt.fp8", "fluxtrt.stepcache", "fluxtrt.flux_math", "fluxtrt.components",
         "fluxtrt.checkpoint", "fluxtrt.onnxio",
         "fluxtrt.records", "fluxtrt.gpus", "fluxtrt.data", "fluxtrt.workflows"],
-    2: ["fluxtrt.weightmap", "fluxtrt.validate", "fluxtrt.models", "fluxtrt.engine.backends", "fluxtrt.engine"],
+    2: ["fluxtrt.weightmap", "fluxtrt.compare", "fluxtrt.models", "fluxtrt.engine.backends", "fluxtrt.engine"],
     3: ["fluxtrt.export", "fluxtrt.optimize", "fluxtrt.quantize", "fluxtrt.engine.build", "fluxtrt.engine.refit"],
     4: ["fluxtrt.stages"],
     5: ["fluxtrt.runtime"],
-    6: ["fluxtrt.bench", "fluxtrt.crosscheck", "fluxtrt.artifacts", "fluxtrt.api", "fluxtrt.render", "fluxtrt.serving",
+    6: ["fluxtrt.bench", "fluxtrt.validate", "fluxtrt.artifacts", "fluxtrt.api", "fluxtrt.render", "fluxtrt.serving",
         "fluxtrt.dropin"],
     7: ["fluxtrt.cli"],
 }

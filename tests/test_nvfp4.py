@@ -204,9 +204,9 @@ def test_fp4_from_a_bf16_checkpoint_is_the_recipe_bit_for_bit(fp4_zero_copy):
     import torch
     from safetensors.torch import load_file
 
+    from fluxtrt.compare import bound_for
     from fluxtrt.onnxio import external_info, load_onnx
     from fluxtrt.quantize.qdq import linear_weight
-    from fluxtrt.validate import bound_for
 
     src, root, manifest = fp4_zero_copy
     e = manifest.components["transformer"]
@@ -287,7 +287,7 @@ def test_fp4_engines_run_on_onnx_runtime_close_to_diffusers(tmp_path):
     from fluxtrt.gpus import load_gpu
     from fluxtrt.models.source import resolve_model
     from fluxtrt.records import CalibrationSettings
-    from fluxtrt.runtime.pipeline import FluxEngines
+    from fluxtrt.runtime.pipeline import Pipeline
     from fluxtrt.stages.build import build_gpu
     from tests.test_runtime import reference
 
@@ -297,7 +297,7 @@ def test_fp4_engines_run_on_onnx_runtime_close_to_diffusers(tmp_path):
               calibration=CalibrationSettings(size=3, steps=2))
     seed = int(np.random.default_rng().integers(0, 2**31))
     ref, ref_latents = reference(src, ["a red fox in the snow"], 256, 320, 3, 3.5, seed)
-    res = FluxEngines(tmp_path / cfg.key, "onnxruntime").generate(["a red fox in the snow"], 256, 320, 3, 3.5, seed,
+    res = Pipeline(tmp_path / cfg.key, "onnxruntime").generate(["a red fox in the snow"], 256, 320, 3, 3.5, seed,
                                                                  trace=True)
     errs = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(res.latents_per_step, ref_latents)]
     mean = float(np.abs(res.images.astype(int) - ref.astype(int)).mean())

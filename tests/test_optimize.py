@@ -6,11 +6,11 @@ import onnx
 import pytest
 import torch
 
+from fluxtrt.compare import bound_for, compare_onnx, validate_onnx
 from fluxtrt.components import specs_for
 from fluxtrt.errors import FluxtrtError
 from fluxtrt.optimize.passes import DEFAULT_PASSES, PASSES
 from fluxtrt.optimize.pipeline import optimize_file, optimize_model, save_model
-from fluxtrt.validate import bound_for, compare_onnx, validate_onnx
 
 PASS_BOUND = 1e-5  # fp32: optimized vs unoptimized graph, both in ONNX Runtime, fresh random inputs
 COMPONENTS = ("clip", "t5", "transformer", "vae_decoder", "vae_encoder")
@@ -238,8 +238,8 @@ def test_attention_scale_is_exact_as_the_dtype_allows(dtype):
 
     import numpy as np
 
+    from fluxtrt.compare import runnable_session
     from fluxtrt.optimize.precision import place_precision
-    from fluxtrt.validate import runnable_session
 
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
     before = _sdpa_graph(tdt, 128)

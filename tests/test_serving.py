@@ -25,7 +25,7 @@ from PIL import Image
 
 from fluxtrt.models.source import resolve_model
 from fluxtrt.runtime.batching import ContinuousBatcher, QueueFull
-from fluxtrt.runtime.pipeline import FluxEngines, RequestError
+from fluxtrt.runtime.pipeline import Pipeline, RequestError
 from fluxtrt.serving import BadRequest, Service, parse_request
 
 MAX_UINT8_DIFF = 2  # of 255: a batched sample vs the same request run alone
@@ -63,12 +63,12 @@ def check_batched_equals_single(pipe, make_batcher):
 
 
 def test_batcher_matches_single_runs_torch():
-    pipe = FluxEngines(None, "torch", model=resolve_model("tiny"), device="cpu", torch_dtype="fp32")
+    pipe = Pipeline(None, "torch", model=resolve_model("tiny"), device="cpu", torch_dtype="fp32")
     check_batched_equals_single(pipe, lambda p: ContinuousBatcher(p, max_batch=3))
 
 
 def test_batcher_refuses_bad_requests_and_a_full_queue():
-    pipe = FluxEngines(None, "torch", model=resolve_model("tiny-schnell"), device="cpu", torch_dtype="fp32")
+    pipe = Pipeline(None, "torch", model=resolve_model("tiny-schnell"), device="cpu", torch_dtype="fp32")
     batcher = ContinuousBatcher(pipe, max_batch=2, max_queue=3)
     with pytest.raises(RequestError, match="width 250 is not a positive multiple of 16"):
         batcher.submit("a cat", 256, 250, 2)
@@ -244,7 +244,7 @@ def decode(item) -> np.ndarray:
 
 @pytest.mark.slow
 def test_batcher_matches_single_runs_onnxruntime(tiny_engines):
-    check_batched_equals_single(FluxEngines(tiny_engines, "onnxruntime"), lambda p: ContinuousBatcher(p))
+    check_batched_equals_single(Pipeline(tiny_engines, "onnxruntime"), lambda p: ContinuousBatcher(p))
 
 
 def test_stop_deadline_ends_the_process():
@@ -270,7 +270,7 @@ def test_server_under_load_bad_requests_killed_replica_and_ctrl_c(tiny_engines, 
             batches = [int(ln.split('batch="')[1].split('"')[0]) for ln in r.read().decode().splitlines()
                        if ln.startswith("fluxtrt_batch_steps_total")]
         assert max(batches) > 1  # requests shared transformer calls
-        pipe = FluxEngines(tiny_engines, "onnxruntime")
+        pipe = Pipeline(tiny_engines, "onnxruntime")
         for (prompt, h, w, steps, g, seed, n), (_, payload, _) in zip(reqs, answers):
             assert [d["seed"] for d in payload["data"]] == list(range(seed, seed + n))  # none lost or duplicated
             for d in payload["data"]:
@@ -436,7 +436,7 @@ def test_serve_run_with_the_config_file_serves(tiny_engines, tmp_path):
             except (urllib.error.URLError, OSError, ValueError):
                 time.sleep(2)
         assert status == 200, (proc.poll(), proc.stdout.read() if proc.poll() is not None else "")
-        alone = FluxEngines(tiny_engines, "onnxruntime").generate(["a cat"], 256, 256, 2, 3.5, 3).images[0]
+        alone = Pipeline(tiny_engines, "onnxruntime").generate(["a cat"], 256, 256, 2, 3.5, 3).images[0]
         assert diff(np.asarray(Image.open(io.BytesIO(base64.b64decode(payload["data"][0]["b64_json"])))), alone) \
             <= MAX_UINT8_DIFF
     finally:

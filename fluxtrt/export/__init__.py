@@ -70,7 +70,7 @@ def export_component(source: ModelSource, spec: ComponentSpec, out_dir: Path, dt
 
 def _validate(source, spec, mode, onnx_file: Path, on_phase) -> float:
     """ONNX Runtime vs PyTorch (fp32, loaded now unless the export already loaded it in fp32)."""
-    from ..validate import validate_onnx
+    from ..compare import validate_onnx
 
     on_phase("validate")
     module = mode.module if mode.module is not None and mode.dtype == "fp32" else \

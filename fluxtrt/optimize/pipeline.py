@@ -19,7 +19,7 @@ class OptimizeReport:
     trt_layers_before: int | None = None
     trt_layers_after: int | None = None
     path: Path | None = None
-    zero_copy: dict | None = None  # optimize_linked: tensors still linked, and those written with why
+    zero_copy: dict | None = None  # optimize_zero_copy: tensors still linked, and those written with why
 
 
 WHY_WRITTEN = {"cast": "a vector cast for an op that computes in fp32 (RMSNorm's scale)",
@@ -95,7 +95,7 @@ def save_model(model, path: Path, external_threshold: int = 1_800_000_000) -> No
         publish(sorted(tmp.iterdir(), key=lambda p: p.suffix == ".onnx"), path.parent)
 
 
-def optimize_linked(in_path: Path, out_path: Path, component: str, passes=None) -> OptimizeReport:
+def optimize_zero_copy(in_path: Path, out_path: Path, component: str, passes=None) -> OptimizeReport:
     """The passes on a zero-copy graph, its matrices never read (onnxio.load_linked): rewrites of a linked
     weight are graph operations TensorRT folds at build time; vectors the passes change (a norm scale cast to
     fp32, q/k/v biases joined) are written into the graph, each with its recipe in the weight map. The output

@@ -201,7 +201,7 @@ def calibrate_modules(source, recipe: str, cache_dir: Path, prompts_file: Path |
                       on_prompt: Callable[[int, int], None] = lambda done, total: None) -> Calibration:
     """Activation ranges by module name (linear_input_ranges), cached under a key of the model, prompts,
     recipe, sizes, steps and dtype: not of the device, so a cache filled on a GPU machine (`fluxtrt calibrate
-    --device cuda`) serves builds on CPU-only machines. Read by quantize.native."""
+    --device cuda`) serves builds on CPU-only machines. Read by quantize.zerocopy."""
 
     def measure(prompts, sizes):
         amax, calls = linear_input_ranges(source, prompts, sizes, steps, dtype, device, on_prompt)

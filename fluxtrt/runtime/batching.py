@@ -1,4 +1,4 @@
-"""Continuous batching over one `FluxEngines`: requests join a running batch at step boundaries and leave when
+"""Continuous batching over one `Pipeline`: requests join a running batch at step boundaries and leave when
 their last step is done (then VAE-decode), so a long request never holds a short one back and the transformer
 runs at the batch sizes its profile allows.
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from .. import flux_math as fm
 from ..workflows import ImageInputs
-from .pipeline import FluxEngines, RequestError
+from .pipeline import Pipeline, RequestError
 
 log = logging.getLogger("fluxtrt")
 
@@ -105,7 +105,7 @@ class ContinuousBatcher:
     profile maximum, 4 for PyTorch modules); `max_queue`: samples accepted but not finished before `submit`
     refuses with QueueFull."""
 
-    def __init__(self, pipe: FluxEngines, max_batch: int | None = None, max_queue: int = 64, on_step=None):
+    def __init__(self, pipe: Pipeline, max_batch: int | None = None, max_queue: int = 64, on_step=None):
         profile_max = pipe.manifest.shape_range["max"][0] if pipe.manifest is not None else 4
         if max_batch is not None and max_batch < 1:
             raise RequestError(f"--max-batch must be at least 1, got {max_batch}")

@@ -165,9 +165,9 @@ class OnnxRuntimeExecutor(Executor):
         return [(p, named[p]) if p in named else p for p in ORT_PROVIDERS[self.provider]]
 
     def activate(self) -> None:
+        from ..compare import runnable_session
         from ..fileio import sha256_file
         from ..onnxio import onnxruntime
-        from ..validate import runnable_session
 
         if not self.onnx_path.exists():
             raise ManifestError(f"{self.component}: the ONNX file {self.onnx_path} the engine was built from is gone; "

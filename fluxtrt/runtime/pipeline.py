@@ -75,7 +75,7 @@ def nearest_multiples(value: int, m: int, lo_limit: int = 1, hi_limit: int | Non
     return " or ".join(map(str, ok))
 
 
-class FluxEngines:
+class Pipeline:
     """The pipeline over one set of executors: engines of one GPU folder (TensorRT), the ONNX they were built
     from (ONNX Runtime), or the model's PyTorch modules (torch), mixed per component with `fallback`."""
 

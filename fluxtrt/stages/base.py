@@ -158,8 +158,8 @@ def validated_or_removed(source, component: str, onnx_path: Path, dtype: str, wh
 def validate_against_pytorch(source, component: str, onnx_path: Path, dtype: str, what: str) -> float:
     """ONNX Runtime on `onnx_path` vs the fp32 PyTorch module loaded from the checkpoint, at `dtype`'s bound;
     returns the max relative error or raises."""
+    from ..compare import validate_onnx
     from ..export.trace import export_patches
-    from ..validate import validate_onnx
 
     spec = specs_for(source.geometry, [component])[component]
     module = spec.wrap(source.load_component(spec.subfolder)).eval()

@@ -37,7 +37,7 @@ from ..records import CalibrationSettings, ComponentEntry, Manifest, ModelRef, r
 from ..workflows import for_model, profile_range
 from .base import StageResult
 from .fp32_plan import ensure_fp32_plan
-from .zerocopy_plan import ensure_native, native_refusal
+from .zerocopy_plan import ensure_zero_copy, zero_copy_plan_refusal
 
 
 def ensure_onnx(source: ModelSource, component: str, dtype: str, out_root: Path, force: bool = False,
@@ -46,8 +46,8 @@ def ensure_onnx(source: ModelSource, component: str, dtype: str, out_root: Path,
     """The component's ONNX for the engine. From a checkpoint stored in the engine's dtype (and `zero_copy`):
     the zero-copy plan (stages/zerocopy_plan.py). Otherwise the fp32 export, then the optimize stage at `dtype`. Each
     step is validated against PyTorch (unless `validate` is off) and reused when its inputs are unchanged."""
-    if zero_copy and native_refusal(source, component, dtype) is None:
-        return ensure_native(source, component, dtype, out_root, force, on_phase, calib, validate)
+    if zero_copy and zero_copy_plan_refusal(source, component, dtype) is None:
+        return ensure_zero_copy(source, component, dtype, out_root, force, on_phase, calib, validate)
     return ensure_fp32_plan(source, component, dtype, out_root, force, on_phase, calib, validate)
 
 

@@ -5,7 +5,7 @@ at bf16, or at fp8 whose other layers are bf16), `fluxtrt build` never makes an 
   export    zero-copy graph (weights are links into the checkpoint)     OUT/onnx/<hash>-<dtype>-zc/
   optimize  the graph passes, matrices never read: a linked weight's rewrites (q/k/v joined, transposed)
             are graph ops TensorRT folds at build; changed vectors are written  OUT/onnx/<hash>-<dtype>-zc-opt/
-  quantize  fp8 / fp4: calibrate by module (cached; fp4 reads fp8's ranges), then quantize.native writes
+  quantize  fp8 / fp4: calibrate by module (cached; fp4 reads fp8's ranges), then quantize.zerocopy writes
             the E4M3 (NVFP4) weights one at a time (one per fused projection), every other weight stays a
             link                                                   OUT/onnx/<hash>-<recipe>-zc/
 Memory stays near one weight tensor until TensorRT's builder. `--copy-weights` takes the fp32 path instead
@@ -40,7 +40,7 @@ def graph_dtype(precision: str) -> str | None:
     return p.zero_copy_graph if p is not None else None
 
 
-def native_refusal(source, component: str, precision: str) -> str | None:
+def zero_copy_plan_refusal(source, component: str, precision: str) -> str | None:
     """None when `component` at `precision` builds from its zero-copy graph; otherwise why not."""
     from ..export import zero_copy_refusal
 
@@ -59,7 +59,7 @@ def _reusable(folder: Path, info_name: str, component: str, inputs: dict, valida
     return entry if entry and links.is_dir() and all(os.path.exists(link) for link in links.iterdir()) else None
 
 
-def ensure_native(source, component: str, precision: str, out_root: Path, force: bool, on_phase, calib: CalibrationSettings,
+def ensure_zero_copy(source, component: str, precision: str, out_root: Path, force: bool, on_phase, calib: CalibrationSettings,
                   validate: bool = True):
     """-> (the engine's ONNX, [export, optimize(, quantize) results]) on the zero-copy path."""
     from ..export import DEFAULT_OPSET, EXPORT_INFO, export_component, write_export_info
@@ -86,14 +86,14 @@ def ensure_native(source, component: str, precision: str, out_root: Path, force:
 
 
 def _ensure_optimized(source, component, graph, zc_path, out_root, force, on_phase, validate):
-    """The graph passes on the zero-copy graph (optimize.pipeline.optimize_linked): fused, still linked."""
+    """The graph passes on the zero-copy graph (optimize.pipeline.optimize_zero_copy): fused, still linked."""
     from ..optimize.passes import DEFAULT_PASSES
-    from ..optimize.pipeline import optimize_linked
+    from ..optimize.pipeline import optimize_zero_copy
 
     folder = Path(out_root) / "onnx" / f"{source.content_hash[:12]}-{graph}-zc-opt"
 
     def make() -> Made:
-        report = optimize_linked(zc_path, folder / f"{component}.onnx", component)
+        report = optimize_zero_copy(zc_path, folder / f"{component}.onnx", component)
         nodes = [report.rows[0][1], report.rows[-1][2]]
         return Made(report.path, {"nodes": nodes, "zero_copy": report.zero_copy},
                     f"{nodes[0]} -> {nodes[1]} nodes (zero-copy)", report.zero_copy)
@@ -108,15 +108,15 @@ def _ensure_optimized(source, component, graph, zc_path, out_root, force, on_pha
 
 
 def _ensure_quantized(source, component, recipe, zc_path, out_root, force, on_phase, calib, validate):
-    from ..quantize.native import quantize_linked
+    from ..quantize.zerocopy import quantize_zero_copy
 
     folder = Path(out_root) / "onnx" / f"{source.content_hash[:12]}-{recipe}-zc"
 
     def make() -> Made:
         on_phase("calibrate")
-        cal = calibrate_native(source, out_root, calib, lambda d, n: on_phase(f"calibrate {d}/{n} prompts"))
+        cal = calibrate_zero_copy(source, out_root, calib, lambda d, n: on_phase(f"calibrate {d}/{n} prompts"))
         on_phase("quantize")
-        q = quantize_linked(zc_path, folder, recipe, cal.amax, lambda d, n: on_phase(f"quantize {d}/{n} weights"))
+        q = quantize_zero_copy(zc_path, folder, recipe, cal.amax, lambda d, n: on_phase(f"quantize {d}/{n} weights"))
         record = {"recipe": recipe, "path": "zero-copy", "calibration": cal.key, "calibration_cached": cal.cached,
                   "calibration_samples": cal.samples, "calibration_file": str(cal.path.relative_to(Path(out_root))),
                   "quantized_layers": q.quantized, "kept_in_high_precision": q.kept, "other_layers": "bf16",
@@ -133,7 +133,7 @@ def _ensure_quantized(source, component, recipe, zc_path, out_root, force, on_ph
     return path, made[0]
 
 
-def calibrate_native(source, out_root: Path, calib: CalibrationSettings, on_prompt=lambda done, total: None):
+def calibrate_zero_copy(source, out_root: Path, calib: CalibrationSettings, on_prompt=lambda done, total: None):
     """Module calibration for the zero-copy fp8 and fp4 paths (fp4 reads fp8's ranges), cached in
     OUT/calibration/ (`fluxtrt calibrate` and
     `fluxtrt build` both come through here)."""

@@ -1,4 +1,4 @@
-"""The zero-copy build path (build/native.py, quantize/native.py): engines straight from a checkpoint stored in
+"""The zero-copy build path (build/native.py, quantize/zerocopy.py): engines straight from a checkpoint stored in
 bf16, fp8 weights quantized one at a time, activation ranges by module from PyTorch."""
 
 import hashlib
@@ -12,8 +12,8 @@ import torch
 
 from fluxtrt.components import specs_for
 from fluxtrt.fp8 import FP8_MAX
-from fluxtrt.quantize.native import quantize_weight_fp8
 from fluxtrt.quantize.qdq import linear_weight, plan
+from fluxtrt.quantize.zerocopy import quantize_weight_fp8
 from fluxtrt.records import CalibrationSettings  # noqa: E402
 
 E4M3_REL = 2.0 ** -4  # 3 mantissa bits: round to nearest is within half a step, 2^-4 of the value
@@ -87,7 +87,7 @@ def test_module_ranges_match_onnx_runtime_ranges(tiny_dev, tmp_path):
     linear layer became (fused q/k/v included, found through the weight map), on the same prompts."""
     from fluxtrt import weightmap
     from fluxtrt.quantize.calibration import activation_ranges, collect_inputs, linear_input_ranges
-    from fluxtrt.quantize.native import module_of
+    from fluxtrt.quantize.zerocopy import module_of
     from fluxtrt.stages.fp32_plan import optimized_fp32_transformer
 
     prompts, sizes = ["a red fox in the snow", "a lighthouse at night"], [(64, 64), (48, 80)]
@@ -158,7 +158,7 @@ def test_fp8_graph_stores_only_fp8_weights(fp8_build):
 
 def test_fp8_activation_scales_come_from_the_module_ranges(fp8_build):
     from fluxtrt import weightmap
-    from fluxtrt.quantize.native import module_of
+    from fluxtrt.quantize.zerocopy import module_of
 
     src, cfg, root, manifest, *_ = fp8_build
     e = manifest.components["transformer"]
@@ -192,7 +192,7 @@ def test_validate_checks_the_fp8_graph_against_a_fake_quant_with_its_scales(fp8_
     unquantized module (the recipe's error, reported only); the same check with every weight scale 1.25x
     wrong fails."""
     from fluxtrt import fp8
-    from fluxtrt.crosscheck import cross_check
+    from fluxtrt.validate import cross_check
 
     src, cfg, root, manifest, *_ = fp8_build
     rows = cross_check(root / "4090-fp8" if (root / "4090-fp8").is_dir() else root / "4090", ["transformer"],
@@ -254,11 +254,11 @@ def test_copy_weights_takes_the_fp32_path(tiny_bf16, tmp_path):
     pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installed (pip install -e '.[rtx]')")
     from fluxtrt.gpus import load_gpu
     from fluxtrt.stages.build import build_gpu
-    from fluxtrt.stages.zerocopy_plan import native_refusal
+    from fluxtrt.stages.zerocopy_plan import zero_copy_plan_refusal
 
-    assert native_refusal(tiny_bf16, "transformer", "bf16") is None
-    assert "fp32 graph" in native_refusal(tiny_bf16, "transformer", "int8")
-    assert "stored in fp32" in native_refusal(tiny_bf16, "clip", "fp16")
+    assert zero_copy_plan_refusal(tiny_bf16, "transformer", "bf16") is None
+    assert "fp32 graph" in zero_copy_plan_refusal(tiny_bf16, "transformer", "int8")
+    assert "stored in fp32" in zero_copy_plan_refusal(tiny_bf16, "clip", "fp16")
     manifest, _ = build_gpu(tiny_bf16, load_gpu("4090"), tmp_path, ["transformer"], zero_copy=False)
     assert manifest.components["transformer"].onnx.endswith("-bf16-opt/transformer.onnx")
 
@@ -271,7 +271,7 @@ def test_zero_copy_engines_run_like_diffusers(tiny_bf16, tmp_path, reweighted_co
     pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installed (pip install -e '.[rtx]')")
     from fluxtrt.flux_math import initial_noise
     from fluxtrt.gpus import load_gpu
-    from fluxtrt.runtime.pipeline import FluxEngines
+    from fluxtrt.runtime.pipeline import Pipeline
     from fluxtrt.stages.build import build_gpu
     from tests.test_runtime import MAX_UINT8_DIFF, reference
 
@@ -281,7 +281,7 @@ def test_zero_copy_engines_run_like_diffusers(tiny_bf16, tmp_path, reweighted_co
     assert paths["t5"].endswith("-bf16-zc-opt/t5.onnx") and paths["transformer"].endswith("-bf16-zc-opt/transformer.onnx")
     assert paths["clip"].endswith("-fp32-opt/clip.onnx")
     seed = int(np.random.default_rng().integers(0, 2**31))
-    pipe = FluxEngines(tmp_path / "4090", "onnxruntime")
+    pipe = Pipeline(tmp_path / "4090", "onnxruntime")
     assert pipe.noise_dtype() == torch.bfloat16  # bf16 engines draw the noise as FluxPipeline in bf16 does
     geo = tiny_bf16.geometry  # diffusers' fp32 reference (widened ONNX on this CPU) starts from the same noise
     noise = initial_noise(1, geo.latent_channels, 256, 320, geo.vae_scale_factor, torch.Generator().manual_seed(seed),
@@ -295,7 +295,7 @@ def test_zero_copy_engines_run_like_diffusers(tiny_bf16, tmp_path, reweighted_co
     # the fused, still-linked graphs keep taking their weights from a checkpoint (the weight map): the same
     # checkpoint gives the same image bit for bit, another checkpoint another image
     def image(weights):
-        return FluxEngines(tmp_path / "4090", "onnxruntime", weights=weights).generate(
+        return Pipeline(tmp_path / "4090", "onnxruntime", weights=weights).generate(
             ["a red fox in the snow"], 256, 320, 3, 3.5, seed).images
 
     normal = image(None)
@@ -362,13 +362,13 @@ def test_weights_from_memory_maps_give_the_same_engine(fp8_build, tmp_path, monk
 
 
 def test_graph_passes_never_read_a_linked_matrix(tiny_bf16, tmp_path, monkeypatch):
-    """optimize_linked reads vectors only: reading any linked matrix (through onnxio or onnx-graphsurgeon's
+    """optimize_zero_copy reads vectors only: reading any linked matrix (through onnxio or onnx-graphsurgeon's
     lazy values) fails the test, so the full-size graph's 24 GB stay in the checkpoint."""
     import onnx_graphsurgeon as gs
 
     import fluxtrt.onnxio as onnxio
     from fluxtrt.export import export_component
-    from fluxtrt.optimize.pipeline import optimize_linked
+    from fluxtrt.optimize.pipeline import optimize_zero_copy
 
     spec = specs_for(tiny_bf16.geometry, ["transformer"])["transformer"]
     zc = export_component(tiny_bf16, spec, tmp_path / "zc", "bf16", validate=False, zero_copy=True).path
@@ -384,6 +384,6 @@ def test_graph_passes_never_read_a_linked_matrix(tiny_bf16, tmp_path, monkeypatc
 
     monkeypatch.setattr(onnxio, "read_external", guarded_read)
     monkeypatch.setattr(gs.ir.tensor.LazyValues, "load", guarded_load)
-    report = optimize_linked(zc, tmp_path / "opt" / "transformer.onnx", "transformer")
+    report = optimize_zero_copy(zc, tmp_path / "opt" / "transformer.onnx", "transformer")
     assert report.rows[-1][2] < 0.75 * report.rows[0][1]  # 745 -> 506 nodes on tiny
     assert report.zero_copy["linked_tensors"] >= 40

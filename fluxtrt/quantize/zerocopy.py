@@ -26,7 +26,7 @@ from ..errors import FluxtrtError
 from ..fp8 import QDQ_KEY, activation_scale, to_e4m3, weight_scale
 from .qdq import _Writer, linear_weight, plan
 
-NATIVE_RECIPES = ("fp8", "fp4")
+ZERO_COPY_RECIPES = ("fp8", "fp4")
 ALIGN = 64
 @dataclass
 class NativeQuantResult:
@@ -62,7 +62,7 @@ def quantize_weight_fp8(parts, transposed: bool):
     """[(bf16 bytes, dims)] of a linear weight stored [out, in] (or [in, out]), several for a fused projection
     -> (E4M3 bytes as [in, sum of outs], bf16-exact scale). One scale per fused weight: the max |w| over its
     parts, as TensorRT's FP8 GEMM takes one weight scale (the cost against a scale per part is measured in
-    tests/test_native_build.py)."""
+    tests/test_zerocopy_build.py)."""
     import torch
 
     ws = _bf16_tensors(parts)
@@ -136,7 +136,7 @@ def _fp4_layer(n, wname, parts, transposed, amax, data, data_name):
     return nodes, tensors, written
 
 
-def quantize_linked(onnx_in: Path, dest_dir: Path, recipe: str, module_amax: dict,
+def quantize_zero_copy(onnx_in: Path, dest_dir: Path, recipe: str, module_amax: dict,
                     progress: Callable[[int, int], None] = lambda done, total: None) -> NativeQuantResult:
     """Write `dest_dir/<name>.onnx` (+ `.onnx.data` with the E4M3 or NVFP4 weights, + links for the rest) from
     the zero-copy bf16 graph `onnx_in`. Atomic: nothing appears in dest_dir unless all of it is written."""
@@ -150,7 +150,7 @@ def quantize_linked(onnx_in: Path, dest_dir: Path, recipe: str, module_amax: dic
     from ..nvfp4 import ensure_opsets
     from ..onnxio import copy_links, external_info, read_external
 
-    if recipe not in NATIVE_RECIPES:
+    if recipe not in ZERO_COPY_RECIPES:
         raise FluxtrtError(f"recipe {recipe} cannot be built from the zero-copy graph; build it with --copy-weights")
     onnx_in = Path(onnx_in)
     model = onnx.load(str(onnx_in), load_external_data=False)

@@ -1,0 +1,301 @@
+"""Compare an exported ONNX graph with its PyTorch module on fresh random inputs.
+
+Checks, in order, and collects every failure before reporting: input/output names, symbolic axes,
+output shapes against the spec, and values (relative error = max|onnx - torch| / max|torch|)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .components import ComponentSpec, Geometry, ShapePoint
+
+# Bounds on the relative error against fp32 PyTorch for graphs in lower precision (weights and activations
+# cast; bf16 is checked with its weights' rounding, see upcast_bf16). Per component where it differs.
+RTOL_BY_DTYPE = {"fp16": 2e-2, "bf16": 5e-2}
+RTOL_BY_COMPONENT = {("transformer", "fp16"): 5e-2, ("transformer", "bf16"): 1e-1,
+                     # quantized linear layers on top of bf16 placement
+                     ("transformer", "fp8"): 1.5e-1, ("transformer", "fp8-attn"): 1.5e-1,
+                     ("transformer", "int8"): 1.5e-1, ("transformer", "int8-wo"): 1.5e-1,
+                     ("transformer", "int4-wo"): 2e-1, ("transformer", "fp4"): 2e-1}
+
+
+def bound_for(component: str, dtype: str, fp32_bound: float) -> float:
+    if dtype == "fp32":
+        return fp32_bound
+    from .components import family
+
+    if (family(component), dtype) in RTOL_BY_COMPONENT:
+        return RTOL_BY_COMPONENT[(family(component), dtype)]
+    return RTOL_BY_DTYPE[dtype]
+
+
+@dataclass
+class Check:
+    point: ShapePoint | None
+    output: str
+    ok: bool
+    detail: str
+    rel_err: float | None = None
+
+
+@dataclass
+class ValidationReport:
+    component: str
+    bound: float
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    @property
+    def max_rel_err(self) -> float:
+        errs = [c.rel_err for c in self.checks if c.rel_err is not None]
+        return max(errs) if errs else float("nan")
+
+    def failures(self) -> list[str]:
+        return [f"{self.component}/{c.output}" + (f" at {_fmt(c.point)}" if c.point else "") + f": {c.detail}"
+                for c in self.checks if not c.ok]
+
+
+def _fmt(p: ShapePoint) -> str:
+    return f"batch {p.batch}, {p.height}x{p.width}"
+
+
+def validation_points(geo: Geometry) -> list[ShapePoint]:
+    """Two shapes unlike the export example: batch 1 square, and batch 2 non-square."""
+    m = geo.pixel_multiple
+    return [ShapePoint(1, 4 * m, 4 * m), ShapePoint(2, 3 * m, 5 * m)]
+
+
+def relative_error(actual, expected) -> float:
+    import numpy as np
+
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    scale = max(float(np.abs(expected).max()), 1e-12)
+    return float(np.abs(actual - expected).max()) / scale
+
+
+def graph_io(onnx_path: Path):
+    """(inputs, outputs) of an ONNX file as lists of (name, [dims]) without loading its weights."""
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+
+    def dims(vi):
+        return [d.dim_param if d.HasField("dim_param") else d.dim_value for d in vi.type.tensor_type.shape.dim]
+
+    inits = {i.name for i in model.graph.initializer}
+    ins = [(i.name, dims(i)) for i in model.graph.input if i.name not in inits]
+    outs = [(o.name, dims(o)) for o in model.graph.output]
+    return ins, outs
+
+
+def upcast_bf16(model, skip=frozenset()):
+    """ONNX Runtime has no CPU kernels for bf16 (and no bf16 QuantizeLinear/DequantizeLinear anywhere). Run a
+    bf16 graph as fp32 instead: bf16 weights are widened exactly, bf16 casts become fp32 casts. What is checked
+    is the graph and its bf16-rounded weights; bf16 arithmetic rounding itself is not simulated (TensorRT
+    accumulates in fp32 anyway). Initializers named in `skip` are left alone (passed in widened elsewhere)."""
+    import onnx
+    from onnx import TensorProto, numpy_helper
+
+    bf16, f32 = TensorProto.BFLOAT16, TensorProto.FLOAT
+
+    def widen(t):
+        if t.data_type == bf16 and t.name not in skip:
+            arr = numpy_helper.to_array(t).astype("float32")
+            t.CopyFrom(numpy_helper.from_array(arr, t.name))
+
+    def fix_graph(g):
+        for t in g.initializer:
+            widen(t)
+        for vi in list(g.input) + list(g.output) + list(g.value_info):
+            if vi.type.tensor_type.elem_type == bf16:
+                vi.type.tensor_type.elem_type = f32
+        for node in g.node:
+            for a in node.attribute:
+                if a.type == onnx.AttributeProto.TENSOR:
+                    widen(a.t)
+                elif a.type == onnx.AttributeProto.INT and a.name in ("to", "dtype") and a.i == bf16:
+                    a.i = f32
+                elif a.type == onnx.AttributeProto.GRAPH:
+                    fix_graph(a.g)
+
+    fix_graph(model.graph)
+    return model
+
+
+def has_bf16_qdq(model) -> bool:
+    """Q/DQ with bf16 scales (fp8 graphs quantized from a bf16 checkpoint): ONNX Runtime has no such kernel on
+    any provider (CUDA's take float and float16), so those graphs run widened to fp32 everywhere."""
+    from onnx import TensorProto
+
+    bf16 = {t.name for t in model.graph.initializer if t.data_type == TensorProto.BFLOAT16}
+    return any(n.op_type in ("QuantizeLinear", "DequantizeLinear") and len(n.input) > 1 and n.input[1] in bf16
+               for n in model.graph.node)
+
+
+def _has_bf16(model) -> bool:
+    from onnx import TensorProto
+
+    g = model.graph
+    return any(vi.type.tensor_type.elem_type == TensorProto.BFLOAT16 for vi in list(g.input) + list(g.output)) or \
+        any(t.data_type == TensorProto.BFLOAT16 for t in g.initializer)
+
+
+def _widened_session(onnx_path: Path, header, providers, overrides: dict):
+    """A session over `header` (the graph without its data) widened to fp32: every initializer that lives in a
+    file (or is overridden) is handed to ONNX Runtime as an OrtValue over a numpy array, bf16 ones widened;
+    nothing is serialized with its weights, so a graph of any size works (protobuf stops at 2 GB)."""
+    import numpy as np
+    from onnx import TensorProto, helper
+
+    from .onnxio import external_info, onnxruntime, ort_value, read_external
+
+    ort = onnxruntime()
+    arrays = {}
+    for t in header.graph.initializer:
+        if t.name in overrides:
+            arr = np.asarray(overrides[t.name])
+        elif external_info(t) is not None:
+            dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
+            arr = np.frombuffer(read_external(onnx_path, t), dtype=dtype).reshape(tuple(t.dims))
+        else:
+            continue
+        if t.data_type == TensorProto.BFLOAT16 or arr.dtype.name == "bfloat16":
+            arr = arr.astype(np.float32)
+            t.data_type = TensorProto.FLOAT
+        arrays[t.name] = np.ascontiguousarray(arr)  # its file reference stays: ONNX Runtime takes the OrtValue
+    upcast_bf16(header, skip=set(arrays))
+    options = ort.SessionOptions()
+    # no graph optimizations: constant folding would add a transposed copy of every linked matrix beside these
+    # arrays (the full-size transformer in fp32 then took 124.7 GB of host memory and was killed)
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.add_external_initializers(list(arrays), [ort_value(a) for a in arrays.values()])
+    session = ort.InferenceSession(header.SerializeToString(), options, providers=list(providers))
+    session._fluxtrt_keepalive = arrays  # the session reads these buffers for its whole life
+    session._fluxtrt_widened = True  # computes in fp32 (what a comparison should take as its dtype)
+    return session
+
+
+def cpu_session(onnx_path: Path, overrides: dict | None = None):
+    """An ONNX Runtime CPU session (see runnable_session)."""
+    return runnable_session(onnx_path, overrides=overrides)
+
+
+def runnable_session(onnx_path: Path, providers=("CPUExecutionProvider",), overrides: dict | None = None,
+                     widen: bool = False):
+    """An ONNX Runtime session over any graph fluxtrt writes. Widened to fp32 first (see upcast_bf16): bf16
+    graphs on the CPU provider (it has no bf16 kernels) and, on every provider, graphs with bf16 Q/DQ (no
+    provider has that kernel); a GPU provider runs other bf16 graphs as they are, or widened where it lacks a
+    bf16 kernel for one of their ops. NVFP4 graphs are emulated in standard ops everywhere (nvfp4.emulate:
+    ONNX Runtime has no FP4 kernels). `overrides` (name -> array) replaces initializers, e.g. weights filled
+    from a checkpoint into a weight-free ONNX. `providers`: ONNX Runtime's list (names or (name, options)
+    pairs), the first one preferred. `widen`: run a bf16 graph widened to fp32 on any provider (`fluxtrt
+    validate --fp32`: the graph's arithmetic checked apart from bf16 rounding)."""
+    import onnx
+    from onnx import TensorProto, numpy_helper
+
+    from .onnxio import load_onnx, onnxruntime, ort_session
+
+    ort = onnxruntime()
+    on_cpu = [p if isinstance(p, str) else p[0] for p in providers][0] == "CPUExecutionProvider"
+    header = onnx.load(str(onnx_path), load_external_data=False)
+    widen = ((widen or on_cpu) and _has_bf16(header)) or has_bf16_qdq(header)
+    has_fp4 = any(t.data_type == TensorProto.FLOAT4E2M1 for t in header.graph.initializer)
+    if not has_fp4:
+        if widen:
+            return _widened_session(Path(onnx_path), header, providers, overrides or {})
+        try:
+            return ort_session(onnx_path, providers, overrides=overrides)
+        except Exception as e:  # a bf16 op no provider implements (ONNX Runtime's NOT_IMPLEMENTED): run it as fp32
+            if "NOT_IMPLEMENTED" not in str(e) or not _has_bf16(header):
+                raise
+            return _widened_session(Path(onnx_path), header, providers, overrides or {})
+    overrides = overrides or {}
+    model = load_onnx(onnx_path, skip=set(overrides))
+    for t in model.graph.initializer:
+        if t.name in overrides:
+            t.CopyFrom(numpy_helper.from_array(overrides[t.name], t.name))
+    if widen:
+        model = upcast_bf16(model)
+    from .nvfp4 import emulate
+
+    return ort.InferenceSession(emulate(model).SerializeToString(), providers=list(providers))
+
+
+def validate_onnx(onnx_path: Path, module, spec: ComponentSpec, geo: Geometry, dtype: str = "fp32",
+                  points: list[ShapePoint] | None = None, seed: int | None = None) -> ValidationReport:
+    """Run ONNX Runtime (CPU) and the fp32 PyTorch module on the same fresh inputs and compare."""
+    import numpy as np
+    import torch
+
+    bound = bound_for(spec.name, dtype, spec.rtol_fp32)
+    report = ValidationReport(spec.name, bound)
+    ins, outs = graph_io(onnx_path)
+    want_in = [(t.name, list(t.dims)) for t in spec.inputs]
+    want_out = [(t.name, list(t.dims)) for t in spec.outputs]
+    for kind, got, want in (("inputs", ins, want_in), ("outputs", outs, want_out)):
+        got_names, want_names = [n for n, _ in got], [n for n, _ in want]
+        if got_names != want_names:
+            report.checks.append(Check(None, kind, False, f"names {got_names}, expected {want_names}"))
+            continue
+        for (name, gd), (_, wd) in zip(got, want):
+            sym = [d if isinstance(d, str) and not d.startswith("geo.") else None for d in wd]
+            got_sym = [d if isinstance(d, str) else None for d in gd]
+            ok = sym == got_sym
+            report.checks.append(Check(None, name, ok, "symbolic axes " + ("match" if ok else f"{gd}, expected {wd}")))
+
+    session = cpu_session(onnx_path)
+    np_types = {i.name: i.type for i in session.get_inputs()}
+    seed = seed if seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
+    for k, point in enumerate(points or validation_points(geo)):
+        feeds = spec.sample_inputs(point, geo, seed + k)
+        with torch.no_grad():
+            ref = module(*feeds.values())
+        ref = ref if isinstance(ref, (tuple, list)) else (ref,)
+        onnx_feeds = {}
+        for name, t in feeds.items():
+            arr = t.numpy()
+            if t.is_floating_point() and np_types.get(name) == "tensor(float16)":
+                arr = arr.astype(np.float16)
+            onnx_feeds[name] = arr
+        got = session.run([t.name for t in spec.outputs], onnx_feeds)
+        want_shapes = spec.output_shapes(point, geo)
+        for t, g, r in zip(spec.outputs, got, ref):
+            r = r.float().numpy()
+            if tuple(g.shape) != want_shapes[t.name]:
+                report.checks.append(Check(point, t.name, False, f"shape {tuple(g.shape)}, spec says {want_shapes[t.name]}"))
+                continue
+            g32 = np.asarray(g, dtype=np.float32)
+            if not np.isfinite(g32).all():
+                report.checks.append(Check(point, t.name, False, "non-finite values in ONNX Runtime output"))
+                continue
+            err = relative_error(g32, r)
+            report.checks.append(Check(point, t.name, err <= bound, f"rel err {err:.2e} (bound {bound:.0e})", err))
+    return report
+
+
+def compare_onnx(reference: Path, candidate: Path, spec: ComponentSpec, geo: Geometry, bound: float,
+                 points: list[ShapePoint] | None = None, seed: int | None = None) -> ValidationReport:
+    """ONNX Runtime on two graphs of one component (e.g. before and after optimization), same fresh inputs."""
+    import numpy as np
+    import torch
+
+    report = ValidationReport(spec.name, bound)
+    ref_s, cand_s = cpu_session(reference), cpu_session(candidate)
+    seed = seed if seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
+    names = [t.name for t in spec.outputs]
+    for k, point in enumerate(points or validation_points(geo)):
+        feeds = spec.sample_inputs(point, geo, seed + k)
+        outs = []
+        for s in (ref_s, cand_s):
+            types = {i.name: i.type for i in s.get_inputs()}
+            f = {n: t.numpy().astype(np.float16) if types[n] == "tensor(float16)" else t.numpy() for n, t in feeds.items()}
+            outs.append(s.run(names, f))
+        for name, r, c in zip(names, *outs):
+            err = relative_error(np.asarray(c, np.float32), np.asarray(r, np.float32))
+            report.checks.append(Check(point, name, err <= bound, f"rel err {err:.2e} (bound {bound:.0e})", err))
+    return report
