@@ -41,7 +41,7 @@ class ExportSummary:
     zero_copy: bool = False
 
 
-def export(model: str, out_dir: Path, components=None, dtype: str = "fp32", opset: int = 19, validate: bool = True,
+def export(model: str, out_dir: Path, components=None, dtype: str = "fp32", opset: int = 19, *, validate: bool = True,
            zero_copy: bool = False, progress: Callable[[str, str], None] | None = None) -> ExportSummary:
     """Standard ONNX (weights in the file or `<name>.onnx.data`) that any ONNX tool opens; `zero_copy` links the
     weights into the checkpoint's safetensors instead, where they are stored in `dtype` (only fluxtrt and
@@ -62,7 +62,7 @@ def export(model: str, out_dir: Path, components=None, dtype: str = "fp32", opse
         refusals = {n: zero_copy_refusal(source, s, dtype) for n, s in specs_for(source.geometry, names).items()}
         linked = frozenset(n for n, why in refusals.items() if why is None)
         copied = [why for why in refusals.values() if why is not None]
-    results = export_model(source, Path(out_dir), names, dtype, opset, validate, progress=progress, zero_copy=linked)
+    results = export_model(source, Path(out_dir), names, dtype, opset, validate=validate, progress=progress, zero_copy=linked)
     return ExportSummary(source, Path(out_dir), results, copied, bool(linked))
 
 
@@ -112,9 +112,9 @@ def resolve_target(gpu: str | None, config: Path | None, precision=None, compone
 
 
 def build(gpu: str | None = None, model: str | None = None, out_dir: Path = Path("engines"), components=None,
-          precision=None, config: Path | None = None, static_shape: bool | None = None, force: bool = False,
+          precision=None, *, config: Path | None = None, static_shape: bool | None = None, force: bool = False,
           calibration: CalibrationSettings | None = None, weightless: bool = False, zero_copy: bool = True,
-          validate: bool = True, progress: Callable[[str, str], None] = lambda c, p: None, *,
+          validate: bool = True, progress: Callable[[str, str], None] = lambda c, p: None,
           first_block_cache: bool = False) -> BuildSummary:
     """Export, optimize (and quantize), then build every requested engine for one GPU, reusing unchanged stages."""
     from .models.source import resolve_model
@@ -126,13 +126,14 @@ def build(gpu: str | None = None, model: str | None = None, out_dir: Path = Path
         notes.append("no --model given: built the embedded random-weight `tiny` model (its images are noise)")
     source = resolve_model(model)
     calibration = (calibration or CalibrationSettings()).check()
-    manifest, results = build_gpu(source, cfg, Path(out_dir), split_list(components) or None, static_shape, force,
-                                  progress, calibration, weightless, zero_copy, validate, first_block_cache)
+    manifest, results = build_gpu(source, cfg, Path(out_dir), split_list(components) or None, static_shape, force=force,
+                                  progress=progress, calibration=calibration, weightless=weightless,
+                                  zero_copy=zero_copy, validate=validate, first_block_cache=first_block_cache)
     return BuildSummary(cfg, source, Path(out_dir), manifest, results, notes)
 
 
 def calibrate(model: str, out_dir: Path, recipe: str = "fp8", settings: CalibrationSettings | None = None,
-              zero_copy: bool = True, on_prompt: Callable[[int, int], None] = lambda d, n: None):
+              zero_copy: bool = True, *, on_prompt: Callable[[int, int], None] = lambda d, n: None):
     """(source, calibration result): activation ranges for `recipe`, cached in OUT/calibration/ where a later
     build finds them. From a bf16 checkpoint (zero-copy path): ranges per nn.Linear measured in PyTorch;
     otherwise ranges of the optimized fp32 graph measured in ONNX Runtime."""
@@ -387,7 +388,7 @@ def open_pipeline(opts: RunOptions):
     if opts.negative_prompt is not None and opts.true_cfg <= 1:
         choice.notes.append("--negative-prompt has no effect without --true-cfg > 1 (as in diffusers' FluxPipeline)")
     budget = opts.weight_streaming_budget << 20 if opts.weight_streaming_budget is not None else None
-    pipe = Pipeline(engines, choice.backend, opts.low_vram, budget, opts.cuda_graph, provider, model=source,
+    pipe = Pipeline(engines, choice.backend, opts.low_vram, budget, opts.cuda_graph, ort_provider=provider, model=source,
                        fallback=sorted(set(opts.fallback) | set(choice.fallback)), torch_dtype=opts.torch_dtype,
                        compile=opts.compile, allow_host_code=opts.allow_host_code, weights=opts.weights,
                        lora=opts.lora, lora_scale=opts.lora_scale, calibration=opts.calibration)
@@ -420,13 +421,14 @@ def generate(prompts: list[str], opts: RunOptions | None = None, on_step=None, s
     dests, paths, timings = _destinations(opts.out, sum(len(c) for c in chunks)), [], []
     for k, chunk in enumerate(chunks):
         negatives = [opts.negative_prompt] * len(chunk) if opts.negative_prompt is not None else None
-        res = pipe.generate(chunk, opts.height or opt[1], opts.width or opt[2], steps, guidance, opts.seed + k,
+        res = pipe.generate(chunk, opts.height or opt[1], opts.width or opt[2], steps, guidance, seed=opts.seed + k,
                             on_step=on_step, negative_prompts=negatives, true_cfg=opts.true_cfg, inputs=inputs,
                             cache_threshold=opts.cache_threshold)
         for j, img in enumerate(res.images):
             idx = sum(len(c) for c in chunks[:k]) + j
             dest = dests[idx]
-            meta = _png_metadata(pipe, chunk[j], opts.seed + k, steps, guidance, height, width, choice.backend)
+            meta = _png_metadata(pipe, chunk[j], opts.seed + k, steps, guidance, height=height, width=width,
+                                 backend=choice.backend)
             meta.update(_workflow_metadata(wf, opts))
             if opts.true_cfg > 1:
                 meta.update(negative_prompt=opts.negative_prompt, true_cfg=opts.true_cfg)
@@ -462,7 +464,7 @@ def _workflow_metadata(wf, opts: RunOptions) -> dict:
     return meta
 
 
-def _png_metadata(pipe, prompt, seed, steps, guidance, height, width, backend) -> dict:
+def _png_metadata(pipe, prompt, seed, steps, guidance, *, height, width, backend) -> dict:
     meta = {"prompt": prompt, "seed": seed, "steps": steps, "guidance": guidance if pipe.geo.guidance else "n/a",
             "size": f"{width}x{height}", "backend": backend, "software": "fluxtrt"}
     if pipe.manifest is not None:
@@ -473,7 +475,7 @@ def _png_metadata(pipe, prompt, seed, steps, guidance, height, width, backend) -
 
 
 def bench(engines: Path | None, model: str | None, backend: str, opts, say=lambda line: None,
-          json_out: Path | None = None, plot_out: Path | None = None, calibration: Path | None = None):
+          *, json_out: Path | None = None, plot_out: Path | None = None, calibration: Path | None = None):
     """(rows, meta, files written) of `fluxtrt bench` (see bench.py): the table, and as JSON / a PNG chart."""
     from .bench import plot, run_bench, to_json
     from .fileio import write_json_atomic
@@ -556,7 +558,7 @@ def inspect(engine_dir: Path) -> tuple[Manifest, list[EngineCheck]]:
     return m, rows
 
 
-def artifacts(gpus: str, model: str, engines: Path, out_dir: Path, precision=None, say=lambda line: None) -> list:
+def artifacts(gpus: str, model: str, engines: Path, out_dir: Path, precision=None, *, say=lambda line: None) -> list:
     """Build (or reuse) each target's engines and pack each into an archive + .sha256: [(config, archive, sha)]."""
     from .artifacts import pack
     from .fileio import check_out_folder
@@ -581,7 +583,7 @@ def artifacts(gpus: str, model: str, engines: Path, out_dir: Path, precision=Non
 
 
 def validate_engines(engines: Path, components=None, ort_provider: str = "auto", device: str | None = None,
-                     model: str | None = None, json_out: Path | None = None, say=lambda line: None,
+                     model: str | None = None, *, json_out: Path | None = None, say=lambda line: None,
                      fp32: bool = False):
     """`fluxtrt validate` (validate.py): rows of ONNX Runtime vs PyTorch per component and shape, written as
     JSON lines too when asked (atomically; the folder is checked before any work)."""

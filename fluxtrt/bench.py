@@ -56,7 +56,7 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def bench_fluxtrt(pipe, label: str, h: int, w: int, batch: int, steps: int, runs: int, warmup: int,
+def bench_fluxtrt(pipe, label: str, h: int, w: int, batch: int, *, steps: int, runs: int, warmup: int,
                   inputs=None, cache_threshold: float = 0.0) -> Row:
     import torch
 
@@ -112,7 +112,7 @@ class _CallTimer:
             h.remove()
 
 
-def bench_diffusers(dpipe, geo, h: int, w: int, batch: int, steps: int, runs: int, warmup: int, device,
+def bench_diffusers(dpipe, geo, h: int, w: int, batch: int, *, steps: int, runs: int, warmup: int, device,
                     extra: dict | None = None) -> Row:
     import torch
 
@@ -237,14 +237,15 @@ def run_bench(pipe, source, backend: str, opts: BenchOptions, say=lambda line: N
     for size in opts.sizes:
         for b in opts.batches:
             say(f"measuring {label} {size}x{size} batch {b}, {steps} steps ...")
-            ours = bench_fluxtrt(pipe, label, size, size, b, steps, opts.runs, opts.warmup, opts.inputs,
-                                 opts.cache_threshold)
+            ours = bench_fluxtrt(pipe, label, size, size, b, steps=steps, runs=opts.runs, warmup=opts.warmup, inputs=opts.inputs,
+                                 cache_threshold=opts.cache_threshold)
             rows.append(ours)
             for name, transformer in baselines:
                 say(f"measuring {name} {size}x{size} batch {b} ...")
                 dpipe.transformer = transformer
-                base = bench_diffusers(dpipe, pipe.geo, size, size, b, steps, opts.runs, opts.warmup, pipe.device,
-                                       wf.diffusers_kwargs(opts.inputs) if opts.inputs is not None else None)
+                base = bench_diffusers(dpipe, pipe.geo, size, size, b, steps=steps, runs=opts.runs, warmup=opts.warmup,
+                                       device=pipe.device,
+                                       extra=wf.diffusers_kwargs(opts.inputs) if opts.inputs is not None else None)
                 base.system = name
                 if name == "diffusers":
                     add_ratios(ours, base)

@@ -166,7 +166,7 @@ def export(
 
     names = list(specs_for(resolve_model(model).geometry, api.split_list(components) or None))
     with r.phases(names, with_bar=True, total=5 if validate else 4) as update:
-        summary = api.export(model, out_dir, components, dtype, opset, validate, zero_copy, update)
+        summary = api.export(model, out_dir, components, dtype, opset, validate=validate, zero_copy=zero_copy, progress=update)
     r.export_summary(summary)
 
 
@@ -201,8 +201,9 @@ def build(
 
     calib = CalibrationSettings(calibration_size, calibration_steps, calibration_prompts, smoothquant_alpha)
     with r.phases([]) as update:
-        summary = api.build(gpu, model, out_dir, components, precision, config, static_shape, force,
-                            calib, weightless, zero_copy, validate, update, first_block_cache=first_block_cache)
+        summary = api.build(gpu, model, out_dir, components, precision, config=config, static_shape=static_shape,
+                            force=force, calibration=calib, weightless=weightless, zero_copy=zero_copy,
+                            validate=validate, progress=update, first_block_cache=first_block_cache)
     r.build_summary(summary)
 
 
@@ -227,7 +228,7 @@ def calibrate(
     settings = CalibrationSettings(size, steps, prompts, opt_resolution=resolution, device=device)
     with r.console.status("calibrating (running the reference pipeline over the prompts)...") as st:
         source, cal = api.calibrate(model, out_dir, recipe, settings, zero_copy,
-                                    lambda d, n: st.update(f"calibrating: {d}/{n} prompts"))
+                                    on_prompt=lambda d, n: st.update(f"calibrating: {d}/{n} prompts"))
     state = "reused the cache" if cal.cached else f"measured {cal.samples} transformer calls"
     r.out.print(f"{recipe} calibration for {source.id}: {len(cal.amax)} activation ranges, {state} -> {cal.path}")
 
@@ -244,7 +245,7 @@ def artifacts(
     _quiet_libraries()
     from . import api
 
-    for cfg, archive, sha in api.artifacts(gpus, model, engines, out_dir, precision, r.console.print):
+    for cfg, archive, sha in api.artifacts(gpus, model, engines, out_dir, precision, say=r.console.print):
         r.out.print(f"{cfg.key}: {archive} ({r.human(archive.stat().st_size)}), {sha.name}")
 
 
@@ -399,7 +400,7 @@ def validate(
     from . import api
 
     comps = api.split_list(components) if components else None
-    rows = api.validate_engines(engines, comps, ort_provider, device, model, json_out, say=r.console.print, fp32=fp32)
+    rows = api.validate_engines(engines, comps, ort_provider, device, model, json_out=json_out, say=r.console.print, fp32=fp32)
     r.validate_rows(rows)
     if not all(row.ok for row in rows if row.decides):
         raise typer.Exit(1)

@@ -227,7 +227,7 @@ def runnable_session(onnx_path: Path, providers=("CPUExecutionProvider",), overr
 
 
 def validate_onnx(onnx_path: Path, module, spec: ComponentSpec, geo: Geometry, dtype: str = "fp32",
-                  points: list[ShapePoint] | None = None, seed: int | None = None) -> ValidationReport:
+                  *, points: list[ShapePoint] | None = None, seed: int | None = None) -> ValidationReport:
     """Run ONNX Runtime (CPU) and the fp32 PyTorch module on the same fresh inputs and compare."""
     import numpy as np
     import torch
@@ -279,7 +279,7 @@ def validate_onnx(onnx_path: Path, module, spec: ComponentSpec, geo: Geometry, d
 
 
 def compare_onnx(reference: Path, candidate: Path, spec: ComponentSpec, geo: Geometry, bound: float,
-                 points: list[ShapePoint] | None = None, seed: int | None = None) -> ValidationReport:
+                 *, points: list[ShapePoint] | None = None, seed: int | None = None) -> ValidationReport:
     """ONNX Runtime on two graphs of one component (e.g. before and after optimization), same fresh inputs."""
     import numpy as np
     import torch

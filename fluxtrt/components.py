@@ -293,7 +293,7 @@ def _wrap_transformer(model):
     return FluxStep()
 
 
-def _transformer_prologue(m, hidden_states, timestep, pooled_projections, guidance, guided):
+def _transformer_prologue(m, hidden_states, timestep, pooled_projections, guidance, *, guided):
     """FluxTransformer2DModel.forward up to its blocks' inputs: (embedded hidden states, temb)."""
     x = m.x_embedder(hidden_states)
     t = timestep.to(x.dtype) * 1000
@@ -323,7 +323,7 @@ def _wrap_transformer_head(model):
         def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
                     guidance=None):
             m = self.model
-            x, temb = _transformer_prologue(m, hidden_states, timestep, pooled_projections, guidance, guided)
+            x, temb = _transformer_prologue(m, hidden_states, timestep, pooled_projections, guidance, guided=guided)
             encoder, hidden = m.transformer_blocks[0](
                 hidden_states=x, encoder_hidden_states=m.context_embedder(encoder_hidden_states), temb=temb,
                 image_rotary_emb=_rotary(m, img_ids, txt_ids))

@@ -39,7 +39,7 @@ def unpack_latents(latents: torch.Tensor, height: int, width: int, vae_scale_fac
 
 
 def initial_noise(batch: int, latent_channels: int, height: int, width: int, vae_scale_factor: int,
-                  generator: torch.Generator, dtype=torch.float32) -> torch.Tensor:
+                  *, generator: torch.Generator, dtype=torch.float32) -> torch.Tensor:
     """The packed starting latents (fp32), drawn from a CPU generator exactly as diffusers' prepare_latents does
     in a pipeline of `dtype`: its randn_tensor draws in that dtype, and torch's CPU generator gives a bf16
     draw other values than an fp32 one (measured: torch 2.11, independent noise; torch 2.13 rounds the fp32

@@ -258,7 +258,7 @@ def emulate(model):
     return m
 
 
-def linear(w: np.ndarray, name: str, x: str, act_amax: float, scale_dtype=np.float32, transpose: bool = True):
+def linear(w: np.ndarray, name: str, x: str, act_amax: float, scale_dtype=np.float32, *, transpose: bool = True):
     """One linear layer in NVFP4: its weight [out, in] quantized, and the nodes that give the MatMul (or a
     Gemm with transB, `transpose=False`) its inputs. -> (NVFP4Weight, initializers [codes, block scales, weight
     global, activation global], nodes, the activation input, the weight input: [in, out], or [out, in])."""

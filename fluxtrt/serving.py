@@ -135,7 +135,7 @@ class Service:
     """One replica's state and request handling, independent of Ray (tests drive it directly)."""
 
     def __init__(self, engines: str | None, model: str | None, backend: str, max_batch: int | None, max_queue: int,
-                 metrics=None, torch_dtype: str = "bf16", calibration: str | None = None,
+                 *, metrics=None, torch_dtype: str = "bf16", calibration: str | None = None,
                  cache_threshold: float = 0.0):
         from .runtime.batching import ContinuousBatcher
         from .runtime.choice import choose_backend
@@ -191,8 +191,8 @@ class Service:
         t0 = time.perf_counter()
         try:
             req = parse_request(body, self.default_size, self.default_steps, self.default_cache_threshold)
-            future = self.batcher.submit(req.prompt, req.height, req.width, req.steps, req.guidance, req.seed, req.n,
-                                         req.cache_threshold)
+            future = self.batcher.submit(req.prompt, req.height, req.width, req.steps, req.guidance, seed=req.seed, n=req.n,
+                                         cache_threshold=req.cache_threshold)
         except QueueFull as e:
             return 503, _error(e), {"Retry-After": "2"}
         except ShuttingDown as e:
@@ -317,7 +317,8 @@ class FluxService:
 
     def __init__(self, args: ServeArgs):
         self.service = Service(args.engines, args.model, args.backend, args.max_batch, args.max_queue,
-                               _metrics_recorder(), args.torch_dtype, args.calibration, args.cache_threshold)
+                               metrics=_metrics_recorder(), torch_dtype=args.torch_dtype, calibration=args.calibration,
+                               cache_threshold=args.cache_threshold)
 
     async def generations(self, request):
         from fastapi.responses import JSONResponse
@@ -391,7 +392,7 @@ async def bounded_body(request) -> bytes | None:
 
 
 def check_serve_options(host: str, port: int, replicas: int, max_batch: int | None, max_queue: int,
-                        address: str | None) -> None:
+                        *, address: str | None) -> None:
     """`fluxtrt serve`'s own options, and its port, checked before Ray starts (one line each)."""
     import socket
 
@@ -464,7 +465,7 @@ def serve_forever(args: ServeArgs, host: str, port: int, address: str | None, sa
     except ImportError:
         raise FluxtrtError("fluxtrt serve needs Ray Serve: pip install \"fluxtrt[serve]\"") from None
 
-    check_serve_options(host, port, args.replicas, args.max_batch, args.max_queue, address)
+    check_serve_options(host, port, args.replicas, args.max_batch, args.max_queue, address=address)
     if args.calibration is not None and not Path(args.calibration).is_file():
         raise FluxtrtError(f"--calibration {args.calibration}: no such file; pass the file `fluxtrt calibrate` wrote")
     args = dataclasses.replace(args, engines=str(Path(args.engines).resolve()) if args.engines else None,

@@ -78,7 +78,7 @@ def shape_points(manifest, geo) -> list:
 
 
 def cross_check(engines: Path, components=None, provider: str = "auto", device: str | None = None,
-                model: str | None = None, seed: int | None = None, say=lambda line: None,
+                model: str | None = None, *, seed: int | None = None, say=lambda line: None,
                 fp32: bool = False) -> list[CrossCheckRow]:
     import torch
 
@@ -107,7 +107,8 @@ def cross_check(engines: Path, components=None, provider: str = "auto", device: 
     try:
         rows = []
         for name in names:
-            new = _component(engines, manifest, name, specs[name], src, geo, provider, device, seed, fp32)
+            new = _component(engines, manifest, name, specs[name], src, geo=geo, provider=provider, device=device, seed=seed,
+                             fp32=fp32)
             for r in new:
                 say(f"{name} {r.batch}x{r.height}x{r.width}: {r.onnx_error:.2e} (reference {r.reference:.2e})")
             rows += new
@@ -116,7 +117,7 @@ def cross_check(engines: Path, components=None, provider: str = "auto", device: 
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
 
-def _component(engines, manifest, name, spec, src, geo, provider, device, seed, fp32=False) -> list[CrossCheckRow]:
+def _component(engines, manifest, name, spec, src, *, geo, provider, device, seed, fp32=False) -> list[CrossCheckRow]:
     import onnx
 
     from .compare import bound_for
@@ -126,7 +127,7 @@ def _component(engines, manifest, name, spec, src, geo, provider, device, seed, 
 
     entry = manifest.component(name)
     onnx_path = engines.parent / entry.onnx
-    ex = OnnxRuntimeExecutor(name, entry, onnx_path, spec, geo, provider, widen=fp32)
+    ex = OnnxRuntimeExecutor(name, entry, onnx_path, spec, geo, provider=provider, widen=fp32)
     if device == "cuda":
         import torch
 
@@ -148,13 +149,14 @@ def _component(engines, manifest, name, spec, src, geo, provider, device, seed, 
     bound = bound_for(name, "fp32" if widened and not quantized else entry.precision, spec.rtol_fp32)
     rows = []
     if record:  # the recipe's error first, then the same module fake-quantized with the graph's scales
-        rows += _rows(name, entry.precision, tname, spec, module, feeds, got, points, bound, "unquantized module",
-                      "max", decides=False)
+        rows += _rows(name, entry.precision, tname, spec, module, feeds=feeds, got=got, points=points, bound=bound,
+                      against="unquantized module",
+                      metric="max", decides=False)
         _fake_quantize(module, onnx_path, header, record)
         bound = bound_for(name, "fp32", spec.rtol_fp32)
     against = "fake-quant module" if record else "module" if entry.precision in FLOAT_NAMES else "unquantized module"
-    rows += _rows(name, entry.precision, tname, spec, module, feeds, got, points, bound, against,
-                  "mean" if record else "max")
+    rows += _rows(name, entry.precision, tname, spec, module, feeds=feeds, got=got, points=points, bound=bound, against=against,
+                  metric="mean" if record else "max")
     del module
     return rows
 
@@ -172,7 +174,7 @@ def _fake_quantize(module, onnx_path: Path, header, record: dict) -> None:
         raise FluxtrtError(f"{onnx_path}: its fp8 record names no quantized layer; rebuild with --force")
 
 
-def _rows(name, precision, tname, spec, module, feeds, got, points, bound, against, metric, decides=True):
+def _rows(name, precision, tname, spec, module, *, feeds, got, points, bound, against, metric, decides=True):
     """One row per shape point: the ONNX outputs `got` against `module` on the same `feeds`, beside the module
     against itself with SDPA's math kernel, or, for an fp32 module compared as it is (or one the kernels do not
     change), against itself in fp64."""

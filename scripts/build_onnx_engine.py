@@ -33,7 +33,8 @@ def main() -> None:
     spec = specs_for(src.geometry, [args.component])[args.component]
     backend = get_backend(cfg.backend)
     t0 = time.perf_counter()
-    built = build_engine(backend, args.onnx, spec, src.geometry, cfg.shape_range(), cfg.compute_capability, args.out)
+    built = build_engine(backend, args.onnx, spec, src.geometry, cfg.shape_range(), compute_capability=cfg.compute_capability,
+                         engine_path=args.out)
     seconds = time.perf_counter() - t0
     print(f"{backend.name} {backend.version}: {spec.name} for sm{cfg.compute_capability.replace('.', '')}, "
           f"{built.layers} layers, {built.bytes / 1e9:.2f} GB, built in {seconds:.1f} s", flush=True)

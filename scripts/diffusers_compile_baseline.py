@@ -28,7 +28,8 @@ def main():
     for shape in a.shapes.split(","):
         size, batch = (int(v) for v in shape.split("x"))
         t0 = time.perf_counter()
-        row = bench_diffusers(pipe, src.geometry, size, size, batch, a.steps, a.runs, 1, torch.device("cuda"))
+        row = bench_diffusers(pipe, src.geometry, size, size, batch, steps=a.steps, runs=a.runs, warmup=1,
+                              device=torch.device("cuda"))
         row.system = "diffusers (transformer compiled)"
         rows.append(row)
         print(f"{size}x{size} b{batch}: step {row.transformer_step_s.median * 1000:.1f} ms, end to end "

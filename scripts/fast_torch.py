@@ -96,7 +96,8 @@ def speed(a) -> None:
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     t0 = time.perf_counter()  # what `fluxtrt calibrate` runs for a bf16 checkpoint (module ranges), also for random:
-    cal = calibrate_modules(src, "fp8", Path(a.work) / "calibration", None, 1, 1, 512, "bf16", a.device)
+    cal = calibrate_modules(src, "fp8", Path(a.work) / "calibration", None, 1, steps=1, opt_resolution=512, dtype="bf16",
+                            device=a.device)
     print(f"calibrate: {time.perf_counter() - t0:.1f} s -> {cal.path}", flush=True)
     variants = [v for v in a.variants.split(",") if v]
     rows, table = [], []
@@ -122,11 +123,11 @@ def speed(a) -> None:
         for size, batch in shapes:
             t1 = time.perf_counter()
             if variant.startswith("diffusers"):
-                row = bench_diffusers(pipe, src.geometry, size, size, batch, a.steps, a.runs, 1, dev)
+                row = bench_diffusers(pipe, src.geometry, size, size, batch, steps=a.steps, runs=a.runs, warmup=1, device=dev)
                 row.system = variant
             else:
                 row = bench_fluxtrt(pipe, f"fluxtrt torch {variant}" + (" compiled" if a.compile else ""), size, size,
-                                    batch, a.steps, a.runs, 1)
+                                    batch, steps=a.steps, runs=a.runs, warmup=1)
             wall = time.perf_counter() - t1
             first = wall - row.end_to_end_s.median * a.runs  # the warm-up call: compile included
             rows.append({"variant": variant, "row": row, "load_s": load_s, "first_call_s": first,

@@ -80,8 +80,8 @@ def main() -> None:
         pipe = Pipeline(args.engines, "onnxruntime", ort_provider=args.provider, torch_dtype=args.dtype,
                            device=args.device)
     load_s = time.perf_counter() - t0
-    res = pipe.generate([args.prompt], args.size, args.size, args.steps, 3.5, args.seed, trace=True)
-    res = pipe.generate([args.prompt], args.size, args.size, args.steps, 3.5, args.seed, trace=True)  # warm
+    res = pipe.generate([args.prompt], args.size, args.size, args.steps, 3.5, seed=args.seed, trace=True)
+    res = pipe.generate([args.prompt], args.size, args.size, args.steps, 3.5, seed=args.seed, trace=True)  # warm
     rows = []
     for i, (ours, r, a) in enumerate(zip(res.latents_per_step, ref_lat, alt_lat)):
         err, mean = relative_errors(ours.float().cpu(), r)

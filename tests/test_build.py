@@ -219,7 +219,8 @@ def test_plan_is_streamed_to_disk_and_a_failed_write_leaves_nothing(built, tmp_p
     backend = get_backend(cfg.backend)
     onnx_file = root / entry.onnx
     out = tmp_path / "clip.engine"
-    engine = build_engine(backend, onnx_file, spec, src.geometry, cfg.shape_range(), cfg.compute_capability, out)
+    engine = build_engine(backend, onnx_file, spec, src.geometry, cfg.shape_range(),
+                          compute_capability=cfg.compute_capability, engine_path=out)
     assert engine.bytes == out.stat().st_size > 0 and engine.sha256 == sha256_file(out) == entry.sha256
 
     real = fileio.atomic_file
@@ -236,7 +237,8 @@ def test_plan_is_streamed_to_disk_and_a_failed_write_leaves_nothing(built, tmp_p
     bad = tmp_path / "full" / "clip.engine"
     monkeypatch.setattr(fileio, "atomic_file", disk_full)
     with pytest.raises(OSError, match="No space left on device") as err:
-        build_engine(backend, onnx_file, spec, src.geometry, cfg.shape_range(), cfg.compute_capability, bad)
+        build_engine(backend, onnx_file, spec, src.geometry, cfg.shape_range(), compute_capability=cfg.compute_capability,
+                     engine_path=bad)
     assert err.value.errno == errno.ENOSPC and err.value.filename == str(bad)  # the CLI names the engine
     assert list(bad.parent.iterdir()) == []
 

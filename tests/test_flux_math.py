@@ -67,7 +67,7 @@ def test_initial_noise_matches_prepare_latents(tiny_dev, dtype):
     seed = int(np.random.default_rng().integers(0, 2**31))
     for b, h, w in ((1, 64, 64), (2, 64, 96)):
         ref, _ = pipe.prepare_latents(b, 4, h, w, dtype, "cpu", torch.Generator().manual_seed(seed))
-        ours = fm.initial_noise(b, 4, h, w, 8, torch.Generator().manual_seed(seed), dtype)
+        ours = fm.initial_noise(b, 4, h, w, 8, generator=torch.Generator().manual_seed(seed), dtype=dtype)
         assert ours.dtype == torch.float32 and torch.equal(ours, ref.float())
 
 

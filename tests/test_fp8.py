@@ -58,7 +58,7 @@ def test_torch_executor_transformer_matches_the_fp8_graph(fp8_build):
     seed = int(np.random.default_rng().integers(1 << 30))
     feeds = spec.sample_inputs(ShapePoint(2, 256, 256), src.geometry, seed)
     out = spec.outputs[0].name
-    ort = OnnxRuntimeExecutor("transformer", entry, graph_of(root), spec, src.geometry, "cpu").infer(feeds)[out].float()
+    ort = OnnxRuntimeExecutor("transformer", entry, graph_of(root), spec, src.geometry, provider="cpu").infer(feeds)[out].float()
     scales = fp8.scales_from_graph(onnx.load(str(graph_of(root)), load_external_data=False))
     ex = TorchExecutor("transformer", src, spec, "cpu", "fp32", fp8={"scales": scales})
     got = ex.infer(feeds)[out].float()

@@ -137,3 +137,45 @@ def test_cli_functions_are_short():
     tree = ast.parse((ROOT / "cli.py").read_text())
     lengths = {n.name: n.end_lineno - n.lineno + 1 for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
     assert max(lengths.values()) < 45, sorted(lengths.items(), key=lambda kv: -kv[1])[:3]
+
+
+def _fluxtrt_defs():
+    """{name: [positional parameter count]} of fluxtrt's functions and classes (an __init__ under its class)."""
+    out: dict = {}
+    for path in all_modules().values():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            for fn, name in ([(node, node.name)] if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else
+                             [(f, node.name) for f in node.body if isinstance(f, ast.FunctionDef)
+                              and f.name == "__init__"] if isinstance(node, ast.ClassDef) else []):
+                args = fn.args.posonlyargs + fn.args.args
+                out.setdefault(name, []).append(len(args) - (1 if args and args[0].arg in ("self", "cls") else 0))
+    return out
+
+
+def test_long_signatures_are_keyword_only():
+    """A function with more than five parameters makes the rest keyword-only (adjacent flags cannot be swapped
+    by position); torch modules' forward (called with the spec's inputs in order) and the CLI's typer commands
+    are the exceptions."""
+    bad = []
+    for name, path in all_modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name != "forward" \
+                    and name != "fluxtrt.cli":
+                args = node.args.posonlyargs + node.args.args
+                n = len(args) - (1 if args and args[0].arg in ("self", "cls") else 0)
+                if n > 5 and not node.args.vararg:
+                    bad.append(f"{name}.{node.name} ({n} positional)")
+    assert not bad, bad
+
+
+def test_no_call_passes_more_than_five_positional_arguments_to_fluxtrt():
+    defs = _fluxtrt_defs()
+    bad = []
+    for name, path in all_modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and len(node.args) > 5:
+                fn = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+                if fn in defs and fn != "forward" and not any(isinstance(a, ast.Starred) for a in node.args):
+                    bad.append(f"{name}:{node.lineno} {fn}(... {len(node.args)} positional)")
+    assert not bad, bad

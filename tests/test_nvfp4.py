@@ -297,7 +297,7 @@ def test_fp4_engines_run_on_onnx_runtime_close_to_diffusers(tmp_path):
               calibration=CalibrationSettings(size=3, steps=2))
     seed = int(np.random.default_rng().integers(0, 2**31))
     ref, ref_latents = reference(src, ["a red fox in the snow"], 256, 320, 3, 3.5, seed)
-    res = Pipeline(tmp_path / cfg.key, "onnxruntime").generate(["a red fox in the snow"], 256, 320, 3, 3.5, seed,
+    res = Pipeline(tmp_path / cfg.key, "onnxruntime").generate(["a red fox in the snow"], 256, 320, 3, 3.5, seed=seed,
                                                                  trace=True)
     errs = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(res.latents_per_step, ref_latents)]
     mean = float(np.abs(res.images.astype(int) - ref.astype(int)).mean())

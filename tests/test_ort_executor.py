@@ -159,7 +159,7 @@ def test_gpu_provider_options_follow_the_pipeline_stream(tmp_path):
         cuda_stream = 140_000_123
 
     spec, _ = _toy_bf16_graph(tmp_path / "toy.onnx")
-    ex = OnnxRuntimeExecutor("toy", _entry(tmp_path / "toy.onnx"), tmp_path / "toy.onnx", spec, None, "tensorrt")
+    ex = OnnxRuntimeExecutor("toy", _entry(tmp_path / "toy.onnx"), tmp_path / "toy.onnx", spec, None, provider="tensorrt")
     ex.stream = Stream()
     trt, cuda, cpu = ex.providers()
     assert trt == ("TensorrtExecutionProvider", {"device_id": "0", "has_user_compute_stream": "1",
@@ -167,5 +167,5 @@ def test_gpu_provider_options_follow_the_pipeline_stream(tmp_path):
     assert cuda[0] == "CUDAExecutionProvider" and cuda[1]["use_tf32"] == "0" and cpu == "CPUExecutionProvider"
     assert str(ex.device) == "cuda:0"
     with pytest.raises(FluxtrtError, match="choose cpu, cuda, tensorrt, tensorrt-rtx"):
-        OnnxRuntimeExecutor("toy", None, tmp_path / "toy.onnx", spec, None, "directml")
+        OnnxRuntimeExecutor("toy", None, tmp_path / "toy.onnx", spec, None, provider="directml")
 

@@ -219,6 +219,6 @@ def test_weight_only_recipes_read_no_calibration_prompts(tiny_dev, tmp_path, mon
 
     monkeypatch.setattr("fluxtrt.stages.base.prompts_sha256", no_prompts)
     calib = CalibrationSettings(prompts_file=tmp_path / "missing.txt")
-    path, results = ensure_fp32_plan(tiny_dev, "transformer", "int4-wo", tmp_path, False, lambda p: None, calib,
+    path, results = ensure_fp32_plan(tiny_dev, "transformer", "int4-wo", tmp_path, False, on_phase=lambda p: None, calib=calib,
                                      validate=False)
     assert path.exists() and {(r.stage, r.status) for r in results} >= {("quantize", "built")}

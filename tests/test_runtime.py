@@ -61,13 +61,13 @@ def test_true_cfg_matches_diffusers(fp32_engines, model):
     ref, ref_latents = reference(src, prompts, 256, 256, steps, 3.5, seed, negative_prompt=negative,
                                  true_cfg_scale=4.0)
     pipe = Pipeline(engines, "onnxruntime")
-    res = pipe.generate(prompts, 256, 256, steps, 3.5, seed, trace=True, negative_prompts=[negative] * 2,
+    res = pipe.generate(prompts, 256, 256, steps, 3.5, seed=seed, trace=True, negative_prompts=[negative] * 2,
                         true_cfg=4.0)
     for i, (a, b) in enumerate(zip(res.latents_per_step, ref_latents)):
         err = float((a - b).abs().max())
         assert err < 1e-3, f"latents diverge from diffusers at step {i}: {err:.2e}"
     assert int(np.abs(res.images.astype(int) - ref.astype(int)).max()) <= MAX_UINT8_DIFF
-    plain = pipe.generate(prompts, 256, 256, steps, 3.5, seed).images
+    plain = pipe.generate(prompts, 256, 256, steps, 3.5, seed=seed).images
     assert int(np.abs(plain.astype(int) - res.images.astype(int)).max()) > 10  # guidance did something
     with pytest.raises(RequestError, match="1 negative prompts for 2 prompts"):
         pipe.generate(prompts, 256, 256, steps, negative_prompts=["x"], true_cfg=2.0)
@@ -105,7 +105,7 @@ def test_onnxruntime_run_matches_diffusers(fp32_engines, model, prompts, h, w):
     seed = int(np.random.default_rng().integers(0, 2**31))
     steps = 4 if model == "tiny-schnell" else 5
     ref, ref_latents = reference(src, prompts, h, w, steps, 3.5, seed)
-    res = Pipeline(engines, "onnxruntime").generate(prompts, h, w, steps, 3.5, seed, trace=True)
+    res = Pipeline(engines, "onnxruntime").generate(prompts, h, w, steps, 3.5, seed=seed, trace=True)
     assert len(res.latents_per_step) == steps == len(ref_latents)
     for i, (a, b) in enumerate(zip(res.latents_per_step, ref_latents)):
         err = float((a - b).abs().max())

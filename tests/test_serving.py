@@ -58,7 +58,7 @@ def check_batched_equals_single(pipe, make_batcher):
         done = fut.result(timeout=0)
         assert len(done.images) == n and done.seconds >= done.queue_seconds >= 0
         for i, img in enumerate(done.images):
-            alone = pipe.generate([prompt], h, w, steps, guidance, seed + i).images[0]
+            alone = pipe.generate([prompt], h, w, steps, guidance, seed=seed + i).images[0]
             assert img.shape == (h, w, 3) and diff(img, alone) <= MAX_UINT8_DIFF
 
 
@@ -135,7 +135,7 @@ def test_service_answers_without_ray():
         assert status == 200 and [d["seed"] for d in payload["data"]] == [11, 12]
         for d in payload["data"]:
             img = np.asarray(Image.open(io.BytesIO(base64.b64decode(d["b64_json"]))))
-            alone = svc.pipe.generate(["a cat"], 256, 320, 2, 3.5, d["seed"]).images[0]
+            alone = svc.pipe.generate(["a cat"], 256, 320, 2, 3.5, seed=d["seed"]).images[0]
             assert diff(img, alone) <= MAX_UINT8_DIFF
         assert svc.health()["status"] == "ok"
         status, payload, _ = asyncio.run(svc.generate(b'{"prompt": "a cat", "size": "250x256"}'))
@@ -274,7 +274,7 @@ def test_server_under_load_bad_requests_killed_replica_and_ctrl_c(tiny_engines, 
         for (prompt, h, w, steps, g, seed, n), (_, payload, _) in zip(reqs, answers):
             assert [d["seed"] for d in payload["data"]] == list(range(seed, seed + n))  # none lost or duplicated
             for d in payload["data"]:
-                alone = pipe.generate([prompt], h, w, steps, g, d["seed"]).images[0]
+                alone = pipe.generate([prompt], h, w, steps, g, seed=d["seed"]).images[0]
                 assert diff(decode(d), alone) <= MAX_UINT8_DIFF
 
         for body, code, message in [(b"{bad", 400, "not valid JSON"), ({"prompt": 3}, 400, "non-empty string"),
@@ -436,7 +436,7 @@ def test_serve_run_with_the_config_file_serves(tiny_engines, tmp_path):
             except (urllib.error.URLError, OSError, ValueError):
                 time.sleep(2)
         assert status == 200, (proc.poll(), proc.stdout.read() if proc.poll() is not None else "")
-        alone = Pipeline(tiny_engines, "onnxruntime").generate(["a cat"], 256, 256, 2, 3.5, 3).images[0]
+        alone = Pipeline(tiny_engines, "onnxruntime").generate(["a cat"], 256, 256, 2, 3.5, seed=3).images[0]
         assert diff(np.asarray(Image.open(io.BytesIO(base64.b64decode(payload["data"][0]["b64_json"])))), alone) \
             <= MAX_UINT8_DIFF
     finally:

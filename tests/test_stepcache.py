@@ -65,7 +65,7 @@ def compare(model, workflow, steps, negative=None, pipe=None, bound=LATENT_BOUND
             break
     else:
         pytest.fail(f"{model}: diffusers skipped no step or all steps at every threshold in {THRESHOLDS}")
-    res = pipe.generate(prompts, h, w, steps, guidance, seed, trace=True, inputs=inputs, cache_threshold=threshold,
+    res = pipe.generate(prompts, h, w, steps, guidance, seed=seed, trace=True, inputs=inputs, cache_threshold=threshold,
                         negative_prompts=[negative] * 2 if negative else None, true_cfg=2.5 if negative else 1.0)
     assert res.timings.cache == {"threshold": threshold, "computed": computed,
                                  "skipped": len(ref_latents) - computed}, (res.timings.cache, computed)
@@ -74,7 +74,7 @@ def compare(model, workflow, steps, negative=None, pipe=None, bound=LATENT_BOUND
         assert err < bound, f"{model}: latents diverge from diffusers' at step {i}: {err:.2e}"
     diff = int(np.abs(res.images.astype(int) - ref.astype(int)).max())
     assert diff <= MAX_UINT8_DIFF and res.images.std() > 1, diff
-    uncached = pipe.generate(prompts, h, w, steps, guidance, seed, inputs=inputs,
+    uncached = pipe.generate(prompts, h, w, steps, guidance, seed=seed, inputs=inputs,
                              negative_prompts=[negative] * 2 if negative else None, true_cfg=2.5 if negative else 1.0)
     assert np.abs(uncached.images.astype(int) - res.images.astype(int)).max() > 0  # the skipped steps show
     return pipe, threshold, seed, computed
@@ -92,8 +92,8 @@ def test_true_cfg_branches_keep_their_own_cache():
 def test_zero_threshold_is_the_uncached_run_bit_for_bit():
     pipe = Pipeline(None, "torch", model=resolve_model("tiny"), device="cpu", torch_dtype="fp32")
     seed = int(np.random.default_rng().integers(0, 2**31))
-    a = pipe.generate(["a lighthouse"], 256, 256, 4, 3.5, seed, cache_threshold=0.0)
-    b = pipe.generate(["a lighthouse"], 256, 256, 4, 3.5, seed)
+    a = pipe.generate(["a lighthouse"], 256, 256, 4, 3.5, seed=seed, cache_threshold=0.0)
+    b = pipe.generate(["a lighthouse"], 256, 256, 4, 3.5, seed=seed)
     assert np.array_equal(a.images, b.images) and a.timings.cache is None
 
 
@@ -106,12 +106,12 @@ def test_served_images_equal_run_with_the_same_threshold():
     batcher = ContinuousBatcher(pipe, max_batch=4)
     seeds = [int(s) for s in np.random.default_rng().integers(0, 2**31, 3)]
     asks = [(0.5, seeds[0]), (0.0, seeds[1]), (1.2, seeds[2])]
-    futures = [batcher.submit("a red fox", 256, 256, 6, 3.5, seed, 1, t) for t, seed in asks]
+    futures = [batcher.submit("a red fox", 256, 256, 6, 3.5, seed=seed, n=1, cache_threshold=t) for t, seed in asks]
     batcher.run_until_idle()
     assert batcher.stats.batch_histogram[3] >= 1  # they did share the transformer
     for (t, seed), fut in zip(asks, futures):
         done = fut.result()
-        alone = pipe.generate(["a red fox"], 256, 256, 6, 3.5, seed, cache_threshold=t)
+        alone = pipe.generate(["a red fox"], 256, 256, 6, 3.5, seed=seed, cache_threshold=t)
         assert done.caches[0] == alone.timings.cache
         assert int(np.abs(done.images[0].astype(int) - alone.images[0].astype(int)).max()) <= MAX_UINT8_DIFF
     assert futures[2].result().caches[0]["skipped"] > 0  # the test exercises a skip
@@ -172,7 +172,7 @@ def test_split_parts_take_weights_and_lora_from_a_checkpoint(engines, tmp_path):
     seed = int(np.random.default_rng().integers(0, 2**31))
 
     def image(pipe, t):
-        return pipe.generate(["a red fox"], 256, 256, 6, 3.5, seed, cache_threshold=t)
+        return pipe.generate(["a red fox"], 256, 256, 6, 3.5, seed=seed, cache_threshold=t)
 
     own = image(Pipeline(folder, "onnxruntime"), 0.5)
     from_ckpt = image(Pipeline(folder, "onnxruntime", weights=src.path), 0.5)

@@ -66,7 +66,7 @@ def compare(pipe, src, workflow, prompts, h, w, steps, executor):
     seed, guidance = int(rng.integers(0, 2**31)), float(rng.uniform(2.0, 8.0))
     inputs = inputs_for(workflow, rng, h, w)
     ref, ref_latents = reference(src, workflow, prompts, h, w, steps, guidance, seed, inputs)
-    res = pipe.generate(prompts, h, w, steps, guidance, seed, trace=True, inputs=inputs)
+    res = pipe.generate(prompts, h, w, steps, guidance, seed=seed, trace=True, inputs=inputs)
     assert res.workflow == workflow
     assert len(res.latents_per_step) == len(ref_latents) >= 1
     for i, (a, b) in enumerate(zip(res.latents_per_step, ref_latents)):

@@ -91,7 +91,7 @@ def test_module_ranges_match_onnx_runtime_ranges(tiny_dev, tmp_path):
     from fluxtrt.stages.fp32_plan import optimized_fp32_transformer
 
     prompts, sizes = ["a red fox in the snow", "a lighthouse at night"], [(64, 64), (48, 80)]
-    amax, calls = linear_input_ranges(tiny_dev, prompts, sizes, 2, "fp32", "cpu")
+    amax, calls = linear_input_ranges(tiny_dev, prompts, sizes, 2, "fp32", device="cpu")
     assert calls == 4
     model = optimized_fp32_transformer(tiny_dev, tmp_path)
     p = plan(model, "fp8")
@@ -284,10 +284,10 @@ def test_zero_copy_engines_run_like_diffusers(tiny_bf16, tmp_path, reweighted_co
     pipe = Pipeline(tmp_path / "4090", "onnxruntime")
     assert pipe.noise_dtype() == torch.bfloat16  # bf16 engines draw the noise as FluxPipeline in bf16 does
     geo = tiny_bf16.geometry  # diffusers' fp32 reference (widened ONNX on this CPU) starts from the same noise
-    noise = initial_noise(1, geo.latent_channels, 256, 320, geo.vae_scale_factor, torch.Generator().manual_seed(seed),
-                          torch.bfloat16)
+    noise = initial_noise(1, geo.latent_channels, 256, 320, geo.vae_scale_factor, generator=torch.Generator().manual_seed(seed),
+                          dtype=torch.bfloat16)
     ref, ref_latents = reference(tiny_bf16, ["a red fox in the snow"], 256, 320, 4, 3.5, seed, latents=noise)
-    res = pipe.generate(["a red fox in the snow"], 256, 320, 4, 3.5, seed, trace=True)
+    res = pipe.generate(["a red fox in the snow"], 256, 320, 4, 3.5, seed=seed, trace=True)
     for i, (a, b) in enumerate(zip(res.latents_per_step, ref_latents)):
         err = float((a - b).abs().max())
         assert err < 1e-3, f"latents diverge from diffusers at step {i}: {err:.2e}"
@@ -296,7 +296,7 @@ def test_zero_copy_engines_run_like_diffusers(tiny_bf16, tmp_path, reweighted_co
     # checkpoint gives the same image bit for bit, another checkpoint another image
     def image(weights):
         return Pipeline(tmp_path / "4090", "onnxruntime", weights=weights).generate(
-            ["a red fox in the snow"], 256, 320, 3, 3.5, seed).images
+            ["a red fox in the snow"], 256, 320, 3, 3.5, seed=seed).images
 
     normal = image(None)
     assert np.array_equal(image(tiny_bf16.path), normal)
@@ -351,7 +351,8 @@ def test_weights_from_memory_maps_give_the_same_engine(fp8_build, tmp_path, monk
     backend, rng = get_backend(cfg.backend), cfg.shape_range(None)
 
     def build(path):
-        return engine.build_engine(backend, onnx_path, spec, src.geometry, rng, cfg.compute_capability, path)
+        return engine.build_engine(backend, onnx_path, spec, src.geometry, rng, compute_capability=cfg.compute_capability,
+                                   engine_path=path)
 
     monkeypatch.setattr(engine.MappedWeights, "interval", 0.01)  # pages dropped every 10 ms
     mapped = build(tmp_path / "mapped.engine")

@@ -176,7 +176,7 @@ def _parse(parser, onnx_path: Path) -> MappedWeights | None:
 
 
 def build_engine(backend: Backend, onnx_path: Path, spec: ComponentSpec, geo: Geometry, shape_range: ShapeRange,
-                 compute_capability: str, engine_path: Path, weight_streaming: bool = False,
+                 *, compute_capability: str, engine_path: Path, weight_streaming: bool = False,
                  optimization_level: int = 3, timing_cache: Path | None = None, log_file=None,
                  weightless: bool = False) -> BuiltEngine:
     """Parse `onnx_path`, build, and stream the plan to a temp name renamed to `engine_path` on success."""

@@ -40,7 +40,7 @@ class ExportResult:
 
 
 def export_component(source: ModelSource, spec: ComponentSpec, out_dir: Path, dtype: str = "fp32",
-                     opset: int = DEFAULT_OPSET, validate: bool = True, external_data_bytes: int | None = None,
+                     opset: int = DEFAULT_OPSET, *, validate: bool = True, external_data_bytes: int | None = None,
                      on_phase: Callable[[str], None] = lambda _: None, zero_copy: bool = False,
                      replicate_blocks: bool = True) -> ExportResult:
     """Export one component in its mode (modes.py) into a staging folder, validate it against PyTorch, then
@@ -51,7 +51,7 @@ def export_component(source: ModelSource, spec: ComponentSpec, out_dir: Path, dt
     t0 = time.perf_counter()
     on_phase("load")
     threshold = EXTERNAL_DATA_BYTES if external_data_bytes is None else external_data_bytes
-    mode = mode_for(source, spec, dtype, zero_copy, replicate_blocks, threshold)
+    mode = mode_for(source, spec, dtype, zero_copy, replicate_blocks, external_threshold=threshold)
     args = mode.example_args(example_point(source.geometry), source.geometry)
     out_dir = Path(out_dir)
     with staging_dir(out_dir, spec.name) as tmp:
@@ -105,7 +105,7 @@ def zero_copy_refusal(source: ModelSource, spec: ComponentSpec, dtype: str) -> s
 
 
 def export_model(source: ModelSource, out_dir: Path, components=None, dtype: str = "fp32",
-                 opset: int = DEFAULT_OPSET, validate: bool = True, external_data_bytes: int | None = None,
+                 opset: int = DEFAULT_OPSET, *, validate: bool = True, external_data_bytes: int | None = None,
                  progress=None, zero_copy: bool | frozenset = False, replicate_blocks: bool = True) -> list[ExportResult]:
     """Export the named components (default: all) and update `export.json` in `out_dir`. `zero_copy`: True/False
     for every component, or the set of component names to export zero-copy."""
@@ -116,18 +116,19 @@ def export_model(source: ModelSource, out_dir: Path, components=None, dtype: str
     for spec in specs.values():
         phase = (lambda p, n=spec.name: progress(n, p)) if progress else (lambda _: None)
         linked = zero_copy if isinstance(zero_copy, bool) else spec.name in zero_copy
-        results.append(export_component(source, spec, out_dir, dtype, opset, validate, external_data_bytes, phase,
+        results.append(export_component(source, spec, out_dir, dtype, opset, validate=validate,
+                                        external_data_bytes=external_data_bytes, on_phase=phase,
                                         zero_copy=linked, replicate_blocks=replicate_blocks))
         if progress:
             progress(spec.name, "done")
     stored = {r.dtype for r in results}  # zero-copy keeps each component's stored dtype
     write_export_info(out_dir, source, stored.pop() if len(stored) == 1 else dtype, opset, results,
-                      all(r.zero_copy for r in results))
+                      zero_copy=all(r.zero_copy for r in results))
     return results
 
 
 def write_export_info(out_dir: Path, source: ModelSource, dtype: str, opset: int, results: list[ExportResult],
-                      zero_copy: bool = False):
+                      *, zero_copy: bool = False):
     """export.json. A zero-copy export identifies the model by its layout (safetensors headers, sizes, mtimes,
     small files' contents) instead of hashing every weight byte: it never reads the weights otherwise."""
     from ..records import StageInfo, StageRecord

@@ -80,7 +80,8 @@ class Replicated(Mode):
         self.external = stored_bytes(self.index, dtype) > external_threshold
 
     def write(self, onnx_file, args, opset, replicate_blocks, on_phase):
-        program, raw, buffers, _ = trace_on_meta(self.source, self.spec, self.dtype, args, opset, replicate_blocks)
+        program, raw, buffers, _ = trace_on_meta(self.source, self.spec, self.dtype, args, opset,
+                                                 replicate_blocks=replicate_blocks)
         prov = record_provenance(program.model, raw, self.index)
         fill_weights(program.model, prov, self.index, buffers)
         on_phase("save")
@@ -112,7 +113,7 @@ class ZeroCopy(Mode):
         if self.record is not None:
             return
         program, raw, buffers, replicated = trace_on_meta(self.source, self.spec, self.dtype, args, opset,
-                                                          replicate_blocks)
+                                                          replicate_blocks=replicate_blocks)
         record_provenance(program.model, raw, self.index)
         on_phase("save")
         self.record = zerocopy.link_initializers(program.model, raw, self.index, buffers, onnx_file)
@@ -123,7 +124,7 @@ class ZeroCopy(Mode):
 
 
 def mode_for(source, spec: ComponentSpec, dtype: str, zero_copy: bool, replicate_blocks: bool,
-             external_threshold: int) -> Mode:
+             *, external_threshold: int) -> Mode:
     if zero_copy:
         return ZeroCopy(source, spec)
     if replicate_blocks and replicable(source, spec):

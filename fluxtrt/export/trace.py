@@ -218,7 +218,7 @@ def constants_keep_values():
         torch.tensor = make
 
 
-def trace_on_meta(source, spec: ComponentSpec, dtype: str, args, opset: int, replicate_blocks: bool):
+def trace_on_meta(source, spec: ComponentSpec, dtype: str, args, opset: int, *, replicate_blocks: bool):
     """Trace the component built on `meta`; with repeated blocks, trace three of each and replicate the middle
     one to the real depth (replicate.py), falling back to a full trace where the pattern does not hold.
     Returns (program, module traced, its buffers, {family: depth replicated to})."""

@@ -136,7 +136,7 @@ def trt_layer_count(onnx_path: Path) -> int | None:
 
 
 def optimize_file(in_path: Path, out_path: Path, component: str, passes=None, dtype: str = "fp32",
-                  count_layers: bool = True) -> OptimizeReport:
+                  *, count_layers: bool = True) -> OptimizeReport:
     from ..onnxio import load_onnx
 
     report = OptimizeReport(component)

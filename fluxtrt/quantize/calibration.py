@@ -52,7 +52,7 @@ def resolutions_for(geo, opt: int) -> list[tuple[int, int]]:
 
 
 def _run_pipeline(pipe, source, prompts: list[str], sizes: list[tuple[int, int]], steps: int,
-                  on_prompt: Callable[[int, int], None] = lambda done, total: None) -> None:
+                  *, on_prompt: Callable[[int, int], None] = lambda done, total: None) -> None:
     """Denoise every prompt (latents only), cycling through `sizes`; hooks on the pipeline record what they need."""
     import torch
 
@@ -91,7 +91,7 @@ def collect_inputs(source, prompts: list[str], sizes: list[tuple[int, int]], ste
 
 
 def linear_input_ranges(source, prompts: list[str], sizes: list[tuple[int, int]], steps: int, dtype: str,
-                        device: str, on_prompt: Callable[[int, int], None] = lambda done, total: None) -> tuple[dict, int]:
+                        *, device: str, on_prompt: Callable[[int, int], None] = lambda done, total: None) -> tuple[dict, int]:
     """max |input| of every nn.Linear in the transformer (by module name) over the pipeline's denoising steps,
     in PyTorch at `dtype` on `device`: ({module: amax}, transformer calls). The maxima stay on the device
     until the end (no host sync per layer)."""
@@ -114,7 +114,7 @@ def linear_input_ranges(source, prompts: list[str], sizes: list[tuple[int, int]]
         if isinstance(m, torch.nn.Linear):
             handles.append(m.register_forward_pre_hook(hook(name)))
     try:
-        _run_pipeline(pipe, source, prompts, sizes, steps, on_prompt)
+        _run_pipeline(pipe, source, prompts, sizes, steps, on_prompt=on_prompt)
     finally:
         for h in handles:
             h.remove()
@@ -156,7 +156,7 @@ def activation_ranges(model, names: list[str], samples: list[dict], per_channel:
     return amax
 
 
-def _cached(source, recipe: str, cache_dir: Path, prompts_file, size: int, steps: int, opt_resolution: int,
+def _cached(source, recipe: str, cache_dir: Path, prompts_file, size: int, *, steps: int, opt_resolution: int,
             key_extra: dict, measure: Callable) -> Calibration:
     """The calibration cache both paths share: a key of everything the ranges depend on (model content hash,
     prompts, recipe, sample count, steps, sizes, fluxtrt version, plus `key_extra`); on a miss,
@@ -181,7 +181,7 @@ def _cached(source, recipe: str, cache_dir: Path, prompts_file, size: int, steps
     return Calibration(key, amax, False, path, samples, channel)
 
 
-def calibrate(source, model, onnx_sha: str, recipe: str, cache_dir: Path, prompts_file: Path | None = None,
+def calibrate(source, model, onnx_sha: str, recipe: str, cache_dir: Path, *, prompts_file: Path | None = None,
               size: int = 32, steps: int = 4, opt_resolution: int = 1024) -> Calibration:
     """Activation ranges for `recipe` on `model` (an fp32 ONNX ModelProto of the transformer), measured by
     ONNX Runtime at each quantized MatMul's input, cached."""
@@ -193,19 +193,20 @@ def calibrate(source, model, onnx_sha: str, recipe: str, cache_dir: Path, prompt
                                           per_channel=True)
         return amax, channel, len(samples), {}
 
-    return _cached(source, recipe, cache_dir, prompts_file, size, steps, opt_resolution, {"graph": onnx_sha}, measure)
+    return _cached(source, recipe, cache_dir, prompts_file, size, steps=steps, opt_resolution=opt_resolution,
+                   key_extra={"graph": onnx_sha}, measure=measure)
 
 
 def calibrate_modules(source, recipe: str, cache_dir: Path, prompts_file: Path | None = None, size: int = 32,
-                      steps: int = 4, opt_resolution: int = 1024, dtype: str = "bf16", device: str = "cpu",
+                      *, steps: int = 4, opt_resolution: int = 1024, dtype: str = "bf16", device: str = "cpu",
                       on_prompt: Callable[[int, int], None] = lambda done, total: None) -> Calibration:
     """Activation ranges by module name (linear_input_ranges), cached under a key of the model, prompts,
     recipe, sizes, steps and dtype: not of the device, so a cache filled on a GPU machine (`fluxtrt calibrate
     --device cuda`) serves builds on CPU-only machines. Read by quantize.zerocopy."""
 
     def measure(prompts, sizes):
-        amax, calls = linear_input_ranges(source, prompts, sizes, steps, dtype, device, on_prompt)
+        amax, calls = linear_input_ranges(source, prompts, sizes, steps, dtype, device=device, on_prompt=on_prompt)
         return amax, None, calls, {"device": device}
 
-    return _cached(source, recipe, cache_dir, prompts_file, size, steps, opt_resolution,
-                   {"dtype": dtype, "method": "linear-inputs"}, measure)
+    return _cached(source, recipe, cache_dir, prompts_file, size, steps=steps, opt_resolution=opt_resolution,
+                   key_extra={"dtype": dtype, "method": "linear-inputs"}, measure=measure)

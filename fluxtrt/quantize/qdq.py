@@ -194,7 +194,7 @@ class _Writer:
 
 
 def quantize_model(model: onnx.ModelProto, recipe: str, act_amax: dict | None = None, only=None,
-                   alpha: float = 0.5, channel_amax: dict | None = None) -> tuple[onnx.ModelProto, QuantPlan]:
+                   alpha: float = 0.5, *, channel_amax: dict | None = None) -> tuple[onnx.ModelProto, QuantPlan]:
     """Insert Q/DQ per the recipe. `act_amax`: activation name -> calibrated max |x|; `channel_amax`:
     activation name -> per-channel max |x| (int8 SmoothQuant). `only`: quantize just these MatMuls
     (sensitivity analysis; kept layers included)."""

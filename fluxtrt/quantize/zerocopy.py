@@ -105,7 +105,7 @@ def _joined(parts, transposed: bool):
     return w.contiguous().numpy()
 
 
-def _fp8_layer(n, wname, parts, transposed, amax, data, data_name):
+def _fp8_layer(n, wname, parts, transposed, amax, *, data, data_name):
     """E4M3 weight (one scale) and activation Q/DQ for MatMul `n`: (nodes, initializers, bytes written)."""
     import ml_dtypes
     import numpy as np
@@ -123,7 +123,7 @@ def _fp8_layer(n, wname, parts, transposed, amax, data, data_name):
     return out.nodes, out.inits, written
 
 
-def _fp4_layer(n, wname, parts, transposed, amax, data, data_name):
+def _fp4_layer(n, wname, parts, transposed, amax, *, data, data_name):
     """NVFP4 weight (codes and block scales to the data file) and activation quantizer for MatMul `n`."""
     import ml_dtypes
 
@@ -131,7 +131,7 @@ def _fp4_layer(n, wname, parts, transposed, amax, data, data_name):
 
     gemm = n.op_type == "Gemm"  # transB=1 (the AdaLN modulation): the weight is [out, in] as stored
     _, tensors, nodes, n.input[0], n.input[1] = nvfp4.linear(_joined(parts, transposed or gemm), f"{wname}__fp4",
-                                                              n.input[0], amax, ml_dtypes.bfloat16, not gemm)
+                                                              n.input[0], amax, ml_dtypes.bfloat16, transpose=not gemm)
     written = sum(_external(data, data_name, t) for t in tensors[:2])
     return nodes, tensors, written
 

@@ -124,7 +124,7 @@ class ContinuousBatcher:
         self._thread: threading.Thread | None = None
 
     # -- the API ------------------------------------------------------------------------------------------------
-    def submit(self, prompt: str, height: int, width: int, steps: int, guidance: float = 3.5, seed: int = 0,
+    def submit(self, prompt: str, height: int, width: int, steps: int, guidance: float = 3.5, *, seed: int = 0,
                n: int = 1, cache_threshold: float = 0.0) -> Future:
         """Queue a request; the future's result is a `Finished` with n uint8 [H, W, 3] images. Checks the request now
         (one-line RequestError) and refuses with QueueFull when `max_queue` samples are already pending."""
@@ -227,7 +227,7 @@ class ContinuousBatcher:
     def _sample(self, job: Job, index: int, pooled, text, torch) -> Sample:
         pipe, dev = self.pipe, self.pipe.device
         wf, height, width, reference = pipe.plan(job.height, job.width, ImageInputs())
-        prep = pipe.prepare(wf, 1, height, width, job.steps, job.seed + index, ImageInputs())
+        prep = pipe.prepare(wf, 1, height, width, job.steps, seed=job.seed + index, inputs=ImageInputs())
         cond = prep.to(dev)
         guidance = torch.full([1], job.guidance, dtype=torch.float32).to(dev) if pipe.geo.guidance else None
         self._order += 1
@@ -249,7 +249,7 @@ class ContinuousBatcher:
             feeds = pipe.step_inputs(torch.cat([s.prep.model_input(s.latents) for s in batch]),
                                      torch.cat([s.text for s in batch]), torch.cat([s.pooled for s in batch]),
                                      torch.stack([s.t_in[s.step] for s in batch]), first.img_ids,
-                                     torch.cat([s.guidance for s in batch]) if pipe.geo.guidance else None)
+                                     guidance=torch.cat([s.guidance for s in batch]) if pipe.geo.guidance else None)
             if any(s.cache is not None for s in batch):  # each sample decides for itself (module doc)
                 out = pipe.cached_transformer(feeds, [(s.cache, slice(i, i + 1)) for i, s in enumerate(batch)])
             else:

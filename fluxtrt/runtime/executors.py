@@ -137,7 +137,7 @@ class OnnxRuntimeExecutor(Executor):
 
     kind = "onnxruntime"
 
-    def __init__(self, component: str, entry: ComponentEntry, onnx_path: Path, spec, geo, provider: str = "cpu",
+    def __init__(self, component: str, entry: ComponentEntry, onnx_path: Path, spec, geo, *, provider: str = "cpu",
                  weights: WeightSource | None = None, device_id: int = 0, widen: bool = False):
         super().__init__(component, entry)
         if provider not in ORT_PROVIDERS:
@@ -245,7 +245,7 @@ class TorchExecutor(Executor):
     kind = "torch"
 
     def __init__(self, component: str, source, spec, device: str = "cuda", dtype: str = "bf16",
-                 compile: bool = False, fp8=None):
+                 *, compile: bool = False, fp8=None):
         super().__init__(component, None)
         self.source, self.spec, self.compile = source, spec, compile
         self.fp8 = fp8  # the transformer's fp8 recipe: {"scales": {module: (sx, sw)}} or {"amax": {module: amax}}

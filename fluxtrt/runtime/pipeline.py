@@ -80,7 +80,7 @@ class Pipeline:
     from (ONNX Runtime), or the model's PyTorch modules (torch), mixed per component with `fallback`."""
 
     def __init__(self, engine_dir: Path | None = None, backend: str = "tensorrt", low_vram: bool = False,
-                 weight_streaming_budget: int | None = None, cuda_graph: bool = False, ort_provider: str = "cpu",
+                 weight_streaming_budget: int | None = None, cuda_graph: bool = False, *, ort_provider: str = "cpu",
                  model=None, fallback=(), torch_dtype: str = "bf16", device: str | None = None,
                  compile: bool = False, allow_host_code: bool = False, weights: Path | None = None,
                  lora: Path | None = None, lora_scale: float = 1.0, kernel_specialization: str = "eager",
@@ -103,7 +103,8 @@ class Pipeline:
             raise FluxtrtError(f"--fallback takes {', '.join(everything)}; got {', '.join(sorted(unknown))}")
         if torch_names:
             on_cpu = {f.split("@")[0] for f in fallback if f.endswith("@cpu")}
-            self._torch_executors(sorted(torch_names), on_cpu, model, device, torch_dtype, compile, calibration)
+            self._torch_executors(sorted(torch_names), on_cpu, model, device, torch_dtype, compile=compile,
+                                  calibration=calibration)
         elif calibration is not None:
             raise FluxtrtError("--calibration gives the PyTorch transformer the fp8 recipe: add --backend torch")
         engine_names = [n for n in names if n not in torch_names]
@@ -112,7 +113,7 @@ class Pipeline:
         sources = self._weight_sources(engine_names, weights, lora, lora_scale)
         if engine_names and backend == "tensorrt":
             self._tensorrt_executors(engine_names, sources, weight_streaming_budget, cuda_graph, allow_host_code,
-                                     kernel_specialization)
+                                     kernel_specialization=kernel_specialization)
         elif engine_names and backend == "onnxruntime":
             self._onnxruntime_executors(engine_names, sources, ort_provider)
         elif engine_names:
@@ -154,7 +155,7 @@ class Pipeline:
             raise ManifestError(f"the configs in {assets} are not a FLUX.1 model's ({e}); rebuild with `fluxtrt "
                                 "build`") from None
 
-    def _torch_executors(self, names, on_cpu, model, device, torch_dtype, compile, calibration=None) -> None:
+    def _torch_executors(self, names, on_cpu, model, device, torch_dtype, *, compile, calibration=None) -> None:
         import torch
 
         if model is None:
@@ -167,7 +168,7 @@ class Pipeline:
             dev_name = "cpu" if name in on_cpu else device
             dtype = "fp32" if dev_name == "cpu" and name in on_cpu else torch_dtype
             recipe = self._fp8_recipe(model, calibration) if name == "transformer" else None
-            self.executors[name] = TorchExecutor(name, model, specs[name], dev_name, dtype, compile, fp8=recipe)
+            self.executors[name] = TorchExecutor(name, model, specs[name], dev_name, dtype, compile=compile, fp8=recipe)
 
     def _fp8_recipe(self, model, calibration: Path | None) -> dict | None:
         """The transformer's fp8 recipe for PyTorch: the scales the engines' fp8 graph recorded, or a calibration
@@ -206,7 +207,7 @@ class Pipeline:
         return {n: WeightSource.for_component(weight_source, self.dir, self.manifest.component(n), n, lora)
                 for n in engine_names}
 
-    def _tensorrt_executors(self, names, sources, budget, cuda_graph, allow_host_code, kernel_specialization):
+    def _tensorrt_executors(self, names, sources, budget, cuda_graph, allow_host_code, *, kernel_specialization):
         from ..engine.backends import get_backend
 
         trt_backend = get_backend(self.manifest.backend)
@@ -220,9 +221,9 @@ class Pipeline:
                                    "works with engines built with `fluxtrt build --weightless`, or with --backend "
                                    "onnxruntime")
             self.executors[name] = TensorRTExecutor(
-                name, e, self.dir / e.engine, trt_backend, None, shared, budget, cuda_graph and name == "transformer",
-                allow_host_code, weights=sources[name], kernel_specialization=kernel_specialization,
-                low_vram=self.low_vram)
+                name, e, self.dir / e.engine, trt_backend, None, shared_memory=shared, weight_streaming_budget=budget,
+                cuda_graph=cuda_graph and name == "transformer", allow_host_code=allow_host_code,
+                weights=sources[name], kernel_specialization=kernel_specialization, low_vram=self.low_vram)
 
     def _onnxruntime_executors(self, names, sources, provider) -> None:
         specs = specs_for(self.geo, names)
@@ -233,7 +234,7 @@ class Pipeline:
                 raise ManifestError(f"{name}: this engine folder has no ONNX of its build machine (an unpacked "
                                     "archive?); ONNX Runtime runs its weight-free ONNX with your checkpoint: "
                                     "--backend onnxruntime --weights YOUR_FLUX_FOLDER")
-            self.executors[name] = OnnxRuntimeExecutor(name, e, onnx_path, specs[name], self.geo, provider, weights=ws)
+            self.executors[name] = OnnxRuntimeExecutor(name, e, onnx_path, specs[name], self.geo, provider=provider, weights=ws)
 
     def release(self, *names) -> None:
         """--low-vram: free these stages' executors (a TensorRT executor may say its cache was not saved)."""
@@ -411,7 +412,7 @@ class Pipeline:
         return pooled, text
 
     def generate(self, prompts: list[str], height: int, width: int, steps: int, guidance: float = 3.5,
-                 seed: int = 0, trace: bool = False, on_step=None, negative_prompts: list[str] | None = None,
+                 *, seed: int = 0, trace: bool = False, on_step=None, negative_prompts: list[str] | None = None,
                  true_cfg: float = 1.0, inputs: ImageInputs | None = None, cache_threshold: float = 0.0) -> Result:
         """Images for `prompts`. `inputs`: the image workflows' images and settings (workflows/); the model and
         these pick the workflow. True classifier-free guidance as diffusers' `true_cfg_scale`: with `true_cfg` > 1
@@ -447,13 +448,14 @@ class Pipeline:
             self.release("clip", "t5")
 
         t_prep = time.perf_counter()
-        prep = self.prepare(wf, batch, height, width, steps, seed, inputs)
+        prep = self.prepare(wf, batch, height, width, steps, seed=seed, inputs=inputs)
         timings.image_encoder = time.perf_counter() - t_prep
         if self.low_vram and wf.needs_encoder:
             self.release("vae_encoder")
         negative = (neg_pooled, neg_text) if cfg else None
-        latents, trace_latents = self._denoise(prep, pooled, text, guidance, negative, true_cfg, trace, on_step,
-                                               timings, cache)
+        latents, trace_latents = self._denoise(prep, pooled, text, guidance, negative, true_cfg=true_cfg, trace=trace,
+                                               on_step=on_step,
+                                               timings=timings, cache=cache)
         _check_finite(latents, "transformer")  # after the loop: the loop itself never reads the device
         if memory is not None:
             memory.sample()
@@ -490,7 +492,7 @@ class Pipeline:
             images = fm.to_uint8(image)  # the copy to the host is ordered after the decode on our stream
             return images, bool(image.isfinite().all())
 
-    def step_inputs(self, hidden_states, text, pooled, timestep, img_ids, guidance=None) -> dict:
+    def step_inputs(self, hidden_states, text, pooled, timestep, img_ids, *, guidance=None) -> dict:
         """The transformer's inputs for one step, by name (the one place `generate` and the batcher build
         them): per-sample `timestep` / `guidance` [B], text [B, T, D], pooled [B, D], shared ids."""
         feeds = {"hidden_states": hidden_states, "encoder_hidden_states": text, "pooled_projections": pooled,
@@ -522,7 +524,7 @@ class Pipeline:
         hidden = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
         return self.run_part("transformer_out", {"hidden": hidden, "temb": head["temb"]})["noise_pred"]
 
-    def prepare(self, wf, batch: int, height: int, width: int, steps: int, seed: int, inputs: ImageInputs) -> Prepared:
+    def prepare(self, wf, batch: int, height: int, width: int, steps: int, *, seed: int, inputs: ImageInputs) -> Prepared:
         """The workflow's starting state for a request (CPU tensors), its noise from a CPU generator seeded
         `seed` as diffusers' (the image workflows also run the VAE encoder here)."""
         import torch
@@ -552,7 +554,7 @@ class Pipeline:
         _check_finite(out, "vae_encoder")
         return out
 
-    def _denoise(self, prep: Prepared, pooled, text, guidance, negative, true_cfg, trace, on_step, timings,
+    def _denoise(self, prep: Prepared, pooled, text, guidance, negative, *, true_cfg, trace, on_step, timings,
                  cache=None):
         """The FlowMatch Euler loop of every workflow: (final packed latents, latents after each step if traced).
         Everything the loop needs is on the device before it starts; inside it nothing is read back, except
@@ -566,7 +568,7 @@ class Pipeline:
             t_in = (prep.timesteps / 1000).to(dev)
             dts = (prep.sigmas[1:] - prep.sigmas[:-1]).to(dev)
             feeds = self.step_inputs(cond.model_input(latents), text.to(dev), pooled.to(dev), t_in[0].expand(batch),
-                                     cond.img_ids, torch.full([batch], guidance, dtype=torch.float32).to(dev))
+                                     cond.img_ids, guidance=torch.full([batch], guidance, dtype=torch.float32).to(dev))
             step = (self._step_function(feeds, refresh=negative is not None) if cache is None
                     else self._cached_step(feeds, cache, "cond"))
             if negative is not None:  # the same call with the negative prompts' embeddings

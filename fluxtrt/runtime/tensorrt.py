@@ -113,7 +113,7 @@ class TensorRTExecutor(Executor):
     kind = "tensorrt"
 
     def __init__(self, component: str, entry: ComponentEntry, engine_path: Path, backend, stream=None,
-                 shared_memory=None, weight_streaming_budget: int | None = None, cuda_graph: bool = False,
+                 *, shared_memory=None, weight_streaming_budget: int | None = None, cuda_graph: bool = False,
                  allow_host_code: bool = False, weights: WeightSource | None = None,
                  kernel_specialization: str = "eager", streams=None, low_vram: bool = False):
         super().__init__(component, entry)

@@ -131,7 +131,7 @@ def run_step(source, component: str, step: Step, *, force: bool, on_phase, valid
     on_phase(step.stage)
     t0 = time.perf_counter()
     made = step.make()
-    max_err = validated_or_removed(source, component, made.path, step.dtype, step.what, validate, on_phase)
+    max_err = validated_or_removed(source, component, made.path, step.dtype, step.what, validate=validate, on_phase=on_phase)
     record_entry(step.folder, component, StageRecord(inputs=step.inputs, sha256=sha256_file(made.path),
                                                      max_rel_err=max_err, **made.record))
     seconds = time.perf_counter() - t0 - made.seconds_excluded
@@ -141,7 +141,7 @@ def run_step(source, component: str, step: Step, *, force: bool, on_phase, valid
     return made.path, None, [result, *made.extra]
 
 
-def validated_or_removed(source, component: str, onnx_path: Path, dtype: str, what: str, validate: bool,
+def validated_or_removed(source, component: str, onnx_path: Path, dtype: str, what: str, *, validate: bool,
                          on_phase) -> float | None:
     """validate_against_pytorch when `validate`; a graph that fails is deleted (never left for a later build
     to pick up) and the error raised. None when not validated."""

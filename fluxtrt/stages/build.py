@@ -41,14 +41,14 @@ from .zerocopy_plan import ensure_zero_copy, zero_copy_plan_refusal
 
 
 def ensure_onnx(source: ModelSource, component: str, dtype: str, out_root: Path, force: bool = False,
-                on_phase: Callable[[str], None] = lambda _: None, calib=None, zero_copy: bool = True,
+                *, on_phase: Callable[[str], None] = lambda _: None, calib=None, zero_copy: bool = True,
                 validate: bool = True) -> tuple[Path, list[StageResult]]:
     """The component's ONNX for the engine. From a checkpoint stored in the engine's dtype (and `zero_copy`):
     the zero-copy plan (stages/zerocopy_plan.py). Otherwise the fp32 export, then the optimize stage at `dtype`. Each
     step is validated against PyTorch (unless `validate` is off) and reused when its inputs are unchanged."""
     if zero_copy and zero_copy_plan_refusal(source, component, dtype) is None:
-        return ensure_zero_copy(source, component, dtype, out_root, force, on_phase, calib, validate)
-    return ensure_fp32_plan(source, component, dtype, out_root, force, on_phase, calib, validate)
+        return ensure_zero_copy(source, component, dtype, out_root, force, on_phase=on_phase, calib=calib, validate=validate)
+    return ensure_fp32_plan(source, component, dtype, out_root, force, on_phase=on_phase, calib=calib, validate=validate)
 
 
 ASSET_DIRS = ("tokenizer", "tokenizer_2", "scheduler")
@@ -77,7 +77,7 @@ def copy_model_assets(source: ModelSource, gpu_dir: Path) -> None:
 
 
 def build_key(onnx_sha: str, backend: str, backend_version: str, cfg: GpuConfig, profile: dict,
-              weight_streaming: bool, weightless: bool = False) -> str:
+              *, weight_streaming: bool, weightless: bool = False) -> str:
     return sha256_json({
         "onnx": onnx_sha, "backend": backend, "backend_version": backend_version, "cc": cfg.compute_capability,
         "profile": profile, "weight_streaming": weight_streaming, "level": cfg.builder_optimization_level,
@@ -102,7 +102,7 @@ def write_weight_files(onnx_path: Path, gpu_dir: Path, name: str, subfolder: str
 
 
 def build_gpu(source: ModelSource, cfg: GpuConfig, out_root: Path, components=None, static: bool | None = None,
-              force: bool = False, progress: Callable[[str, str], None] = lambda c, p: None,
+              *, force: bool = False, progress: Callable[[str, str], None] = lambda c, p: None,
               calibration: CalibrationSettings | None = None, weightless: bool = False, zero_copy: bool = True,
               validate: bool = True, first_block_cache: bool = False) -> tuple[Manifest, list[StageResult]]:
     """Build (or reuse) every requested component's engine for one GPU config. Returns (manifest, stage results).
@@ -124,8 +124,9 @@ def build_gpu(source: ModelSource, cfg: GpuConfig, out_root: Path, components=No
     new_dir = not gpu_dir.exists()
     gpu_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return _build_locked(source, cfg, backend, specs, rng, out_root, gpu_dir, force, progress, calibration,
-                             weightless, zero_copy, validate)
+        return _build_locked(source, cfg, backend, specs, rng, out_root=out_root, gpu_dir=gpu_dir, force=force,
+                             progress=progress, calibration=calibration,
+                             weightless=weightless, zero_copy=zero_copy, validate=validate)
     except BaseException as e:
         _after_failure(e, gpu_dir, new_dir, Path(out_root))
         raise
@@ -145,7 +146,7 @@ def _after_failure(e: BaseException, gpu_dir: Path, new_dir: bool, out_root: Pat
             e.args = (f"{e.args[0]} (kept {' and '.join(kept)}: the next build reuses them)", *e.args[1:])
 
 
-def _build_locked(source, cfg, backend, specs, rng, out_root, gpu_dir, force, progress, calibration, weightless,
+def _build_locked(source, cfg, backend, specs, rng, *, out_root, gpu_dir, force, progress, calibration, weightless,
                   zero_copy, validate):
     with exclusive_lock(Path(out_root)):
         remove_stale_staging(Path(out_root))
@@ -158,11 +159,13 @@ def _build_locked(source, cfg, backend, specs, rng, out_root, gpu_dir, force, pr
                       f"model {source.id} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
             for name, spec in specs.items():
                 on_phase = lambda p, n=name: progress(n, p)  # noqa: E731
-                onnx_path, res = ensure_onnx(source, name, cfg.precision[family(name)], out_root, force, on_phase, calib,
-                                             zero_copy, validate)
+                onnx_path, res = ensure_onnx(source, name, cfg.precision[family(name)], out_root, force, on_phase=on_phase,
+                                             calib=calib,
+                                             zero_copy=zero_copy, validate=validate)
                 results.extend(res)
-                results.append(_engine_stage(source, cfg, backend, spec, rng, onnx_path, res, manifest, gpu_dir, log,
-                                             force, weightless, on_phase))
+                results.append(_engine_stage(source, cfg, backend, spec, rng, onnx_path=onnx_path, res=res, manifest=manifest,
+                                             gpu_dir=gpu_dir, log=log,
+                                             force=force, weightless=weightless, on_phase=on_phase))
         manifest.write(gpu_dir)
         return manifest, results
 
@@ -180,7 +183,7 @@ def _new_manifest(source, cfg, backend, rng, gpu_dir) -> Manifest:
         pixel_multiple=source.geometry.pixel_multiple, components=dict(keep))
 
 
-def _engine_stage(source, cfg, backend, spec, rng, onnx_path, res, manifest, gpu_dir, log, force, weightless,
+def _engine_stage(source, cfg, backend, spec, rng, *, onnx_path, res, manifest, gpu_dir, log, force, weightless,
                   on_phase) -> StageResult:
     """The engine build stage: its inputs are the ONNX's hash, the target, the profile and the backend version
     (build_key); reused when they match the manifest's entry and the engine file still has its sha256."""
@@ -189,7 +192,7 @@ def _engine_stage(source, cfg, backend, spec, rng, onnx_path, res, manifest, gpu
     ws = family(name) in cfg.weight_streaming
     rng = profile_range(geo, family(name), rng)  # e.g. Kontext: the transformer's tokens cover target + reference
     profile = spec.profile(rng, geo)
-    key = build_key(onnx_sha, backend.name, backend.version, cfg, profile, ws, weightless)
+    key = build_key(onnx_sha, backend.name, backend.version, cfg, profile, weight_streaming=ws, weightless=weightless)
     engine_path = gpu_dir / f"{name}.engine"
     prev = manifest.components.get(name)
     if (not force and prev is not None and prev.build_key == key and engine_path.exists()
@@ -198,8 +201,10 @@ def _engine_stage(source, cfg, backend, spec, rng, onnx_path, res, manifest, gpu
         return StageResult(name, "build", "reused", 0.0, "same ONNX, config and backend")
     on_phase("build")
     t0 = time.perf_counter()
-    built = build_engine(backend, onnx_path, spec, geo, rng, cfg.compute_capability, engine_path, ws,
-                         cfg.builder_optimization_level, gpu_dir / "timing.cache", log, weightless)
+    built = build_engine(backend, onnx_path, spec, geo, rng, compute_capability=cfg.compute_capability,
+                         engine_path=engine_path, weight_streaming=ws,
+                         optimization_level=cfg.builder_optimization_level, timing_cache=gpu_dir / "timing.cache",
+                         log_file=log, weightless=weightless)
     seconds = time.perf_counter() - t0
     result = StageResult(name, "build", "built", seconds, f"{built.layers} layers ({built.computed_layers} computed)",
                          built.bytes, peak_rss_mb())

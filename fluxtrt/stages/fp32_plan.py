@@ -24,12 +24,12 @@ from .base import (
 )
 
 
-def ensure_fp32_plan(source, component: str, dtype: str, out_root: Path, force: bool, on_phase, calib,
+def ensure_fp32_plan(source, component: str, dtype: str, out_root: Path, force: bool, *, on_phase, calib,
                      validate: bool = True):
     """-> (the engine's ONNX, [export, optimize(, quantize) results]) on the copying path."""
-    fp32_path, export_res = _ensure_export(source, component, out_root, force, on_phase, validate)
-    opt_path, opt_res = _ensure_optimized(source, component, dtype, fp32_path, out_root, force, on_phase, calib,
-                                          validate)
+    fp32_path, export_res = _ensure_export(source, component, out_root, force, on_phase, validate=validate)
+    opt_path, opt_res = _ensure_optimized(source, component, dtype, fp32_path, out_root, force=force,
+                                          on_phase=on_phase, calib=calib, validate=validate)
     return opt_path, [export_res, *opt_res]
 
 
@@ -37,7 +37,7 @@ def onnx_dir_for(out_root: Path, source, dtype: str) -> Path:
     return Path(out_root) / "onnx" / f"{source.content_hash[:12]}-{dtype}"
 
 
-def _ensure_export(source, component, out_root, force, on_phase, validate: bool = True):
+def _ensure_export(source, component, out_root, force, on_phase, *, validate: bool = True):
     folder = onnx_dir_for(out_root, source, "fp32")
     inputs = export_inputs(source.content_hash)
     if not force and recorded(folder, EXPORT_INFO, component, inputs, validate):
@@ -51,7 +51,7 @@ def _ensure_export(source, component, out_root, force, on_phase, validate: bool 
                                  res.bytes, peak_rss_mb())
 
 
-def _ensure_optimized(source, component, dtype, fp32_path, out_root, force, on_phase, calib=None,
+def _ensure_optimized(source, component, dtype, fp32_path, out_root, *, force, on_phase, calib=None,
                       validate: bool = True):
     """Optimize passes, then (for fp8 / int8-wo / int4-wo) calibration and Q/DQ, then precision placement."""
     from ..optimize.passes import DEFAULT_PASSES
@@ -68,7 +68,7 @@ def _ensure_optimized(source, component, dtype, fp32_path, out_root, force, on_p
 
     def make() -> Made:
         out_path, report, quant, quant_seconds = optimize_component(source, component, dtype, fp32_path, folder,
-                                                                    out_root, calib, on_phase)
+                                                                    out_root=out_root, calib=calib, on_phase=on_phase)
         nodes = [report.rows[0][1], report.rows[-1][2]]
         extra = [] if quant is None else [  # calibration + Q/DQ, timed inside; its bytes are the optimize output's
             StageResult(component, "quantize", "built", quant_seconds, f"{quant['quantized_layers']} layers {dtype}",
@@ -87,7 +87,7 @@ def _ensure_optimized(source, component, dtype, fp32_path, out_root, force, on_p
     return path, res
 
 
-def optimize_component(source, component, dtype, fp32_path, folder, out_root, calib, on_phase):
+def optimize_component(source, component, dtype, fp32_path, folder, *, out_root, calib, on_phase):
     """-> (path, optimize report, quantization record or None, seconds spent calibrating and quantizing).
     Quantized recipes: passes at fp32, calibrate (fp8, cached), insert Q/DQ, then place everything else in bf16."""
     from ..onnxio import load_onnx
@@ -136,8 +136,8 @@ def calibrate_graph(source, model, recipe: str, out_root: Path, calib):
     from ..quantize.calibration import calibrate
 
     return calibrate(source, model, hashlib.sha256(model.SerializeToString()).hexdigest(), recipe,
-                     Path(out_root) / "calibration", calib.prompts_file, calib.size, calib.steps,
-                     calib.opt_resolution)
+                     Path(out_root) / "calibration", prompts_file=calib.prompts_file, size=calib.size,
+                     steps=calib.steps, opt_resolution=calib.opt_resolution)
 
 
 def optimized_fp32_transformer(source, out_root: Path):

@@ -59,7 +59,7 @@ def _reusable(folder: Path, info_name: str, component: str, inputs: dict, valida
     return entry if entry and links.is_dir() and all(os.path.exists(link) for link in links.iterdir()) else None
 
 
-def ensure_zero_copy(source, component: str, precision: str, out_root: Path, force: bool, on_phase, calib: CalibrationSettings,
+def ensure_zero_copy(source, component: str, precision: str, out_root: Path, force: bool, *, on_phase, calib: CalibrationSettings,
                   validate: bool = True):
     """-> (the engine's ONNX, [export, optimize(, quantize) results]) on the zero-copy path."""
     from ..export import DEFAULT_OPSET, EXPORT_INFO, export_component, write_export_info
@@ -77,15 +77,17 @@ def ensure_zero_copy(source, component: str, precision: str, out_root: Path, for
         path = res.path
         export_res = StageResult(component, "export", "built", res.seconds,
                                  f"zero-copy, {validation_text(res.max_rel_err)}", res.bytes, peak_rss_mb())
-    opt_path, opt_res = _ensure_optimized(source, component, graph, path, out_root, force, on_phase, validate)
+    opt_path, opt_res = _ensure_optimized(source, component, graph, path, out_root, force=force, on_phase=on_phase,
+                                          validate=validate)
     if not REGISTRY[precision].recipe:
         return opt_path, [export_res, opt_res]
-    q_path, quant_res = _ensure_quantized(source, component, precision, opt_path, out_root, force, on_phase, calib,
-                                          validate)
+    q_path, quant_res = _ensure_quantized(source, component, precision, opt_path, out_root, force=force, on_phase=on_phase,
+                                          calib=calib,
+                                          validate=validate)
     return q_path, [export_res, opt_res, quant_res]
 
 
-def _ensure_optimized(source, component, graph, zc_path, out_root, force, on_phase, validate):
+def _ensure_optimized(source, component, graph, zc_path, out_root, *, force, on_phase, validate):
     """The graph passes on the zero-copy graph (optimize.pipeline.optimize_zero_copy): fused, still linked."""
     from ..optimize.passes import DEFAULT_PASSES
     from ..optimize.pipeline import optimize_zero_copy
@@ -107,7 +109,7 @@ def _ensure_optimized(source, component, graph, zc_path, out_root, force, on_pha
     return path, made[0]
 
 
-def _ensure_quantized(source, component, recipe, zc_path, out_root, force, on_phase, calib, validate):
+def _ensure_quantized(source, component, recipe, zc_path, out_root, *, force, on_phase, calib, validate):
     from ..quantize.zerocopy import quantize_zero_copy
 
     folder = Path(out_root) / "onnx" / f"{source.content_hash[:12]}-{recipe}-zc"
@@ -146,5 +148,5 @@ def calibrate_zero_copy(source, out_root: Path, calib: CalibrationSettings, on_p
         raise FluxtrtError("--device cuda: this machine has no CUDA GPU (or this torch has no CUDA); use --device "
                            "cpu, or calibrate on a GPU machine and copy its OUT/calibration/ here")
     return calibrate_modules(source, "fp8", Path(out_root) / "calibration", calib.prompts_file,
-                             calib.size, calib.steps, calib.opt_resolution,
-                             graph_dtype("fp8"), device, on_prompt)
+                             calib.size, steps=calib.steps, opt_resolution=calib.opt_resolution,
+                             dtype=graph_dtype("fp8"), device=device, on_prompt=on_prompt)

@@ -246,8 +246,8 @@ def noise(ctx: Context) -> torch.Tensor:
     """The packed starting noise [B, N, 4C], drawn from the CPU generator as diffusers' randn_tensor. (Packing is
     a permutation: mixing it with packed image latents equals diffusers' mix-then-pack bit for bit.)"""
     g = ctx.geo
-    return fm.initial_noise(ctx.batch, g.latent_channels, ctx.height, ctx.width, g.vae_scale_factor, ctx.generator,
-                            ctx.noise_dtype)
+    return fm.initial_noise(ctx.batch, g.latent_channels, ctx.height, ctx.width, g.vae_scale_factor, generator=ctx.generator,
+                            dtype=ctx.noise_dtype)
 
 
 def schedule(ctx: Context, strength: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
