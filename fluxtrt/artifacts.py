@@ -15,16 +15,14 @@ import tarfile
 import zlib
 from pathlib import Path, PurePosixPath
 
-from .errors import FluxtrtError
+from .errors import (
+    ArtifactError,  # noqa: F401 - defined in errors.py, raised here
+    )
 from .fileio import sha256_file, staging_dir
 from .records import read_manifest
 
 MAX_UNPACKED_BYTES = 64 << 30  # a full-size FLUX.1-dev set of engines is well under this
 SKIP = {".fluxtrt.lock", "build.log"}
-
-
-class ArtifactError(FluxtrtError):
-    """An archive is corrupt, tampered with, or unsafe to extract."""
 
 
 def archive_name(manifest) -> str:

@@ -23,17 +23,15 @@ from pathlib import Path
 
 import torch
 
-from .errors import FluxtrtError
+from .errors import (
+    DropInError,  # noqa: F401 - defined in errors.py, raised here
+    )
 
 log = logging.getLogger("fluxtrt")
 
 LORA = "LoRA on engines: refit the weights at load time, load_pipeline(DIR, lora=FILE, lora_scale=S) (`fluxtrt run --lora`)"
 FIXED = "the engine's graph is fixed at build time ({what}); use the diffusers module for it, or rebuild"
 OFFLOAD = "offloading engines: load_pipeline(DIR, low_vram=True) frees each component after its stage (`--low-vram`)"
-
-
-class DropInError(FluxtrtError):
-    """A diffusers feature the engine-backed modules cannot provide; the message names the fluxtrt way."""
 
 
 def _refuse(message: str):

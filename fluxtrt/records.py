@@ -10,7 +10,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import FluxtrtError
+from .errors import (
+    FluxtrtError,
+    ManifestError,  # noqa: F401 - defined in errors.py, raised here
+)
 
 MANIFEST = "manifest.json"
 SCHEMA = 2  # manifest schema 2: typed records; 1: the earlier dict manifest (same fields)
@@ -21,10 +24,6 @@ DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "prompts.txt"  # in
 LOW_VRAM_STAGES = (("clip", "t5"), ("transformer",), ("vae_decoder",))  # engines resident together with --low-vram
 RUN_COMPONENTS = tuple(c for stage in LOW_VRAM_STAGES for c in stage)  # what text-to-image runs, in order
 IMAGE_COMPONENTS = ("vae_encoder",)  # what the image workflows (img2img, Fill, Control, Kontext) add
-
-
-class ManifestError(FluxtrtError):
-    """A manifest is missing, unreadable or does not match its engines."""
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .api import MAX_CACHE_THRESHOLD, MAX_STEPS, check_number
-from .errors import FluxtrtError
+from .errors import BadRequest, FluxtrtError, TooLarge  # noqa: F401 - defined in errors.py, raised here
 
 MAX_PROMPT_CHARS = 10_000  # T5 reads at most 512 tokens; a longer body is a client bug, not a prompt
 MAX_N = 8
@@ -34,20 +34,8 @@ MAX_JSON_DEPTH = 8
 ROUTE = "/v1/images/generations"
 
 
-class BadRequest(FluxtrtError):
-    """A request the server refuses with 400: one line for the client."""
-
-    status = 400
-
-
-class TooLarge(BadRequest):
-    """A body over MAX_BODY_BYTES: 413."""
-
-    status = 413
-
-    @classmethod
-    def of(cls, size: str | int) -> "TooLarge":
-        return cls(f"the body has {size} bytes, over the {MAX_BODY_BYTES} byte limit; send a prompt and a few settings")
+def too_large(size: str | int) -> TooLarge:
+    return TooLarge(f"the body has {size} bytes, over the {MAX_BODY_BYTES} byte limit; send a prompt and a few settings")
 
 
 def _depth(body: bytes) -> int:
@@ -84,7 +72,7 @@ def parse_request(body: bytes, default_size: tuple[int, int], default_steps: int
                   default_cache_threshold: float = 0.0) -> Generation:
     """The request body as a Generation, or BadRequest naming the field and what it takes."""
     if len(body) > MAX_BODY_BYTES:
-        raise TooLarge.of(len(body))
+        raise too_large(len(body))
     if _depth(body) > MAX_JSON_DEPTH:
         raise BadRequest(f"the body nests JSON deeper than {MAX_JSON_DEPTH} levels; send a flat JSON object")
     try:
@@ -325,7 +313,7 @@ class FluxService:
 
         body = await bounded_body(request)
         if body is None:
-            return JSONResponse(_error(TooLarge.of("more than")), status_code=413)
+            return JSONResponse(_error(too_large("more than")), status_code=413)
         status, payload, headers = await self.service.generate(body)
         return JSONResponse(payload, status_code=status, headers=headers)
 

@@ -179,3 +179,16 @@ def test_no_call_passes_more_than_five_positional_arguments_to_fluxtrt():
                 if fn in defs and fn != "forward" and not any(isinstance(a, ast.Starred) for a in node.args):
                     bad.append(f"{name}:{node.lineno} {fn}(... {len(node.args)} positional)")
     assert not bad, bad
+
+
+def test_every_error_class_lives_in_errors_py():
+    bad = []
+    for name, path in all_modules().items():
+        if name == "fluxtrt.errors":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                    getattr(b, "id", getattr(b, "attr", "")).endswith(("Error", "Exception", "BadRequest"))
+                    or getattr(b, "id", "") in ("QueueFull", "ShuttingDown") for b in node.bases):
+                bad.append(f"{name}.{node.name}")
+    assert not bad, bad

@@ -8,12 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..components import ComponentSpec, Geometry, ShapeRange
-from ..errors import FluxtrtError
+from ..errors import (
+    BuildError,  # noqa: F401 - defined in errors.py, raised here
+    )
 from .backends import Backend
-
-
-class BuildError(FluxtrtError):
-    """TensorRT could not parse or build a graph."""
 
 
 @dataclass

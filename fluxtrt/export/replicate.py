@@ -24,14 +24,12 @@ from __future__ import annotations
 import ast
 import re
 
-from ..errors import FluxtrtError
+from ..errors import (
+    ReplicationError,  # noqa: F401 - defined in errors.py, raised here
+)
 
 TRACED_BLOCKS = 3  # first, middle (the one copied), last
 SCOPE_KEY = "pkg.torch.onnx.name_scopes"
-
-
-class ReplicationError(FluxtrtError):
-    pass
 
 
 def reduced_depths(config: dict, repeated: tuple[tuple[str, str], ...]) -> tuple[dict, dict]:

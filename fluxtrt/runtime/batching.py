@@ -26,18 +26,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from .. import flux_math as fm
+from ..errors import QueueFull, ShuttingDown  # noqa: F401 - defined in errors.py, raised here
 from ..workflows import ImageInputs
 from .pipeline import Pipeline, RequestError
 
 log = logging.getLogger("fluxtrt")
-
-
-class QueueFull(RequestError):
-    """More samples are waiting than the batcher accepts (`max_queue`): try again later."""
-
-
-class ShuttingDown(RequestError):
-    """The batcher stopped before the request finished."""
 
 
 @dataclass

@@ -15,12 +15,12 @@ from pathlib import Path
 
 from ..checkpoint import CheckpointReader
 from ..dtypes import from_ort_type, onnx_enum, torch_dtype
-from ..errors import BackendUnavailableError, FluxtrtError
+from ..errors import (
+    BackendUnavailableError,
+    FluxtrtError,
+    ShapeError,  # noqa: F401 - defined in errors.py, raised here
+)
 from ..records import ComponentEntry, ManifestError
-
-
-class ShapeError(FluxtrtError):
-    """A request does not fit an engine's optimization profile."""
 
 
 class Executor:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .. import flux_math as fm
 from ..components import TRANSFORMER_PARTS, Geometry, ShapePoint, specs_for
-from ..errors import FluxtrtError
+from ..errors import FluxtrtError, NonFiniteError, RequestError  # noqa: F401 - defined in errors.py, raised here
 from ..records import IMAGE_COMPONENTS, RUN_COMPONENTS, ManifestError, is_number, read_manifest
 from ..workflows import Context, ImageInputs, Prepared, select
 from .executors import (
@@ -28,14 +28,6 @@ from .tensorrt import SharedActivations, TensorRTExecutor
 
 log = logging.getLogger("fluxtrt")
 ASSETS = "model"  # tokenizers and config files copied beside the engines at build time
-
-
-class RequestError(FluxtrtError):
-    """A generation request the engines cannot serve (size, steps, batch)."""
-
-
-class NonFiniteError(FluxtrtError):
-    """A component produced NaN or Inf."""
 
 
 def _check_finite(t, component: str) -> None:

@@ -17,11 +17,9 @@ import torch
 
 from .. import flux_math as fm
 from ..components import Geometry, ShapeRange
-from ..errors import FluxtrtError
-
-
-class WorkflowError(FluxtrtError):
-    """A request whose image inputs the engines' model cannot serve, or that are unreadable."""
+from ..errors import (
+    WorkflowError,  # noqa: F401 - defined in errors.py, raised here
+)
 
 
 @dataclass
