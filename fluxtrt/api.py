@@ -12,15 +12,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from .errors import FluxtrtError
 from .records import CalibrationSettings, Manifest
 
 
 def split_list(values, unique: bool = True) -> list[str]:
-    """Repeated and comma-separated option values as one list (`-c clip,t5 -c vae_decoder`); a value given twice
-    is refused (a typo or a contradiction) unless repeats mean something (`unique=False`: graph passes)."""
+    """Repeated and comma-separated option values as one list (`-c clip,t5 -c vae_decoder`).
+
+    Args: values: the option's values (None: none); unique: refuse a value given twice (a typo or a
+        contradiction; False where repeats mean something: graph passes).
+    Returns: the values in order. Raises: FluxtrtError naming a repeated value."""
     out = [v.strip() for item in (values or []) for v in str(item).split(",") if v.strip()]
     twice = sorted({v for v in out if out.count(v) > 1}) if unique else []
     if twice:
@@ -43,9 +46,16 @@ class ExportSummary:
 
 def export(model: str, out_dir: Path, components=None, dtype: str = "fp32", opset: int = 19, *, validate: bool = True,
            zero_copy: bool = False, progress: Callable[[str, str], None] | None = None) -> ExportSummary:
-    """Standard ONNX (weights in the file or `<name>.onnx.data`) that any ONNX tool opens; `zero_copy` links the
-    weights into the checkpoint's safetensors instead, where they are stored in `dtype` (only fluxtrt and
-    TensorRT's parser read such files); the other components are copied, with the reason."""
+    """`fluxtrt export`: standard ONNX (weights in the file or `<name>.onnx.data`) that any ONNX tool opens.
+
+    Args:
+        model: a FLUX.1 folder, `tiny...` or `random:...`; out_dir: where the ONNX goes; components: names (all
+        five by default); dtype: fp32 / fp16 / bf16; opset: 18..22; validate: compare each graph with PyTorch;
+        zero_copy: link the weights into the checkpoint's safetensors where they are stored in `dtype` (only
+        fluxtrt and TensorRT's parser read such files; the other components are copied, with the reason);
+        progress: (component, phase) callback.
+    Returns: ExportSummary (source, out_dir, per-component results, what was copied and why).
+    Raises: FluxtrtError (one line) for a bad model, option or output folder, or a graph that disagrees."""
     from .components import specs_for
     from .dtypes import check_float
     from .export import export_model, zero_copy_refusal
@@ -86,9 +96,13 @@ class BuildSummary:
 
 
 def resolve_target(gpu: str | None, config: Path | None, precision=None, components=None):
-    """(GpuConfig with `-p` applied, notes): `-p fp8` spreads the recipe over the components that have it. A
-    precision other than the config's gets its own engine folder (`4090-fp8`), so a build with `-p` never
-    replaces the engines of another precision (a changed config file still rebuilds its folder in place)."""
+    """The build target with `-p` applied.
+
+    Args: gpu: a shipped config's name, or config: a GPU config file (one of the two); precision: `-p` values;
+        components: the components asked for (`-p fp8` spreads over those that have the recipe).
+    Returns: (GpuConfig, notes). A precision other than the config's gets its own folder (`4090-fp8`), so a
+        build with `-p` never replaces the engines of another precision.
+    Raises: ConfigError / FluxtrtError for an unknown GPU, both or neither given, a precision the target lacks."""
     import dataclasses
 
     from .engine.backends import get_backend
@@ -116,7 +130,16 @@ def build(gpu: str | None = None, model: str | None = None, out_dir: Path = Path
           calibration: CalibrationSettings | None = None, weightless: bool = False, zero_copy: bool = True,
           validate: bool = True, progress: Callable[[str, str], None] = lambda c, p: None,
           first_block_cache: bool = False) -> BuildSummary:
-    """Export, optimize (and quantize), then build every requested engine for one GPU, reusing unchanged stages."""
+    """`fluxtrt build`: export, optimize (and quantize), then build every requested engine for one GPU.
+
+    Args: gpu / config: the target (resolve_target); model: the checkpoint (default `tiny`, said in the notes);
+        out_dir: the build root; components, precision: as the CLI's -c / -p; static_shape: pin the profile;
+        force: rebuild every stage; calibration: CalibrationSettings; weightless: refittable engines without
+        weights; zero_copy: build bf16 checkpoints in place (False: the copying fp32 path); validate: compare
+        each ONNX with PyTorch; progress: (component, phase) callback; first_block_cache: also build the
+        transformer's First-Block Cache parts.
+    Returns: BuildSummary (config, source, manifest, stage results, notes; gpu_dir, up_to_date).
+    Raises: FluxtrtError (one line) for bad input; a failed build says what it kept for the next one."""
     from .models.source import resolve_model
     from .stages.build import build_gpu
 
@@ -132,11 +155,21 @@ def build(gpu: str | None = None, model: str | None = None, out_dir: Path = Path
     return BuildSummary(cfg, source, Path(out_dir), manifest, results, notes)
 
 
+class CalibrationSummary(NamedTuple):
+    source: object  # ModelSource
+    calibration: object  # quantize.calibration.Calibration: amax, path, key, cached, samples
+
+
 def calibrate(model: str, out_dir: Path, recipe: str = "fp8", settings: CalibrationSettings | None = None,
-              zero_copy: bool = True, *, on_prompt: Callable[[int, int], None] = lambda d, n: None):
-    """(source, calibration result): activation ranges for `recipe`, cached in OUT/calibration/ where a later
-    build finds them. From a bf16 checkpoint (zero-copy path): ranges per nn.Linear measured in PyTorch;
-    otherwise ranges of the optimized fp32 graph measured in ONNX Runtime."""
+              zero_copy: bool = True, *, on_prompt: Callable[[int, int], None] = lambda d, n: None) -> CalibrationSummary:
+    """`fluxtrt calibrate`: activation ranges for `recipe`, cached in OUT/calibration/ where a later build (and
+    `run --calibration`) finds them.
+
+    Args: model; out_dir: the build root; recipe: a calibrated recipe (fp8, fp8-attn, int8, fp4); settings:
+        CalibrationSettings; zero_copy: from a bf16 checkpoint, ranges per nn.Linear measured in PyTorch (else
+        ranges of the optimized fp32 graph measured in ONNX Runtime); on_prompt: (done, total) callback.
+    Returns: CalibrationSummary (source, calibration).
+    Raises: FluxtrtError for a weight-only or unknown recipe, a bad model, output folder or prompts file."""
     from .models.source import resolve_model
     from .precisions import CALIBRATED
     from .stages.fp32_plan import calibrate_graph, optimized_fp32_transformer
@@ -156,8 +189,20 @@ def calibrate(model: str, out_dir: Path, recipe: str = "fp8", settings: Calibrat
     return source, calibrate_graph(source, graph, recipe, Path(out_dir), settings)
 
 
-def optimize(in_dir: Path, out_dir: Path, passes=None, dtype: str = "fp32", components=None) -> list:
-    """Graph passes and precision placement on an fp32 export: [(component, OptimizeReport, comparison)]."""
+class Optimized(NamedTuple):
+    component: str
+    report: object  # optimize.pipeline.OptimizeReport
+    check: object  # compare.Check against the export
+
+
+def optimize(in_dir: Path, out_dir: Path, passes=None, dtype: str = "fp32", components=None) -> list[Optimized]:
+    """`fluxtrt optimize`: graph passes and precision placement on an fp32 export.
+
+    Args: in_dir: an fp32 `fluxtrt export` folder; out_dir: another folder; passes: names (default: the build's);
+        dtype: fp32 / fp16 / bf16 placement; components: names (default: the export's).
+    Returns: [Optimized(component, report, check)], each checked against the export.
+    Raises: FluxtrtError for a folder that is not an fp32 export, --out equal to --in, an unknown pass, or an
+        optimized graph that disagrees with the export."""
     from .compare import bound_for, compare_onnx
     from .components import specs_for
     from .fileio import check_out_folder
@@ -197,7 +242,10 @@ MAX_SIDE = 8192  # pixels a side: over any FLUX profile (the engines' own range 
 
 
 def check_number(flag: str, value, lo, hi) -> None:
-    """A numeric option is finite and inside lo..hi before any work starts (None: not given)."""
+    """A numeric option is finite and inside lo..hi before any work starts.
+
+    Args: flag: the option's name for the message; value (None: not given); lo, hi: the inclusive range.
+    Returns: None. Raises: FluxtrtError naming the flag and the bound it crosses."""
     import math
 
     if value is None:
@@ -219,6 +267,10 @@ class Generated:
 
 
 def read_prompts(prompt: str | None, prompts_file: Path | None) -> list[str]:
+    """The prompts of `--prompt` or `--prompts-file` (exactly one).
+
+    Args: prompt: one prompt; prompts_file: UTF-8, one prompt per line (at most 16 MB, a regular file).
+    Returns: the prompts. Raises: FluxtrtError for both or neither, or an unreadable, empty or oversized file."""
     if (prompt is None) == (prompts_file is None):
         raise FluxtrtError("pass exactly one of --prompt TEXT or --prompts-file FILE")
     if prompts_file is not None:
@@ -326,7 +378,10 @@ class RunOptions:
 
 
 def image_inputs(image=None, mask=None, control_image=None, strength=None, max_area=None):
-    """A request's images, read now (an unreadable file fails before any work), and their settings."""
+    """A request's images, read now (an unreadable file fails before any work), and their settings.
+
+    Args: image, mask, control_image: paths or None; strength (img2img / Fill), max_area (Kontext).
+    Returns: workflows.ImageInputs. Raises: WorkflowError for an unreadable or oversized image."""
     from .workflows import ImageInputs
     from .workflows.base import load_image
 
@@ -368,7 +423,11 @@ def _ort_provider(requested: str, choice) -> str:
 
 
 def open_pipeline(opts: RunOptions):
-    """(Pipeline, backend choice) for these options: the executor `auto` picks, PyTorch where engines lack."""
+    """The pipeline for these options: the executor `auto` picks, PyTorch where engines lack.
+
+    Args: opts: RunOptions (engines or model, backend, provider, fallbacks, weights, LoRA, calibration).
+    Returns: (runtime.pipeline.Pipeline, runtime.choice.Choice with the notes to say).
+    Raises: FluxtrtError / ManifestError / BackendUnavailableError (one line) for what cannot run here."""
     from .runtime.choice import choose_backend
     from .runtime.pipeline import Pipeline
 
@@ -397,8 +456,13 @@ def open_pipeline(opts: RunOptions):
 
 def generate(prompts: list[str], opts: RunOptions | None = None, on_step=None, say=lambda line: None,
              **options) -> Generated:
-    """Images for `prompts` (diffusers' FluxPipeline semantics, seed for seed) written as PNGs with their
-    settings in text chunks. One prompt is repeated `batch` times; several are chunked by `batch`."""
+    """`fluxtrt run`: images for `prompts` (diffusers' FluxPipeline semantics, seed for seed) written as PNGs with
+    their settings in text chunks. One prompt is repeated `batch` times; several are chunked by `batch`.
+
+    Args: prompts; opts (or **options): RunOptions; on_step: (step index) callback; say: one line per note.
+    Returns: Generated (paths, timings per call, backend, notes).
+    Raises: FluxtrtError / RequestError (one line) for anything the engines or the options cannot do, before
+        any image is written."""
     from .runtime.images import check_output_path, save_png
 
     opts = (opts or RunOptions(**options)).check()
@@ -444,7 +508,9 @@ def generate(prompts: list[str], opts: RunOptions | None = None, on_step=None, s
 
 
 def fp8_notes(pipe) -> list[str]:
-    """How the PyTorch transformer computed the fp8 recipe (tensor cores or emulated), once it has run."""
+    """How the PyTorch transformer computed the fp8 recipe (tensor cores or emulated), once it has run.
+
+    Args: pipe: a Pipeline. Returns: one line per transformer executor that ran the recipe. Raises: nothing."""
     return [ex.fp8_note for ex in pipe.executors.values() if getattr(ex, "fp8_note", None)]
 
 
@@ -474,9 +540,20 @@ def _png_metadata(pipe, prompt, seed, steps, guidance, *, height, width, backend
     return meta
 
 
+class BenchResult(NamedTuple):
+    rows: list  # bench.Row: ours, and diffusers' with --baseline diffusers
+    meta: dict  # versions, device, settings
+    written: list  # the JSON / PNG paths written
+
+
 def bench(engines: Path | None, model: str | None, backend: str, opts, say=lambda line: None,
-          *, json_out: Path | None = None, plot_out: Path | None = None, calibration: Path | None = None):
-    """(rows, meta, files written) of `fluxtrt bench` (see bench.py): the table, and as JSON / a PNG chart."""
+          *, json_out: Path | None = None, plot_out: Path | None = None, calibration: Path | None = None) -> BenchResult:
+    """`fluxtrt bench` (bench.py): latency per component, end to end, images per minute, peak memory.
+
+    Args: engines, or model with backend "torch"; opts: bench.BenchOptions; say: one line per measurement;
+        json_out / plot_out: also write the table as JSON / a PNG chart; calibration: the fp8 recipe (torch).
+    Returns: BenchResult (rows, meta, written).
+    Raises: FluxtrtError for bad options, an unwritable output, or what `fluxtrt run` would refuse."""
     from .bench import plot, run_bench, to_json
     from .fileio import write_json_atomic
     from .models.source import resolve_model
@@ -509,7 +586,7 @@ def bench(engines: Path | None, model: str | None, backend: str, opts, say=lambd
         write_json_atomic(Path(json_out), to_json(rows, meta))
     if plot_out is not None:
         plot(rows, Path(plot_out))
-    return rows, meta, [p for p in (json_out, plot_out) if p is not None]
+    return BenchResult(rows, meta, [p for p in (json_out, plot_out) if p is not None])
 
 
 # -- engine folders -------------------------------------------------------------------------------------------
@@ -521,9 +598,18 @@ class EngineCheck:
     runtime: str  # what the installed TensorRT says of it for this machine
 
 
-def inspect(engine_dir: Path) -> tuple[Manifest, list[EngineCheck]]:
-    """The manifest and, per engine, whether the file on disk is the one it lists (size and sha256) and what
-    the installed TensorRT runtime says of it for this machine."""
+class Inspection(NamedTuple):
+    manifest: Manifest
+    checks: list  # EngineCheck per component
+
+
+def inspect(engine_dir: Path) -> Inspection:
+    """`fluxtrt inspect`: an engine folder's manifest and, per engine, whether the file on disk is the one it
+    lists (size and sha256) and what the installed TensorRT runtime says of it for this machine.
+
+    Args: engine_dir: a GPU folder written by `fluxtrt build` or `fluxtrt unpack`.
+    Returns: Inspection (manifest, checks).
+    Raises: ManifestError for a missing or malformed manifest (untrusted input, checked)."""
     from .engine.backends import get_backend
     from .errors import BackendUnavailableError
     from .fileio import sha256_file
@@ -555,11 +641,23 @@ def inspect(engine_dir: Path) -> tuple[Manifest, list[EngineCheck]]:
         if why_not and validity != "-" and not validity.startswith("VALID"):
             validity = f"{validity.split(' (')[0]}: {why_not}"
         rows.append(EngineCheck(name, e, state, validity))
-    return m, rows
+    return Inspection(m, rows)
 
 
-def artifacts(gpus: str, model: str, engines: Path, out_dir: Path, precision=None, *, say=lambda line: None) -> list:
-    """Build (or reuse) each target's engines and pack each into an archive + .sha256: [(config, archive, sha)]."""
+class Archive(NamedTuple):
+    config: object  # gpus.GpuConfig
+    archive: Path
+    sha256_file: Path
+
+
+def artifacts(gpus: str, model: str, engines: Path, out_dir: Path, precision=None, *,
+              say=lambda line: None) -> list[Archive]:
+    """`fluxtrt artifacts`: build (or reuse) each target's engines and pack each into a reproducible archive.
+
+    Args: gpus: comma-separated targets; model; engines: the build root; out_dir: where archives go; precision:
+        `-p` values; say: progress lines.
+    Returns: [Archive(config, archive, sha256_file)].
+    Raises: FluxtrtError for an unknown target or an unwritable folder (all checked before any work)."""
     from .artifacts import pack
     from .fileio import check_out_folder
     from .models.source import resolve_model
@@ -578,15 +676,20 @@ def artifacts(gpus: str, model: str, engines: Path, out_dir: Path, precision=Non
         say(f"building {cfg.key} ({cfg.sm})...")
         build_gpu(source, cfg, Path(engines))
         archive, sha = pack(Path(engines) / cfg.key, Path(out_dir))
-        out.append((cfg, archive, sha))
+        out.append(Archive(cfg, archive, sha))
     return out
 
 
 def validate_engines(engines: Path, components=None, ort_provider: str = "auto", device: str | None = None,
                      model: str | None = None, *, json_out: Path | None = None, say=lambda line: None,
                      fp32: bool = False):
-    """`fluxtrt validate` (validate.py): rows of ONNX Runtime vs PyTorch per component and shape, written as
-    JSON lines too when asked (atomically; the folder is checked before any work)."""
+    """`fluxtrt validate` (validate.py): each component's ONNX in ONNX Runtime against its PyTorch module.
+
+    Args: engines: a GPU folder whose build root holds the ONNX; components; ort_provider; device (torch's);
+        model: the checkpoint (default: the manifest's); json_out: JSON lines written atomically; say: progress;
+        fp32: bf16 graphs widened to fp32 against the fp32 module.
+    Returns: [validate.Row] (error, reference, bound, whether it decides and passes).
+    Raises: FluxtrtError for a bad folder, model or provider, or an unwritable --json."""
     from .fileio import write_bytes_atomic
     from .validate import cross_check
 

@@ -192,3 +192,12 @@ def test_every_error_class_lives_in_errors_py():
                     or getattr(b, "id", "") in ("QueueFull", "ShuttingDown") for b in node.bases):
                 bad.append(f"{name}.{node.name}")
     assert not bad, bad
+
+
+def test_api_functions_say_what_they_take_return_and_raise():
+    import fluxtrt.api as api_module
+
+    tree = ast.parse(Path(api_module.__file__).read_text())
+    missing = [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")
+               and not all(w in (ast.get_docstring(n) or "") for w in ("Args", "Returns", "Raises"))]
+    assert not missing, missing
