@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 from .errors import FluxtrtError
-from .records import CalibrationSettings, Manifest
+from .records import BuildRequest, CalibrationSettings, Manifest
 
 
 def split_list(values, unique: bool = True) -> list[str]:
@@ -125,34 +125,30 @@ def resolve_target(gpu: str | None, config: Path | None, precision=None, compone
     return cfg, notes
 
 
-def build(gpu: str | None = None, model: str | None = None, out_dir: Path = Path("engines"), components=None,
-          precision=None, *, config: Path | None = None, static_shape: bool | None = None, force: bool = False,
-          calibration: CalibrationSettings | None = None, weightless: bool = False, zero_copy: bool = True,
-          validate: bool = True, progress: Callable[[str, str], None] = lambda c, p: None,
-          first_block_cache: bool = False) -> BuildSummary:
+def build(request: BuildRequest | None = None, *, progress: Callable[[str, str], None] = lambda c, p: None,
+          **fields) -> BuildSummary:
     """`fluxtrt build`: export, optimize (and quantize), then build every requested engine for one GPU.
 
-    Args: gpu / config: the target (resolve_target); model: the checkpoint (default `tiny`, said in the notes);
-        out_dir: the build root; components, precision: as the CLI's -c / -p; static_shape: pin the profile;
-        force: rebuild every stage; calibration: CalibrationSettings; weightless: refittable engines without
-        weights; zero_copy: build bf16 checkpoints in place (False: the copying fp32 path); validate: compare
-        each ONNX with PyTorch; progress: (component, phase) callback; first_block_cache: also build the
-        transformer's First-Block Cache parts.
+    Args: request: a records.BuildRequest, or **fields its fields (gpu / config: the target, see resolve_target;
+        model: the checkpoint, default `tiny`, said in the notes; out_dir: the build root; components, precision:
+        the CLI's -c / -p; static_shape; force; calibration: CalibrationSettings; weightless; zero_copy; validate;
+        first_block_cache); progress: (component, phase) callback.
     Returns: BuildSummary (config, source, manifest, stage results, notes; gpu_dir, up_to_date).
     Raises: FluxtrtError (one line) for bad input; a failed build says what it kept for the next one."""
+    import dataclasses
+
     from .models.source import resolve_model
     from .stages.build import build_gpu
 
-    cfg, notes = resolve_target(gpu, config, precision, components)
-    if model is None:
-        model = "tiny"
+    req = request or BuildRequest.of(**fields)
+    cfg, notes = resolve_target(req.gpu, req.config, list(req.precision), list(req.components))
+    if req.model is None:
         notes.append("no --model given: built the embedded random-weight `tiny` model (its images are noise)")
-    source = resolve_model(model)
-    calibration = (calibration or CalibrationSettings()).check()
-    manifest, results = build_gpu(source, cfg, Path(out_dir), split_list(components) or None, static_shape, force=force,
-                                  progress=progress, calibration=calibration, weightless=weightless,
-                                  zero_copy=zero_copy, validate=validate, first_block_cache=first_block_cache)
-    return BuildSummary(cfg, source, Path(out_dir), manifest, results, notes)
+    source = resolve_model(req.model or "tiny")
+    req = dataclasses.replace(req, components=tuple(split_list(list(req.components))),
+                              calibration=req.calibration.check())
+    manifest, results = build_gpu(source, cfg, req, progress=progress)
+    return BuildSummary(cfg, source, req.out_dir, manifest, results, notes)
 
 
 class CalibrationSummary(NamedTuple):

@@ -197,13 +197,15 @@ def build(
     unchanged stage; each engine also gets a weight map and a weight-free ONNX for the user's own weights."""
     _quiet_libraries()
     from . import api
-    from .records import CalibrationSettings
+    from .records import BuildRequest, CalibrationSettings
 
     calib = CalibrationSettings(calibration_size, calibration_steps, calibration_prompts, smoothquant_alpha)
+    request = BuildRequest.of(gpu=gpu, config=config, model=model, out_dir=out_dir, components=components,
+                              precision=precision, static_shape=static_shape, force=force, calibration=calib,
+                              weightless=weightless, zero_copy=zero_copy, validate=validate,
+                              first_block_cache=first_block_cache)
     with r.phases([]) as update:
-        summary = api.build(gpu, model, out_dir, components, precision, config=config, static_shape=static_shape,
-                            force=force, calibration=calib, weightless=weightless, zero_copy=zero_copy,
-                            validate=validate, progress=update, first_block_cache=first_block_cache)
+        summary = api.build(request, progress=update)
     r.build_summary(summary)
 
 

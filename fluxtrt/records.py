@@ -355,3 +355,42 @@ def _subfolders_hint(folder: Path) -> str:
         return ""
     return (f"it is a build root holding {', '.join(gpus)}: pass one of them, e.g. "
             f"--engines {folder / gpus[0]}")
+
+
+@dataclass(frozen=True)
+class BuildRequest:
+    """One `fluxtrt build`, made once (by the CLI or `api.build`) and passed down whole: what to build for which
+    target, and how. `model` None is the embedded `tiny` (said in the build's notes)."""
+
+    gpu: str | None = None  # a shipped config's name, or
+    config: Path | None = None  # a GPU config file
+    model: str | None = None
+    out_dir: Path = Path("engines")
+    components: tuple = ()  # names (empty: the five components)
+    precision: tuple = ()  # `-p` values
+    static_shape: bool | None = None  # None: the config's choice
+    force: bool = False  # rebuild every stage
+    calibration: CalibrationSettings = CalibrationSettings()
+    weightless: bool = False  # refittable engines without weights
+    zero_copy: bool = True  # bf16 checkpoints built in place (False: the copying fp32 path for all)
+    validate: bool = True  # every ONNX against PyTorch
+    first_block_cache: bool = False  # also the transformer's First-Block Cache parts
+
+    @classmethod
+    def of(cls, **fields) -> "BuildRequest":
+        """From keyword arguments (lists for components / precision are taken as given, comma-split later)."""
+        import dataclasses
+
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise FluxtrtError(f"unknown build option(s) {', '.join(unknown)}")
+        for key in ("components", "precision"):
+            if fields.get(key) is not None:
+                fields[key] = tuple(fields[key]) if not isinstance(fields[key], str) else (fields[key],)
+            else:
+                fields.pop(key, None)
+        if fields.get("calibration") is None:
+            fields.pop("calibration", None)
+        if fields.get("out_dir") is not None:
+            fields["out_dir"] = Path(fields["out_dir"])
+        return cls(**fields)

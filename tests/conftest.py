@@ -125,7 +125,7 @@ def fp8_build(tiny_bf16, tmp_path_factory):
               for f in sorted((tiny_bf16.path / "transformer").glob("*.safetensors"))}
     cfg = load_gpu("4090").with_precision({"transformer": "fp8"})
     calib = CalibrationSettings(size=3, steps=2)
-    manifest, results = build_gpu(tiny_bf16, cfg, root, ["transformer"], calibration=calib)
+    manifest, results = build_gpu(tiny_bf16, cfg, root, components=["transformer"], calibration=calib)
     return tiny_bf16, cfg, root, manifest, results, before, calib
 
 

@@ -17,7 +17,7 @@ from fluxtrt.stages.build import build_gpu  # noqa: E402
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory, tiny_schnell):
     root = tmp_path_factory.mktemp("art")
-    build_gpu(tiny_schnell, load_gpu("4090"), root / "engines", ["clip", "t5", "transformer", "vae_decoder"])
+    build_gpu(tiny_schnell, load_gpu("4090"), root / "engines", components=["clip", "t5", "transformer", "vae_decoder"])
     archive, sha = pack(root / "engines" / "4090", root / "dist")
     return root, archive, sha
 

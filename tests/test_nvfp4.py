@@ -192,7 +192,7 @@ def fp4_zero_copy(tiny_bf16, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("fp4-zc")
     cfg = load_gpu("5090").with_precision({"transformer": "fp4"})
-    manifest, _ = build_gpu(tiny_bf16, cfg, root, ["transformer"], calibration=CalibrationSettings(size=3, steps=2))
+    manifest, _ = build_gpu(tiny_bf16, cfg, root, components=["transformer"], calibration=CalibrationSettings(size=3, steps=2))
     return tiny_bf16, root, manifest
 
 
@@ -293,7 +293,7 @@ def test_fp4_engines_run_on_onnx_runtime_close_to_diffusers(tmp_path):
 
     src = resolve_model("tiny")
     cfg = load_gpu("5090").with_precision({"transformer": "fp4"})
-    build_gpu(src, cfg, tmp_path, ["clip", "t5", "transformer", "vae_decoder"],
+    build_gpu(src, cfg, tmp_path, components=["clip", "t5", "transformer", "vae_decoder"],
               calibration=CalibrationSettings(size=3, steps=2))
     seed = int(np.random.default_rng().integers(0, 2**31))
     ref, ref_latents = reference(src, ["a red fox in the snow"], 256, 320, 3, 3.5, seed)

@@ -152,7 +152,7 @@ def test_quantized_engines_build_and_calibration_is_cached(tiny_dev, tmp_path):
     calib = CalibrationSettings(size=3, steps=2)
     for recipe in ("fp8", "fp8-attn", "int8-wo", "int4-wo"):
         cfg = load_gpu("4090").with_precision({"transformer": recipe})
-        manifest, results = build_gpu(tiny_dev, cfg, tmp_path, ["transformer"], calibration=calib)
+        manifest, results = build_gpu(tiny_dev, cfg, tmp_path, components=["transformer"], calibration=calib)
         e = manifest.components["transformer"]
         q = e.quantization
         assert e.precision == recipe and q["recipe"] == recipe and e.bytes > 10_000
@@ -164,13 +164,13 @@ def test_quantized_engines_build_and_calibration_is_cached(tiny_dev, tmp_path):
             first_key = q["calibration"]
     # a rebuild that must redo the optimize stage reuses the calibration cache...
     cfg = load_gpu("4090").with_precision({"transformer": "fp8"})
-    manifest, _ = build_gpu(tiny_dev, cfg, tmp_path, ["transformer"], force=True, calibration=calib)
+    manifest, _ = build_gpu(tiny_dev, cfg, tmp_path, components=["transformer"], force=True, calibration=calib)
     q = manifest.components["transformer"].quantization
     assert q["calibration_cached"] is True and q["calibration"] == first_key
     # ...and another prompt file invalidates it
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a teapot on a table\na mountain road at night\nan owl in the rain\n")
-    manifest, results = build_gpu(tiny_dev, cfg, tmp_path, ["transformer"],
+    manifest, results = build_gpu(tiny_dev, cfg, tmp_path, components=["transformer"],
                                   calibration=calib.replace(prompts_file=prompts))
     q = manifest.components["transformer"].quantization
     assert q["calibration_cached"] is False and q["calibration"] != first_key
@@ -205,7 +205,8 @@ def test_cli_calibrate_fills_the_cache_build_reads(tmp_path, tiny_schnell):
                                    "--calibration-size", "2", "--calibration-steps", "1",
                                    "--resolution", str(cfg.resolution[1])])
     assert res.exit_code == 0 and "measured" in res.output, res.output
-    manifest, _ = build_gpu(tiny_schnell, cfg, tmp_path, ["transformer"], calibration=CalibrationSettings(size=2, steps=1))
+    manifest, _ = build_gpu(tiny_schnell, cfg, tmp_path, components=["transformer"], calibration=CalibrationSettings(size=2,
+                                                                                                                     steps=1))
     assert manifest.components["transformer"].quantization["calibration_cached"] is True
 
 

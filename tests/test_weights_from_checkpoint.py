@@ -27,7 +27,7 @@ RUN = ("clip", "t5", "transformer", "vae_decoder")
 def built(tmp_path_factory):
     src = resolve_model("tiny")
     root = tmp_path_factory.mktemp("weights-build")
-    manifest, _ = build_gpu(src, load_gpu("4090"), root, list(RUN))
+    manifest, _ = build_gpu(src, load_gpu("4090"), root, components=list(RUN))
     return src, root / "4090", manifest
 
 
@@ -103,7 +103,7 @@ def test_weightless_build_on_cpu_is_refused_clearly(tmp_path):
     from fluxtrt.engine.build import BuildError
 
     with pytest.raises(BuildError, match="builds weightless engines only where the build machine has a supported GPU"):
-        build_gpu(resolve_model("tiny"), load_gpu("4090"), tmp_path, ["vae_decoder"], weightless=True)
+        build_gpu(resolve_model("tiny"), load_gpu("4090"), tmp_path, components=["vae_decoder"], weightless=True)
 
 
 def test_refit_sets_every_engine_weight_from_the_map(built):

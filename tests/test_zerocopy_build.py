@@ -221,7 +221,7 @@ def test_rebuild_reuses_every_stage_and_the_calibration(fp8_build):
     from fluxtrt.stages.build import build_gpu
 
     src, cfg, root, manifest, _, _, calib = fp8_build
-    _, results = build_gpu(src, cfg, root, ["transformer"], calibration=calib)
+    _, results = build_gpu(src, cfg, root, components=["transformer"], calibration=calib)
     assert [(r.stage, r.status) for r in results] == \
         [("export", "reused"), ("optimize", "reused"), ("quantize", "reused"), ("build", "reused")]
 
@@ -238,7 +238,8 @@ def test_calibrate_cli_fills_the_cache_the_build_reads(tiny_bf16, tmp_path):
                                    "--calibration-size", "2", "--calibration-steps", "1", "--resolution", "1024"])
     assert res.exit_code == 0 and "linear" not in res.output and "measured" in res.output, res.output
     cfg = load_gpu("4090").with_precision({"transformer": "fp8"})
-    manifest, _ = build_gpu(tiny_bf16, cfg, tmp_path, ["transformer"], calibration=CalibrationSettings(size=2, steps=1),
+    manifest, _ = build_gpu(tiny_bf16, cfg, tmp_path, components=["transformer"], calibration=CalibrationSettings(size=2,
+                                                                                                                  steps=1),
                             validate=False)
     q = manifest.components["transformer"].quantization
     assert q["calibration_cached"] and q["path"] == "zero-copy"
@@ -259,7 +260,7 @@ def test_copy_weights_takes_the_fp32_path(tiny_bf16, tmp_path):
     assert zero_copy_plan_refusal(tiny_bf16, "transformer", "bf16") is None
     assert "fp32 graph" in zero_copy_plan_refusal(tiny_bf16, "transformer", "int8")
     assert "stored in fp32" in zero_copy_plan_refusal(tiny_bf16, "clip", "fp16")
-    manifest, _ = build_gpu(tiny_bf16, load_gpu("4090"), tmp_path, ["transformer"], zero_copy=False)
+    manifest, _ = build_gpu(tiny_bf16, load_gpu("4090"), tmp_path, components=["transformer"], zero_copy=False)
     assert manifest.components["transformer"].onnx.endswith("-bf16-opt/transformer.onnx")
 
 
@@ -276,7 +277,7 @@ def test_zero_copy_engines_run_like_diffusers(tiny_bf16, tmp_path, reweighted_co
     from tests.test_runtime import MAX_UINT8_DIFF, reference
 
     cfg = load_gpu("4090").with_precision({"clip": "fp32", "t5": "bf16", "transformer": "bf16", "vae_decoder": "fp32"})
-    manifest, _ = build_gpu(tiny_bf16, cfg, tmp_path, ["clip", "t5", "transformer", "vae_decoder"])
+    manifest, _ = build_gpu(tiny_bf16, cfg, tmp_path, components=["clip", "t5", "transformer", "vae_decoder"])
     paths = {n: e.onnx for n, e in manifest.components.items()}
     assert paths["t5"].endswith("-bf16-zc-opt/t5.onnx") and paths["transformer"].endswith("-bf16-zc-opt/transformer.onnx")
     assert paths["clip"].endswith("-fp32-opt/clip.onnx")
@@ -321,8 +322,9 @@ def test_zero_copy_graph_is_fused_like_the_fp32_path(tiny_bf16, tmp_path):
     from fluxtrt.onnxio import external_info
     from fluxtrt.stages.build import build_gpu
 
-    zc, _ = build_gpu(tiny_bf16, load_gpu("4090"), tmp_path / "zc", ["transformer"], validate=False)
-    fp32, _ = build_gpu(tiny_bf16, load_gpu("4090"), tmp_path / "fp32", ["transformer"], zero_copy=False, validate=False)
+    zc, _ = build_gpu(tiny_bf16, load_gpu("4090"), tmp_path / "zc", components=["transformer"], validate=False)
+    fp32, _ = build_gpu(tiny_bf16, load_gpu("4090"), tmp_path / "fp32", components=["transformer"], zero_copy=False,
+                        validate=False)
     a, b = zc.components["transformer"], fp32.components["transformer"]
     assert a.onnx.endswith("-bf16-zc-opt/transformer.onnx") and a.stages["optimize"]["status"] == "built"
     assert a.computed_layers <= b.computed_layers, (a.computed_layers, b.computed_layers)

@@ -33,7 +33,7 @@ from ..fileio import (
 from ..gpus import GpuConfig
 from ..models.source import ModelSource
 from ..precisions import is_quantized
-from ..records import CalibrationSettings, ComponentEntry, Manifest, ModelRef, read_manifest
+from ..records import BuildRequest, ComponentEntry, Manifest, ModelRef, read_manifest
 from ..workflows import for_model, profile_range
 from .base import StageResult
 from .fp32_plan import ensure_fp32_plan
@@ -101,32 +101,32 @@ def write_weight_files(onnx_path: Path, gpu_dir: Path, name: str, subfolder: str
     return out
 
 
-def build_gpu(source: ModelSource, cfg: GpuConfig, out_root: Path, components=None, static: bool | None = None,
-              *, force: bool = False, progress: Callable[[str, str], None] = lambda c, p: None,
-              calibration: CalibrationSettings | None = None, weightless: bool = False, zero_copy: bool = True,
-              validate: bool = True, first_block_cache: bool = False) -> tuple[Manifest, list[StageResult]]:
-    """Build (or reuse) every requested component's engine for one GPU config. Returns (manifest, stage results).
-    `zero_copy`: build from the checkpoint's own bytes where it is stored in the engine's dtype (zerocopy_plan);
-    `validate`: check every ONNX against PyTorch (off for models whose fp32 copy does not fit in memory);
+def build_gpu(source: ModelSource, cfg: GpuConfig, request: BuildRequest | Path, *,
+              progress: Callable[[str, str], None] = lambda c, p: None, **fields) -> tuple[Manifest, list[StageResult]]:
+    """Build (or reuse) every requested component's engine for one GPU config: the request's components into
+    request.out_dir (a Path instead of a request: the build root, with **fields the request's other fields).
+    `zero_copy`: from the checkpoint's own bytes where it is stored in the engine's dtype (zerocopy_plan);
+    `validate`: every ONNX against PyTorch (off for models whose fp32 copy does not fit in memory);
     `first_block_cache`: also the transformer's First-Block Cache parts (head, tail, out: stepcache.py), each at
-    the transformer's precision and profile."""
+    the transformer's precision and profile. Returns (manifest, stage results)."""
+    request = request if isinstance(request, BuildRequest) else BuildRequest.of(out_dir=request, **fields)
+    out_root = request.out_dir
     backend = get_backend(cfg.backend)
     backend.check_target(cfg.compute_capability)
-    names = list(components or specs_for(source.geometry))
-    if first_block_cache:
+    names = list(request.components or specs_for(source.geometry))
+    if request.first_block_cache:
         if "transformer" not in names:
             raise FluxtrtError("--first-block-cache splits the transformer: build it too (--components transformer)")
         names += [p for p in TRANSFORMER_PARTS if p not in names]
     specs = specs_for(source.geometry, names)
-    rng = cfg.shape_range(static)
+    rng = cfg.shape_range(request.static_shape)
     gpu_dir = Path(out_root) / cfg.key
     check_out_folder(Path(out_root))
     new_dir = not gpu_dir.exists()
     gpu_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return _build_locked(source, cfg, backend, specs, rng, out_root=out_root, gpu_dir=gpu_dir, force=force,
-                             progress=progress, calibration=calibration,
-                             weightless=weightless, zero_copy=zero_copy, validate=validate)
+        return _build_locked(source, cfg, request, backend=backend, specs=specs, rng=rng, gpu_dir=gpu_dir,
+                             progress=progress)
     except BaseException as e:
         _after_failure(e, gpu_dir, new_dir, Path(out_root))
         raise
@@ -146,11 +146,11 @@ def _after_failure(e: BaseException, gpu_dir: Path, new_dir: bool, out_root: Pat
             e.args = (f"{e.args[0]} (kept {' and '.join(kept)}: the next build reuses them)", *e.args[1:])
 
 
-def _build_locked(source, cfg, backend, specs, rng, *, out_root, gpu_dir, force, progress, calibration, weightless,
-                  zero_copy, validate):
+def _build_locked(source, cfg, request: BuildRequest, *, backend, specs, rng, gpu_dir, progress):
+    out_root = request.out_dir
     with exclusive_lock(Path(out_root)):
         remove_stale_staging(Path(out_root))
-        calib = (calibration or CalibrationSettings()).replace(opt_resolution=rng.opt.height)
+        calib = request.calibration.replace(opt_resolution=rng.opt.height)
         manifest = _new_manifest(source, cfg, backend, rng, gpu_dir)
         results = []
         copy_model_assets(source, gpu_dir)
@@ -159,13 +159,13 @@ def _build_locked(source, cfg, backend, specs, rng, *, out_root, gpu_dir, force,
                       f"model {source.id} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
             for name, spec in specs.items():
                 on_phase = lambda p, n=name: progress(n, p)  # noqa: E731
-                onnx_path, res = ensure_onnx(source, name, cfg.precision[family(name)], out_root, force, on_phase=on_phase,
-                                             calib=calib,
-                                             zero_copy=zero_copy, validate=validate)
+                onnx_path, res = ensure_onnx(source, name, cfg.precision[family(name)], out_root, request.force,
+                                             on_phase=on_phase, calib=calib, zero_copy=request.zero_copy,
+                                             validate=request.validate)
                 results.extend(res)
-                results.append(_engine_stage(source, cfg, backend, spec, rng, onnx_path=onnx_path, res=res, manifest=manifest,
-                                             gpu_dir=gpu_dir, log=log,
-                                             force=force, weightless=weightless, on_phase=on_phase))
+                results.append(_engine_stage(source, cfg, request, spec=spec, backend=backend, rng=rng,
+                                             onnx_path=onnx_path, res=res, manifest=manifest, gpu_dir=gpu_dir,
+                                             log=log, on_phase=on_phase))
         manifest.write(gpu_dir)
         return manifest, results
 
@@ -183,7 +183,7 @@ def _new_manifest(source, cfg, backend, rng, gpu_dir) -> Manifest:
         pixel_multiple=source.geometry.pixel_multiple, components=dict(keep))
 
 
-def _engine_stage(source, cfg, backend, spec, rng, *, onnx_path, res, manifest, gpu_dir, log, force, weightless,
+def _engine_stage(source, cfg, request: BuildRequest, *, spec, backend, rng, onnx_path, res, manifest, gpu_dir, log,
                   on_phase) -> StageResult:
     """The engine build stage: its inputs are the ONNX's hash, the target, the profile and the backend version
     (build_key); reused when they match the manifest's entry and the engine file still has its sha256."""
@@ -192,10 +192,10 @@ def _engine_stage(source, cfg, backend, spec, rng, *, onnx_path, res, manifest, 
     ws = family(name) in cfg.weight_streaming
     rng = profile_range(geo, family(name), rng)  # e.g. Kontext: the transformer's tokens cover target + reference
     profile = spec.profile(rng, geo)
-    key = build_key(onnx_sha, backend.name, backend.version, cfg, profile, weight_streaming=ws, weightless=weightless)
+    key = build_key(onnx_sha, backend.name, backend.version, cfg, profile, weight_streaming=ws, weightless=request.weightless)
     engine_path = gpu_dir / f"{name}.engine"
     prev = manifest.components.get(name)
-    if (not force and prev is not None and prev.build_key == key and engine_path.exists()
+    if (not request.force and prev is not None and prev.build_key == key and engine_path.exists()
             and sha256_file(engine_path) == prev.sha256):
         on_phase("reused")
         return StageResult(name, "build", "reused", 0.0, "same ONNX, config and backend")
@@ -204,7 +204,7 @@ def _engine_stage(source, cfg, backend, spec, rng, *, onnx_path, res, manifest, 
     built = build_engine(backend, onnx_path, spec, geo, rng, compute_capability=cfg.compute_capability,
                          engine_path=engine_path, weight_streaming=ws,
                          optimization_level=cfg.builder_optimization_level, timing_cache=gpu_dir / "timing.cache",
-                         log_file=log, weightless=weightless)
+                         log_file=log, weightless=request.weightless)
     seconds = time.perf_counter() - t0
     result = StageResult(name, "build", "built", seconds, f"{built.layers} layers ({built.computed_layers} computed)",
                          built.bytes, peak_rss_mb())
@@ -215,7 +215,7 @@ def _engine_stage(source, cfg, backend, spec, rng, *, onnx_path, res, manifest, 
         outputs=built.outputs, profile=built.profile, memory=built.memory,
         build_seconds=round(seconds, 3), peak_rss_mb=round(peak_rss_mb(), 1),
         stages={r.stage: r.footprint() for r in [*res, result]},
-        quantization=next((r.info for r in res if r.info and r.stage == "quantize"), None), weightless=weightless,
+        quantization=next((r.info for r in res if r.info and r.stage == "quantize"), None), weightless=request.weightless,
         **write_weight_files(onnx_path, gpu_dir, name, spec.subfolder, is_quantized(dtype)))
     manifest.write(gpu_dir)  # after each engine: an interrupted build resumes with the rest
     log.write(f"built {name}: {built.layers} layers ({built.computed_layers} computed), {built.bytes} bytes, "
