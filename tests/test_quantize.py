@@ -205,8 +205,8 @@ def test_cli_calibrate_fills_the_cache_build_reads(tmp_path, tiny_schnell):
                                    "--calibration-size", "2", "--calibration-steps", "1",
                                    "--resolution", str(cfg.resolution[1])])
     assert res.exit_code == 0 and "measured" in res.output, res.output
-    manifest, _ = build_gpu(tiny_schnell, cfg, tmp_path, components=["transformer"], calibration=CalibrationSettings(size=2,
-                                                                                                                     steps=1))
+    manifest, _ = build_gpu(tiny_schnell, cfg, tmp_path, components=["transformer"],
+                            calibration=CalibrationSettings(size=2, steps=1))
     assert manifest.components["transformer"].quantization["calibration_cached"] is True
 
 

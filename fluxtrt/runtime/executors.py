@@ -147,7 +147,7 @@ class OnnxRuntimeExecutor(Executor):
         self.session = None
         self.weights = weights
         self.stream = None  # the pipeline's torch CUDA stream (GPU providers)
-        self.widen = widen  # a bf16 graph computed in fp32 on every provider (validate.runnable_session)
+        self.widen = widen  # a bf16 graph computed in fp32 on every provider (compare.runnable_session)
 
     @property
     def device(self):
