@@ -97,7 +97,8 @@ class Geometry:
             vae_scale_factor=2 ** (len(vae["block_out_channels"]) - 1),
             out_channels=tr.get("out_channels") or tr["in_channels"],
             pipeline=pipeline,
-            transformer_dim=tr["num_attention_heads"] * tr["attention_head_dim"],
+            # absent keys take FluxTransformer2DModel's defaults, as diffusers loads such a config
+            transformer_dim=tr.get("num_attention_heads", 24) * tr.get("attention_head_dim", 128),
         )
 
     @property
