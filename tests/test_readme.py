@@ -41,3 +41,10 @@ def test_readme_python_example_runs(tmp_path, monkeypatch):
     assert {e.precision for n, e in built.manifest.components.items() if n != "transformer"} <= {"fp16", "bf16", "fp32"}
     assert any("fp8 applies to transformer" in n for n in built.notes)
     assert done.paths == [Path("fox.png")] and (tmp_path / "fox.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_readme_is_a_short_guide():
+    """At most 2,000 words, no paragraph (outside code blocks) over 120 words; details live in docs/."""
+    text = re.sub(r"```.*?```", "", (ROOT / "README.md").read_text(), flags=re.S)
+    assert len(text.split()) <= 2000
+    assert max(len(p.split()) for p in re.split(r"\n\s*\n", text)) <= 120
