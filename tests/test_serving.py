@@ -48,10 +48,10 @@ def check_batched_equals_single(pipe, make_batcher):
     rng = np.random.default_rng()
     reqs = random_requests(rng, 6)
     batcher = make_batcher(pipe)
-    futures = [batcher.submit(*r) for r in reqs[:3]]
+    futures = [batcher.submit(*r[:5], seed=r[5], n=r[6]) for r in reqs[:3]]
     batcher.step_once()
     batcher.step_once()
-    futures += [batcher.submit(*r) for r in reqs[3:]]  # join at a step boundary
+    futures += [batcher.submit(*r[:5], seed=r[5], n=r[6]) for r in reqs[3:]]  # join at a step boundary
     batcher.run_until_idle()
     assert max(batcher.stats.batch_histogram) > 1  # samples did share transformer calls
     for (prompt, h, w, steps, guidance, seed, n), fut in zip(reqs, futures):

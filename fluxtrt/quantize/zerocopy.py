@@ -178,7 +178,7 @@ def quantize_zero_copy(onnx_in: Path, dest_dir: Path, recipe: str, module_amax: 
                     if recipe == "fp8":
                         record[n.name].update(act_scale=f"{n.name}__act__scale", weight_scale=f"{wnames[0]}__wscale")
                     layer = _fp4_layer if recipe == "fp4" else _fp8_layer
-                    nodes_, inits_, written = layer(n, wnames[0], parts, transposed, amax, data, data_name)
+                    nodes_, inits_, written = layer(n, wnames[0], parts, transposed, amax, data=data, data_name=data_name)
                     new_nodes += nodes_
                     added_inits += inits_
                     weight_bytes += written
