@@ -135,7 +135,7 @@ _ENGINES = {}
 @pytest.fixture(scope="session")
 def engines(tmp_path_factory):
     """engines(model) -> (source, GPU folder, manifest): every component of a tiny model built in fp32 for the 4090
-    (sm89), with the transformer's First-Block Cache parts, once per session, so ONNX Runtime over the built ONNX
+    (sm89), with the transformer's First-Block Cache parts (but for tiny-control), once per session, so ONNX Runtime over the built ONNX
     can be compared with fp32 diffusers."""
     pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installed (pip install -e '.[rtx]')")
     from fluxtrt.gpus import load_gpu
@@ -148,7 +148,8 @@ def engines(tmp_path_factory):
             root = tmp_path_factory.mktemp(f"eng-{model}")
             cfg = load_gpu("4090")
             cfg = cfg.with_precision({c: "fp32" for c in cfg.precision})
-            manifest, _ = build_gpu(src, cfg, root, first_block_cache=True)
+            # First-Block Cache's parts where tests/test_stepcache.py runs them (not Control: its torch test covers it)
+            manifest, _ = build_gpu(src, cfg, root, first_block_cache=model != "tiny-control")
             _ENGINES[model] = (src, root / "4090", manifest)
         return _ENGINES[model]
 
