@@ -134,9 +134,9 @@ _ENGINES = {}
 
 @pytest.fixture(scope="session")
 def engines(tmp_path_factory):
-    """engines(model) -> (source, GPU folder, manifest): every component of a tiny model built in fp32 for the 4090
-    (sm89), with the transformer's First-Block Cache parts (but for tiny-control), once per session, so ONNX Runtime over the built ONNX
-    can be compared with fp32 diffusers."""
+    """engines(model) -> (source, GPU folder, manifest): every component of a tiny model built in fp32 for the
+    4090 (sm89), with the transformer's First-Block Cache parts (but for tiny-control), once per session, so ONNX
+    Runtime over the built ONNX can be compared with fp32 diffusers."""
     pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installed (pip install -e '.[rtx]')")
     from fluxtrt.gpus import load_gpu
     from fluxtrt.models.source import resolve_model
