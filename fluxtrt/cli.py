@@ -140,7 +140,8 @@ TORCH_DTYPE = _opt("bf16", "--torch-dtype", help="dtype of PyTorch components (a
 COMPILE = _opt(False, "--compile", help="torch.compile the PyTorch components (and the baseline's).")
 CUDA_GRAPH = _opt(False, "--cuda-graph", help="Capture the transformer step as a CUDA graph.")
 CACHE_THRESHOLD = _opt(0.0, "--cache-threshold", help="First-Block Cache as diffusers' (e.g. 0.12-0.2): skip the "
-                       "remaining blocks when the first block's residual changed less; 0: off (--backend torch).")
+                       "remaining blocks when the first block's residual changed less; 0: off. Engines need "
+                       "`build --first-block-cache`.")
 STEPS = _opt(None, "--steps", help="Denoising steps (default: 28 dev, 4 schnell; at most 1000).")
 CALIBRATION = _opt(None, "--calibration", help="With --backend torch --model: the file `fluxtrt calibrate` wrote; the "
                    "PyTorch transformer computes the fp8 recipe (E4M3 tensor cores on sm89+, emulated elsewhere). "
