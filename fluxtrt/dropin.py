@@ -68,13 +68,7 @@ class EngineModule(torch.nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         """The dtype the component computes in: its engine's (or ONNX's) input of that name, or the module's."""
-        from .dtypes import torch_dtype, torch_dtype_of_engine
-
-        ex = self.executor
-        if ex.entry is None:
-            return torch_dtype(ex.dtype_name)
-        spec = next((i for i in ex.entry.inputs if i["name"] == self._dtype_input), None)
-        return torch_dtype_of_engine(spec["dtype"]) if spec is not None else torch.float32
+        return self.executor.io_dtype(self._dtype_input)
 
     def to(self, *args, **kwargs):
         """Where it already runs: a no-op (what `pipe.to(...)` calls); elsewhere one line."""
@@ -191,16 +185,7 @@ class EngineCLIP(EngineModule):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._output_dtype("pooled_embeds")
-
-    def _output_dtype(self, name: str) -> torch.dtype:
-        from .dtypes import torch_dtype, torch_dtype_of_engine
-
-        ex = self.executor
-        if ex.entry is None:
-            return torch_dtype(ex.dtype_name)
-        spec = next((o for o in ex.entry.outputs if o["name"] == name), None)
-        return torch_dtype_of_engine(spec["dtype"]) if spec is not None else torch.float32
+        return self.executor.io_dtype("pooled_embeds")
 
     def forward(self, input_ids, attention_mask=None, output_hidden_states: bool = False, return_dict: bool = True,
                 **kwargs):
@@ -220,7 +205,7 @@ class EngineT5(EngineCLIP):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._output_dtype("text_embeds")
+        return self.executor.io_dtype("text_embeds")
 
     def forward(self, input_ids, attention_mask=None, output_hidden_states: bool = False, return_dict: bool = True,
                 **kwargs):

@@ -47,6 +47,15 @@ class Executor:
                 raise ShapeError(f"{self.component}: input {name} of shape {list(shape)} is outside the engine's "
                                  f"profile {lo}..{hi}; rebuild with a wider profile or ask for a size inside it")
 
+    def io_dtype(self, name: str):
+        """The torch dtype of this executor's input or output `name`, as its engine or ONNX declares it."""
+        import torch
+
+        from ..dtypes import torch_dtype_of_engine
+
+        t = next((t for t in self.entry.inputs + self.entry.outputs if t["name"] == name), None)
+        return torch_dtype_of_engine(t["dtype"]) if t is not None else torch.float32
+
     def activate(self) -> None:
         self.active = True
 
@@ -265,6 +274,9 @@ class TorchExecutor(Executor):
     @property
     def dtype(self):
         return torch_dtype(self.dtype_name)
+
+    def io_dtype(self, name: str):
+        return self.dtype  # a PyTorch module takes and gives its own dtype
 
     def activate(self) -> None:
         if self._cpu_copy is not None:  # --low-vram brought it back to the CPU: move, do not reload

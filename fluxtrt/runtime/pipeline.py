@@ -529,13 +529,7 @@ class Pipeline:
         """The dtype of the diffusers pipeline these components reproduce, which its noise is drawn in: the
         transformer's (its engine's or ONNX's latents input, or the PyTorch module's): fp32 engines match
         FluxPipeline in fp32, bf16 and quantized ones FluxPipeline in bf16."""
-        from ..dtypes import torch_dtype, torch_dtype_of_engine
-
-        ex = self.executors["transformer"]
-        if ex.entry is None:  # a PyTorch module
-            return torch_dtype(ex.dtype_name)
-        latents = next(i for i in ex.entry.inputs if i["name"] == "hidden_states")
-        return torch_dtype_of_engine(latents["dtype"])
+        return self.executors["transformer"].io_dtype("hidden_states")
 
     def _encode(self, images):
         """The workflows' VAE encoder: images [b, 3, H, W] float32 -> latent parameters [b, 2C, H/8, W/8] (CPU)."""
