@@ -7,6 +7,8 @@ speed: end to end (text encoders, N steps, VAE decode) for diffusers eager bf16 
   with the transformer compiled, fluxtrt's torch executor bf16 compiled (q/k/v fused) and fp8 compiled
   (`--calibration` from `fluxtrt calibrate`: the product's two commands), each with its first call (compile) timed;
   `bf16-graph` / `fp8-graph`: the same with the compiled step captured as a CUDA graph (`--cuda-graph`).
+  A variant may carry modifiers after "+": `+flash` (SDPA's cuDNN backend off, so flash attention runs),
+  `+cdt` (Inductor's coordinate-descent tuning of its Triton kernels), e.g. `bf16-graph+flash`.
 
 Rows go to --out as JSON after every measurement (a cut run keeps what it measured); `speed` also writes the
 `fast_torch.json` form: [{size, batch, steps, variant, e2e_s, baseline_s, ratio, ...}].
@@ -109,20 +111,28 @@ def speed(a) -> None:
         write(Path(a.out).with_name("fast_torch_rows.json"), table)
 
     for variant in variants:
+        kind, *mods = variant.split("+")
+        unknown = set(mods) - {"flash", "cdt"}
+        if unknown:
+            raise SystemExit(f"unknown modifier(s) {sorted(unknown)} in {variant}")
+        import torch._inductor.config as inductor
+
+        inductor.coordinate_descent_tuning = "cdt" in mods
+        torch.backends.cuda.enable_cudnn_sdp("flash" not in mods)
         t_load = time.perf_counter()
-        if variant.startswith("diffusers"):
+        if kind.startswith("diffusers"):
             pipe = src.load_pipeline(dtype, a.device)
             pipe.set_progress_bar_config(disable=True)
-            if variant == "diffusers-compiled":
+            if kind == "diffusers-compiled":
                 pipe.transformer = torch.compile(pipe.transformer, fullgraph=False, dynamic=False)
         else:
             pipe = Pipeline(None, "torch", model=src, torch_dtype="bf16" if a.device == "cuda" else "fp32",
-                               compile=a.compile, calibration=cal.path if variant.startswith("fp8") else None,
-                               cuda_graph=variant.endswith("-graph"))
+                               compile=a.compile, calibration=cal.path if kind.startswith("fp8") else None,
+                               cuda_graph=kind.endswith("-graph"))
         load_s = time.perf_counter() - t_load
         for size, batch in shapes:
             t1 = time.perf_counter()
-            if variant.startswith("diffusers"):
+            if kind.startswith("diffusers"):
                 row = bench_diffusers(pipe, src.geometry, size, size, batch, steps=a.steps, runs=a.runs, warmup=1, device=dev)
                 row.system = variant
             else:
@@ -131,7 +141,7 @@ def speed(a) -> None:
             wall = time.perf_counter() - t1
             first = wall - row.end_to_end_s.median * a.runs  # the warm-up call: compile included
             rows.append({"variant": variant, "row": row, "load_s": load_s, "first_call_s": first,
-                         "notes": api.fp8_notes(pipe) if not variant.startswith("diffusers") else []})
+                         "notes": api.fp8_notes(pipe) if not kind.startswith("diffusers") else []})
             base = next((r["row"] for r in rows if r["variant"] == "diffusers" and (r["row"].height, r["row"].batch)
                          == (size, batch)), None)  # list diffusers first: the baseline is looked up as measured
             if base is not None and base is not row:

@@ -3,12 +3,19 @@ growing depth: a copy of `tiny` (bf16, zero-copy path) whose transformer has D d
 the 4090 on this CPU with `--first-block-cache`. The extra layers and bytes of head + tail + out over the single
 engine stay constant with depth (what the split adds is fixed), so their share falls as 1/depth.
 
-Run: python3 scripts/split_overhead.py --depths 2,8 --out docs/bench/split_overhead.json"""
+Run: python3 scripts/split_overhead.py --depths 2,8 --out docs/bench/split_overhead.json
+Full size (the device machine's CPU side, TensorRT-RTX staged; two calls, the second reusing the first's engine):
+     python3 scripts/split_overhead.py --full-size /root/split --phase single --out $OUT/split_full.json
+     python3 scripts/split_overhead.py --full-size /root/split --phase split --out $OUT/split_full.json
+  (random FLUX.1-dev transformer written as a bf16 checkpoint, built for the 4090 without validation)"""
 
 import argparse
 import json
 import shutil
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -31,11 +38,55 @@ def deep_copy_of_tiny(depth: int, dest: Path) -> Path:
     return dest
 
 
+def report(manifest, parts: list) -> dict:
+    c = manifest.components
+    one = c["transformer"]
+    row = {"transformer": {"layers": one.layers, "computed_layers": one.computed_layers, "bytes": one.bytes},
+           "parts": {"layers": sum(c[p].layers for p in parts),
+                     "computed_layers": sum(c[p].computed_layers for p in parts),
+                     "bytes": sum(c[p].bytes for p in parts)},
+           "each_part": {p: {"layers": c[p].layers, "computed_layers": c[p].computed_layers, "bytes": c[p].bytes}
+                         for p in parts}}
+    row["extra"] = {k: row["parts"][k] - row["transformer"][k] for k in row["parts"]}
+    row["extra_share"] = {k: round(row["extra"][k] / row["transformer"][k], 4) for k in row["parts"]}
+    return row
+
+
+def full_size(a) -> None:
+    """The real FLUX.1-dev transformer (random bf16 weights), single engine then parts, for the 4090."""
+    from fluxtrt import api
+    from fluxtrt.components import TRANSFORMER_PARTS
+
+    work = Path(a.full_size)
+    model = work / "model"
+    if not model.exists():
+        subprocess.run([sys.executable, "scripts/write_random_checkpoint.py", "--model", "random:flux.1-dev",
+                        "--out", str(model), "--components", "transformer", "--dtype", "bf16", "--device", "cuda"],
+                       check=True)
+    t = time.perf_counter()
+    built = api.build(gpu="4090", model=str(model), out_dir=work / "engines", components=["transformer"],
+                      validate=False, first_block_cache=a.phase == "split")
+    seconds = round(time.perf_counter() - t, 1)
+    out = Path(a.out)
+    doc = json.loads(out.read_text()) if out.exists() else {
+        "command": "python3 scripts/split_overhead.py --full-size DIR --phase single, then --phase split",
+        "target": "4090 (sm89), TensorRT-RTX 1.7, bf16 zero-copy, random FLUX.1-dev transformer, not validated"}
+    doc[a.phase + "_build_s"] = seconds
+    if a.phase == "split":
+        doc["row"] = {"double_blocks": 19, "single_blocks": 38, **report(built.manifest, list(TRANSFORMER_PARTS))}
+    out.write_text(json.dumps(doc, indent=1))
+    print(json.dumps(doc), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--depths", default="2,8")
+    ap.add_argument("--full-size", metavar="DIR", help="work folder for the full-size measurement")
+    ap.add_argument("--phase", choices=["single", "split"], default="single")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    if a.full_size:
+        return full_size(a)
     from fluxtrt import api
     from fluxtrt.components import TRANSFORMER_PARTS
 
@@ -45,16 +96,8 @@ def main():
             folder = deep_copy_of_tiny(depth, Path(tmp) / "model")
             built = api.build(gpu="4090", model=str(folder), out_dir=Path(tmp) / "engines",
                               components=["transformer"], first_block_cache=True)
-            c = built.manifest.components
-            one = c["transformer"]
-            parts = [c[p] for p in TRANSFORMER_PARTS]
             row = {"double_blocks": depth, "single_blocks": 2 * depth,
-                   "transformer": {"layers": one.layers, "computed_layers": one.computed_layers, "bytes": one.bytes},
-                   "parts": {"layers": sum(p.layers for p in parts),
-                             "computed_layers": sum(p.computed_layers for p in parts),
-                             "bytes": sum(p.bytes for p in parts)}}
-            row["extra"] = {k: row["parts"][k] - row["transformer"][k] for k in row["parts"]}
-            row["extra_share"] = {k: round(row["extra"][k] / row["transformer"][k], 4) for k in row["parts"]}
+                   **report(built.manifest, list(TRANSFORMER_PARTS))}
             rows.append(row)
             print(json.dumps(row), flush=True)
     Path(a.out).write_text(json.dumps({"command": "python3 scripts/split_overhead.py --depths " + a.depths,
