@@ -20,6 +20,7 @@ Rehearse here: python3 scripts/fast_torch.py accuracy --model tiny --device cpu 
 import argparse
 import gc
 import json
+import os
 import time
 from pathlib import Path
 
@@ -118,6 +119,8 @@ def speed(a) -> None:
         import torch._inductor.config as inductor
 
         inductor.coordinate_descent_tuning = "cdt" in mods
+        # Inductor's caches key on the traced graph, not on SDPA's backend switches: one cache folder per variant
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(a.work) / "inductor" / variant.replace("+", "_"))
         torch.backends.cuda.enable_cudnn_sdp("flash" not in mods)
         t_load = time.perf_counter()
         if kind.startswith("diffusers"):
