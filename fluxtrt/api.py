@@ -105,7 +105,7 @@ def resolve_target(gpu: str | None, config: Path | None, precision=None, compone
     Raises: ConfigError / FluxtrtError for an unknown GPU, both or neither given, a precision the target lacks."""
     import dataclasses
 
-    from .engine.backends import get_backend
+    from .core.backends import get_backend
     from .gpus import load_gpu
     from .precisions import apply_overrides
 
@@ -378,8 +378,8 @@ def image_inputs(image=None, mask=None, control_image=None, strength=None, max_a
 
     Args: image, mask, control_image: paths or None; strength (img2img / Fill), max_area (Kontext).
     Returns: workflows.ImageInputs. Raises: WorkflowError for an unreadable or oversized image."""
-    from .workflows import ImageInputs
-    from .workflows.base import load_image
+    from .core.image_inputs import load_image
+    from .core.workflows import ImageInputs
 
     def read(value, flag):
         return None if value is None else load_image(value, flag)
@@ -606,7 +606,7 @@ def inspect(engine_dir: Path) -> Inspection:
     Args: engine_dir: a GPU folder written by `fluxtrt build` or `fluxtrt unpack`.
     Returns: Inspection (manifest, checks).
     Raises: ManifestError for a missing or malformed manifest (untrusted input, checked)."""
-    from .engine.backends import get_backend
+    from .core.backends import get_backend
     from .errors import BackendUnavailableError
     from .fileio import sha256_file
     from .records import read_manifest

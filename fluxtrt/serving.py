@@ -413,8 +413,8 @@ def check_servable(engines: Path | None, model: str | None, backend: str) -> Non
         manifest = read_manifest(Path(engines))
         pipeline, workflows = manifest.model.pipeline, manifest.workflows
     else:
+        from .core.workflows import for_model
         from .models.source import resolve_model
-        from .workflows import for_model
 
         if backend != "torch":
             raise FluxtrtError("--model serves the PyTorch modules: add --backend torch (or pass --engines DIR)")

@@ -9,7 +9,7 @@ size: a row passes when the error is within the component's bound, or within twi
 
 fp32 graphs are compared with the fp32 module with TF32 off on both sides (ONNX Runtime's `use_tf32=0`, PyTorch's
 matmul and cuDNN flags); bf16 graphs with the bf16 module, or with the fp32 one where ONNX Runtime runs them
-widened to fp32 (compare.runnable_session: on its CPU provider, or for an op without a bf16 kernel). An fp8
+widened to fp32 (core.sessions.runnable_session: on its CPU provider, or for an op without a bf16 kernel). An fp8
 graph quantized from a bf16 checkpoint (quantize/zerocopy.py: it records which modules each Q/DQ'd MatMul computes)
 runs widened to fp32 (ONNX Runtime has no bf16 Q/DQ kernel) and is compared with the fp32 module fake-quantized
 with the graph's own scales, which proves the Q/DQ graph computes what the recipe says; its error against the

@@ -46,8 +46,8 @@ def main() -> None:
 
     import torch
 
-    from fluxtrt.compare import runnable_session
     from fluxtrt.components import ShapePoint, specs_for
+    from fluxtrt.core.sessions import runnable_session
     from fluxtrt.export import export_component
     from fluxtrt.models.source import resolve_model
     from fluxtrt.optimize.passes import DEFAULT_PASSES

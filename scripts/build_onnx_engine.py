@@ -23,7 +23,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from fluxtrt.components import specs_for
-    from fluxtrt.engine.backends import get_backend
+    from fluxtrt.core.backends import get_backend
     from fluxtrt.engine.build import build_engine
     from fluxtrt.gpus import load_gpu
     from fluxtrt.models.source import resolve_model

@@ -6,7 +6,7 @@ import json
 import sys
 import time
 
-from fluxtrt.engine.backends import TensorRTRTX
+from fluxtrt.core.backends import TensorRTRTX
 from fluxtrt.engine.build import computed_layers
 
 

@@ -324,7 +324,7 @@ def test_cpu_build_log_keeps_out_expected_cuda_driver_errors():
     import io
 
     trt = pytest.importorskip("tensorrt_rtx")
-    from fluxtrt.engine.backends import TensorRTRTX
+    from fluxtrt.core.backends import TensorRTRTX
 
     logger = TensorRTRTX().logger
     log = io.StringIO()

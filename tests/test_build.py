@@ -10,7 +10,7 @@ import yaml
 pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installed (pip install -e '.[rtx]')")
 
 from fluxtrt.components import specs_for  # noqa: E402
-from fluxtrt.engine.backends import TensorRT, TensorRTRTX, get_backend  # noqa: E402
+from fluxtrt.core.backends import TensorRT, TensorRTRTX, get_backend  # noqa: E402
 from fluxtrt.engine.build import BuildError, apply_profile  # noqa: E402
 from fluxtrt.errors import BackendUnavailableError  # noqa: E402
 from fluxtrt.fileio import sha256_file  # noqa: E402
@@ -150,7 +150,7 @@ def test_full_tensorrt_missing_package_is_a_clear_error(monkeypatch):
 
 def test_full_tensorrt_without_target_gpu_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt", types.SimpleNamespace(__version__="10.13"))
-    monkeypatch.setattr("fluxtrt.engine.backends.local_gpu_capabilities", lambda: [])
+    monkeypatch.setattr("fluxtrt.core.backends.local_gpu_capabilities", lambda: [])
     with pytest.raises(BackendUnavailableError, match="builds only for the GPU it runs on.*sm90.*no CUDA GPU"):
         TensorRT().check_target("9.0")
 

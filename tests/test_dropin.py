@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from fluxtrt.core.workflows import WORKFLOWS, ImageInputs
 from fluxtrt.dropin import DropInError, EngineTransformer, load_pipeline
 from fluxtrt.models.source import resolve_model
-from fluxtrt.workflows import WORKFLOWS, ImageInputs
 from tests.test_workflows import inputs_for
 
 MAX_UINT8_DIFF = 2  # of 255

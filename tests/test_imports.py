@@ -13,19 +13,22 @@ ROOT = Path(__file__).resolve().parents[1] / "fluxtrt"
 LAYERS = {
     0: ["fluxtrt", "fluxtrt.errors", "fluxtrt.fileio", "fluxtrt.dtypes"],
     1: ["fluxtrt.precisions", "fluxtrt.nvfp4", "fluxtrt.fp8", "fluxtrt.stepcache", "fluxtrt.flux_math", "fluxtrt.components",
-        "fluxtrt.checkpoint", "fluxtrt.onnxio",
-        "fluxtrt.records", "fluxtrt.gpus", "fluxtrt.data", "fluxtrt.workflows"],
-    2: ["fluxtrt.weightmap", "fluxtrt.compare", "fluxtrt.models", "fluxtrt.engine.backends", "fluxtrt.engine"],
-    3: ["fluxtrt.export", "fluxtrt.optimize", "fluxtrt.quantize", "fluxtrt.engine.build", "fluxtrt.engine.refit"],
-    4: ["fluxtrt.stages"],
-    5: ["fluxtrt.runtime"],
-    6: ["fluxtrt.bench", "fluxtrt.validate", "fluxtrt.artifacts", "fluxtrt.api", "fluxtrt.render", "fluxtrt.serving",
+        "fluxtrt.checkpoint", "fluxtrt.onnxio", "fluxtrt.records", "fluxtrt.gpus", "fluxtrt.data"],
+    # what the build and the runtime both stand on: backends, refit, ONNX Runtime sessions, weight maps, workflows
+    2: ["fluxtrt.core"],
+    3: ["fluxtrt.models", "fluxtrt.compare"],
+    4: ["fluxtrt.export", "fluxtrt.optimize", "fluxtrt.quantize", "fluxtrt.engine"],
+    5: ["fluxtrt.stages"],
+    6: ["fluxtrt.runtime"],
+    7: ["fluxtrt.bench", "fluxtrt.validate", "fluxtrt.artifacts", "fluxtrt.api", "fluxtrt.render", "fluxtrt.serving",
         "fluxtrt.dropin"],
-    7: ["fluxtrt.cli"],
+    8: ["fluxtrt.cli"],
 }
-# The runtime runs engines and ONNX; it never reaches into the tools that make them.
-FORBIDDEN = [("fluxtrt.runtime", p) for p in ("fluxtrt.export", "fluxtrt.optimize", "fluxtrt.quantize",
-                                              "fluxtrt.stages", "fluxtrt.engine.build")]
+# The runtime runs engines and ONNX; it never reaches into the tools that make them (it shares fluxtrt.core with
+# them). The build stages never reach into the runtime.
+BUILD_TOOLS = ("fluxtrt.export", "fluxtrt.optimize", "fluxtrt.quantize", "fluxtrt.engine", "fluxtrt.compare",
+               "fluxtrt.stages")
+FORBIDDEN = [("fluxtrt.runtime", p) for p in BUILD_TOOLS] + [(p, "fluxtrt.runtime") for p in BUILD_TOOLS]
 
 
 def module_name(path: Path) -> str:
@@ -115,6 +118,23 @@ def test_imports_flow_down_the_layers():
                 if (n == a or n.startswith(a + ".")) and (d == b or d.startswith(b + ".")):
                     bad.append(f"{n} imports {d}")
     assert not bad, "\n".join(sorted(bad))
+
+
+def test_build_and_runtime_stand_on_the_shared_layer():
+    """Backends, refit, ONNX Runtime sessions, weight maps and the workflow registry live in fluxtrt.core, and
+    both sides use it from there (none of them is reached among the build's stages)."""
+    g = graph()
+
+    def uses(prefix):
+        return {d for n, deps in g.items() if n == prefix or n.startswith(prefix + ".") for d in deps}
+
+    shared = {"fluxtrt.core.backends", "fluxtrt.core.refit", "fluxtrt.core.sessions", "fluxtrt.core.weightmap",
+              "fluxtrt.core.workflows"}
+    assert shared <= set(g)
+    assert {"fluxtrt.core.backends", "fluxtrt.core.refit", "fluxtrt.core.sessions", "fluxtrt.core.weightmap",
+            "fluxtrt.core.workflows"} <= uses("fluxtrt.runtime")
+    assert {"fluxtrt.core.backends", "fluxtrt.core.weightmap", "fluxtrt.core.workflows"} <= uses("fluxtrt.stages")
+    assert not any(d.startswith(("fluxtrt.runtime", "fluxtrt.stages")) for d in uses("fluxtrt.core"))
 
 
 def test_the_walk_sees_function_level_imports(tmp_path):

@@ -173,7 +173,7 @@ def test_onnx_attention_op_support_in_tensorrt_rtx(tmp_path):
     trt = pytest.importorskip("tensorrt_rtx")
     from onnx import TensorProto, helper
 
-    from fluxtrt.engine.backends import TensorRTRTX
+    from fluxtrt.core.backends import TensorRTRTX
 
     backend = TensorRTRTX()
     built = {}
@@ -238,7 +238,7 @@ def test_attention_scale_is_exact_as_the_dtype_allows(dtype):
 
     import numpy as np
 
-    from fluxtrt.compare import runnable_session
+    from fluxtrt.core.sessions import runnable_session
     from fluxtrt.optimize.precision import place_precision
 
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)

@@ -64,7 +64,7 @@ def test_bf16_bound_as_bf16_through_iobinding(tmp_path, monkeypatch):
 
     spec, w = _toy_bf16_graph(tmp_path / "toy.onnx")
     # the session as a GPU provider would make it: bf16 kept (the CPU path would widen the graph to fp32)
-    monkeypatch.setattr("fluxtrt.compare.runnable_session", lambda p, providers, *_: ort_session(p, providers))
+    monkeypatch.setattr("fluxtrt.core.sessions.runnable_session", lambda p, providers, *_: ort_session(p, providers))
     ex = OnnxRuntimeExecutor("toy", _entry(tmp_path / "toy.onnx"), tmp_path / "toy.onnx", spec,
                              resolve_model("tiny").geometry)
     x = torch.randn(3, int(np.random.default_rng().integers(5, 50)), 4)
@@ -79,7 +79,7 @@ def test_fp32_widens_a_bf16_graph_a_gpu_provider_keeps(tmp_path):
     (weights widened exactly, bf16 casts made fp32), and computes the fp32 result exactly."""
     import warnings
 
-    from fluxtrt.compare import runnable_session
+    from fluxtrt.core.sessions import runnable_session
 
     _, w = _toy_bf16_graph(tmp_path / "toy.onnx")
     gpu_first = ["CUDAExecutionProvider", "CPUExecutionProvider"]  # this machine's ONNX Runtime falls back to CPU
@@ -107,7 +107,7 @@ def test_zero_copy_bf16_transformer_through_the_executor(bf16_transformer):
     """The executor (IOBinding, CPU provider: the bf16 graph widened) gives exactly what ONNX Runtime's plain
     numpy run gives, and matches the PyTorch module with the same bf16-rounded weights in fp32 within the
     fp32 bound (bf16 inputs given: cast to the session's type on the way in)."""
-    from fluxtrt.compare import cpu_session
+    from fluxtrt.core.sessions import cpu_session
     from fluxtrt.runtime.executors import OnnxRuntimeExecutor
 
     src, path = bf16_transformer

@@ -48,7 +48,7 @@ def _error(src, reference, candidate, seed=123):
 
     spec = specs_for(src.geometry)["transformer"]
     feeds = {k: v.numpy() for k, v in spec.sample_inputs(ShapePoint(2, 48, 80), src.geometry, seed).items()}
-    from fluxtrt.compare import upcast_bf16
+    from fluxtrt.core.sessions import upcast_bf16
     from fluxtrt.nvfp4 import emulate
 
     if any(t.data_type == onnx.TensorProto.FLOAT4E2M1 for t in candidate.graph.initializer):

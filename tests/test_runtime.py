@@ -162,21 +162,21 @@ def test_profile_check_of_an_executor(fp32_engines):
 
 def test_tensorrt_executor_refuses_without_gpu(fp32_engines, monkeypatch):
     _, engines = fp32_engines("tiny-schnell")
-    monkeypatch.setattr("fluxtrt.engine.backends.local_gpu_capabilities", lambda: [])
+    monkeypatch.setattr("fluxtrt.core.backends.local_gpu_capabilities", lambda: [])
     with pytest.raises(BackendUnavailableError, match="needs an NVIDIA GPU.*--backend onnxruntime"):
         Pipeline(engines, "tensorrt")
 
 
 def test_tensorrt_executor_refuses_other_gpu_or_version(fp32_engines, monkeypatch):
-    from fluxtrt.engine.backends import TensorRTRTX
+    from fluxtrt.core.backends import TensorRTRTX
     from fluxtrt.records import read_manifest
 
     _, engines = fp32_engines("tiny-schnell")
     manifest = read_manifest(engines)
-    monkeypatch.setattr("fluxtrt.engine.backends.local_gpu_capabilities", lambda: ["8.6"])
+    monkeypatch.setattr("fluxtrt.core.backends.local_gpu_capabilities", lambda: ["8.6"])
     with pytest.raises(BackendUnavailableError, match="built for sm89 .* this GPU is sm86"):
         check_gpu_for(manifest, TensorRTRTX())
-    monkeypatch.setattr("fluxtrt.engine.backends.local_gpu_capabilities", lambda: ["8.9"])
+    monkeypatch.setattr("fluxtrt.core.backends.local_gpu_capabilities", lambda: ["8.9"])
     check_gpu_for(manifest, TensorRTRTX())  # right GPU, right version: accepted
     with pytest.raises(BackendUnavailableError, match="built by tensorrt-rtx .* but 0.0 is installed"):
         check_gpu_for(manifest, type("B", (), {"version": "0.0"})())
@@ -257,7 +257,7 @@ def test_cli_prompts_file_not_utf8(fp32_engines, tmp_path):
 def test_tensorrt_executor_checks_engine_validity_before_loading(fp32_engines):
     """TensorRT-RTX's get_engine_validity reads the engine header without a GPU: here it says INVALID, and
     the executor refuses before deserializing."""
-    from fluxtrt.engine.backends import TensorRTRTX
+    from fluxtrt.core.backends import TensorRTRTX
     from fluxtrt.records import read_manifest
     from fluxtrt.runtime.tensorrt import TensorRTExecutor
 
@@ -303,12 +303,12 @@ def test_auto_backend_choice(fp32_engines, monkeypatch):
         return c.backend, c.fallback
 
     _, engines = fp32_engines("tiny-schnell")
-    monkeypatch.setattr("fluxtrt.engine.backends.local_gpu_capabilities", lambda: [])
+    monkeypatch.setattr("fluxtrt.core.backends.local_gpu_capabilities", lambda: [])
     assert pick() == ("onnxruntime", [])
     assert "ONNX Runtime" in choose_backend("auto", engines).notes[0]  # the choice is said, not silent
-    monkeypatch.setattr("fluxtrt.engine.backends.local_gpu_capabilities", lambda: ["9.0"])  # an H100/H200
+    monkeypatch.setattr("fluxtrt.core.backends.local_gpu_capabilities", lambda: ["9.0"])  # an H100/H200
     assert pick() == ("torch", [])  # TensorRT-RTX refuses sm90: PyTorch on the GPU
-    monkeypatch.setattr("fluxtrt.engine.backends.local_gpu_capabilities", lambda: ["8.9"])
+    monkeypatch.setattr("fluxtrt.core.backends.local_gpu_capabilities", lambda: ["8.9"])
     monkeypatch.setattr("torch.cuda.mem_get_info", lambda: (24 << 30, 24 << 30))
     assert pick() == ("tensorrt", [])
     assert pick("onnxruntime") == ("onnxruntime", [])  # an explicit choice is kept
@@ -365,7 +365,7 @@ def test_engine_that_does_not_fit_falls_back_to_cpu(fp32_engines, monkeypatch):
     comps = manifest.components
     free = comps["vae_decoder"].bytes - 1  # the VAE decoder engine is 1 byte too big
     assert comps["transformer"].weight_streaming and comps["transformer"].bytes < free
-    monkeypatch.setattr("fluxtrt.engine.backends.local_gpu_capabilities", lambda: ["8.9"])
+    monkeypatch.setattr("fluxtrt.core.backends.local_gpu_capabilities", lambda: ["8.9"])
     monkeypatch.setattr("torch.cuda.mem_get_info", lambda: (free, 2 * free))
     choice = choose_backend("auto", engines)
     assert choice.backend == "tensorrt" and choice.fallback == ["vae_decoder@cpu"]

@@ -12,9 +12,9 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from fluxtrt.cli import app
+from fluxtrt.core.workflows import WORKFLOWS, ImageInputs
 from fluxtrt.models.source import resolve_model
 from fluxtrt.runtime.pipeline import Pipeline
-from fluxtrt.workflows import WORKFLOWS, ImageInputs
 from tests.test_workflows import inputs_for
 
 MAX_UINT8_DIFF = 2

@@ -327,6 +327,6 @@ def test_user_managed_memory_is_aligned_and_large_enough(tmp_path):
 
 
 def test_timing_cache_is_not_used_with_tensorrt_rtx():
-    from fluxtrt.engine.backends import TensorRT, TensorRTRTX
+    from fluxtrt.core.backends import TensorRT, TensorRTRTX
 
     assert TensorRTRTX.uses_timing_cache is False and TensorRT.uses_timing_cache is True

@@ -90,7 +90,7 @@ def test_a_link_out_of_the_folder_is_refused(engines, tmp_path):
 
 
 def test_weight_map_subfolder_and_recipes_are_checked(tmp_path):
-    from fluxtrt import weightmap
+    from fluxtrt.core import weightmap
     from fluxtrt.fileio import inside
 
     with pytest.raises(FluxtrtError, match="leads outside"):
@@ -299,7 +299,7 @@ def test_fuzzed_archives(tmp_path_factory, members):
 
 # -- class: images ------------------------------------------------------------------------------------------------
 def test_images_16_bit_bomb_tiny_and_resized(tmp_path, caplog):
-    from fluxtrt.workflows.base import MAX_IMAGE_PIXELS, WorkflowError, load_image, load_resized
+    from fluxtrt.core.image_inputs import MAX_IMAGE_PIXELS, WorkflowError, load_image, load_resized
 
     ramp = (np.arange(64 * 64, dtype=np.uint16).reshape(64, 64) * 16)  # 0..65520
     Image.fromarray(ramp).save(tmp_path / "deep.png")
@@ -326,7 +326,7 @@ def test_images_16_bit_bomb_tiny_and_resized(tmp_path, caplog):
        cut=st.integers(0, 400))
 def test_fuzzed_images(tmp_path_factory, mode, w, h, fmt, cut):
     """Any image, truncated or not: an 8-bit RGB image of its size, or one line."""
-    from fluxtrt.workflows.base import WorkflowError, load_image
+    from fluxtrt.core.image_inputs import WorkflowError, load_image
 
     buf = io.BytesIO()
     try:

@@ -4,9 +4,9 @@ recorded recipe (names, shapes, transposes, casts, fused q/k/v concatenations), 
 import numpy as np
 import pytest
 
-from fluxtrt import weightmap
 from fluxtrt.checkpoint import CheckpointReader
 from fluxtrt.components import specs_for
+from fluxtrt.core import weightmap
 from fluxtrt.models.source import resolve_model
 
 COMPONENTS = ("clip", "t5", "transformer", "vae_decoder")

@@ -9,10 +9,10 @@ import numpy as np
 import onnx
 import pytest
 
-from fluxtrt import weightmap
 from fluxtrt.checkpoint import CheckpointReader
+from fluxtrt.core import weightmap
+from fluxtrt.core.refit import refit_engine
 from fluxtrt.dtypes import np_dtype
-from fluxtrt.engine.refit import refit_engine
 from fluxtrt.errors import FluxtrtError
 from fluxtrt.gpus import load_gpu
 from fluxtrt.models.source import resolve_model

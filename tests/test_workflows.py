@@ -11,9 +11,9 @@ import torch
 from PIL import Image
 
 from fluxtrt.components import ShapePoint, ShapeRange
+from fluxtrt.core.workflows import WORKFLOWS, ImageInputs, WorkflowError, profile_range, select
 from fluxtrt.models.source import resolve_model
 from fluxtrt.runtime.pipeline import Pipeline
-from fluxtrt.workflows import WORKFLOWS, ImageInputs, WorkflowError, profile_range, select
 
 MAX_UINT8_DIFF = 2  # of 255, image vs diffusers
 LATENT_BOUND = {"torch": 1e-4, "onnxruntime": 1e-3}  # max |ours - diffusers| of the latents after every step
@@ -119,6 +119,14 @@ def test_requests_a_model_cannot_serve_are_one_line(model, given, message):
     with pytest.raises(WorkflowError) as e:
         select(resolve_model(model).geometry, ImageInputs(**given))
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_every_declared_workflow_has_its_runtime_preparation():
+    """core/workflows.py declares, runtime/workflows.py prepares: one function per workflow, by name."""
+    from fluxtrt.runtime.workflows import PREPARE
+
+    assert set(PREPARE) == set(WORKFLOWS) and len(WORKFLOWS) == 5
+    assert all(PREPARE[name].__name__ == name for name in WORKFLOWS)
 
 
 def test_workflow_follows_model_and_flags():

@@ -85,7 +85,7 @@ def test_fused_weight_scale_costs_little(tiny_bf16):
 def test_module_ranges_match_onnx_runtime_ranges(tiny_dev, tmp_path):
     """The PyTorch hook on each nn.Linear measures the same tensor ONNX Runtime sees at the MatMul that the
     linear layer became (fused q/k/v included, found through the weight map), on the same prompts."""
-    from fluxtrt import weightmap
+    from fluxtrt.core import weightmap
     from fluxtrt.quantize.calibration import activation_ranges, collect_inputs, linear_input_ranges
     from fluxtrt.quantize.zerocopy import module_of
     from fluxtrt.stages.fp32_plan import optimized_fp32_transformer
@@ -157,7 +157,7 @@ def test_fp8_graph_stores_only_fp8_weights(fp8_build):
 
 
 def test_fp8_activation_scales_come_from_the_module_ranges(fp8_build):
-    from fluxtrt import weightmap
+    from fluxtrt.core import weightmap
     from fluxtrt.quantize.zerocopy import module_of
 
     src, cfg, root, manifest, *_ = fp8_build
@@ -345,7 +345,7 @@ def test_weights_from_memory_maps_give_the_same_engine(fp8_build, tmp_path, monk
     """Handing the parser pointers into memory maps (whose pages are dropped while TensorRT builds) gives the
     engine that parsing the file gives, byte for byte."""
     import fluxtrt.engine.build as engine
-    from fluxtrt.engine.backends import get_backend
+    from fluxtrt.core.backends import get_backend
 
     src, cfg, root, manifest, *_ = fp8_build
     spec = specs_for(src.geometry)["transformer"]

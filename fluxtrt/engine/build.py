@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..components import ComponentSpec, Geometry, ShapeRange
+from ..core.backends import Backend
 from ..errors import (
     BuildError,  # noqa: F401 - defined in errors.py, raised here
-    )
-from .backends import Backend
+)
 
 
 @dataclass

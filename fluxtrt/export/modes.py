@@ -155,7 +155,7 @@ def fill_weights(ir_model, prov: dict, index, buffers: dict) -> None:
     import onnx_ir as ir
 
     from ..checkpoint import missing_tensor, read_stored
-    from ..weightmap import evaluate
+    from ..core.weightmap import evaluate
     from .zerocopy import is_meta
 
     for name, value in ir_model.graph.initializers.items():

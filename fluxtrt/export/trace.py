@@ -168,8 +168,8 @@ def record_provenance(ir_model, raw, index) -> dict:
     differs from the stored one). Stored in the model's metadata for the later stages (see weightmap.py)."""
     import json
 
-    from .. import weightmap
     from ..checkpoint import numpy_name
+    from ..core import weightmap
     from .zerocopy import parameter_aliases, stored_key
 
     aliases = parameter_aliases(raw)

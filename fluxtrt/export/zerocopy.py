@@ -178,7 +178,7 @@ def relink(key: str, index: dict[str, StoredTensor], onnx_path: Path) -> ZeroCop
     (names, dtypes and shapes checked); None when there is no template yet."""
     import onnx
 
-    from .. import weightmap
+    from ..core import weightmap
     from ..onnxio import external_info, linked_dir, set_external
 
     template = template_path(key)

@@ -60,7 +60,7 @@ def random_model_dir(name: str) -> Path:
             shutil.copytree(tiny / tok, tmp / tok)
         transformer = dict(TRANSFORMER, guidance_embeds=variant == "dev")
         if name in TINY_OF:  # the workflow's conditioning channels (Fill: 64 + 64 + 256, Control: 64 + 64)
-            from ..workflows import WORKFLOWS
+            from ..core.workflows import WORKFLOWS
 
             pipeline = json.loads(index.read_text())["_class_name"]
             wf = next(w for w in WORKFLOWS.values() if w.model_class == pipeline)

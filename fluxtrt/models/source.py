@@ -169,7 +169,7 @@ def resolve_model(model: str | Path) -> ModelSource:
         )
     src = ModelSource(id=name, path=path.resolve())
     _ = src.geometry  # validate configs now, with a clear error
-    from ..workflows import check_model
+    from ..core.workflows import check_model
 
     check_model(src.geometry)
     check_safetensors(src.path)

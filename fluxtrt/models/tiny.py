@@ -64,7 +64,7 @@ def build_tiny_pipeline(variant: str, pipeline: str = "FluxPipeline"):
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    from ..workflows import WORKFLOWS
+    from ..core.workflows import WORKFLOWS
 
     if variant not in ("dev", "schnell"):
         raise ValueError(f"unknown tiny variant {variant!r}")

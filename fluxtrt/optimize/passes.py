@@ -81,7 +81,7 @@ _LAYOUT_OPS = ("Transpose", "Cast", "Reshape", "Unsqueeze", "Squeeze", "Identity
 def fold_weight_transforms(graph: gs.Graph) -> int:
     """Fold layout and dtype ops applied to a weight (a linear weight's Transpose, a Cast), whatever its size,
     and record each result's recipe in the weight map. Returns how many were folded."""
-    from .. import weightmap
+    from ..core import weightmap
 
     count, changed = 0, True
     while changed:
@@ -150,7 +150,7 @@ def fold_low_precision_constants(graph: gs.Graph) -> int:
 
 def fold_constants(graph: gs.Graph) -> gs.Graph:
     """Evaluate every subgraph that depends only on constants (shape arithmetic, weight transposes)."""
-    from .. import weightmap
+    from ..core import weightmap
 
     fold_weight_transforms(graph)
     fold_low_precision_constants(graph)
@@ -201,7 +201,7 @@ def _projection_weight(mm):
 def _concat(name: str, parts: list, axis: int, graph: gs.Graph, new_nodes: list):
     """parts joined along `axis`: new bytes for loaded constants (recorded in the weight map), a Concat node
     that TensorRT folds at build time when any part is a zero-copy link."""
-    from .. import weightmap
+    from ..core import weightmap
 
     if not any(linked(t) for t in parts):
         out = gs.Constant(name, np.concatenate([t.values for t in parts], axis))

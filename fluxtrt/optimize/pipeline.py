@@ -29,7 +29,7 @@ WHY_WRITTEN = {"cast": "a vector cast for an op that computes in fp32 (RMSNorm's
 
 def linked_summary(model) -> dict:
     """Which initializers of a linked graph stay links and which are written into it (with their recipe's why)."""
-    from .. import weightmap
+    from ..core import weightmap
     from ..onnxio import external_info
 
     prov = weightmap.read(model)
@@ -59,7 +59,7 @@ def optimize_model(model, passes=None, dtype: str | None = "fp32", component: st
     dtype None: the graph is already in its dtype, as a zero-copy graph is)."""
     import onnx_graphsurgeon as gs
 
-    from .. import weightmap
+    from ..core import weightmap
 
     report = report or OptimizeReport(component)
     prov = weightmap.read(model)
@@ -120,7 +120,7 @@ def optimize_zero_copy(in_path: Path, out_path: Path, component: str, passes=Non
 def trt_layer_count(onnx_path: Path) -> int | None:
     """Layers of the network TensorRT-RTX parses from the file (None without tensorrt-rtx)."""
     try:
-        from ..engine.backends import TensorRTRTX
+        from ..core.backends import TensorRTRTX
 
         backend = TensorRTRTX()
         trt = backend.trt

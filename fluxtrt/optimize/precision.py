@@ -23,7 +23,7 @@ NO_FP16 = {"t5"}
 
 
 def _convert(t: TensorProto, to: int) -> None:
-    from .. import weightmap
+    from ..core import weightmap
 
     weightmap.derive(t.name, {"op": "cast", "to": "float16" if to == TensorProto.FLOAT16 else "bfloat16"}, t.name)
     arr = numpy_helper.to_array(t).astype(np.float32)

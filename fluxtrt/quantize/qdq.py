@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .. import weightmap
+from ..core import weightmap
 from ..errors import FluxtrtError
 from ..fp8 import FP8_MAX, QDQ_KEY, activation_scale, quantize_weight
 from ..precisions import RECIPES

@@ -44,7 +44,7 @@ def module_of(weight_key: str) -> str:
 def activation_amax(weights: list[str], prov: dict, module_amax: dict) -> float:
     """The calibrated max |input| of the linear layer(s) whose weights are the graph initializers `weights`
     (a fused projection's parts read one tensor: their ranges are that tensor's)."""
-    from .. import weightmap
+    from ..core import weightmap
 
     modules = []
     for weight in weights:
@@ -145,7 +145,7 @@ def quantize_zero_copy(onnx_in: Path, dest_dir: Path, recipe: str, module_amax: 
     import onnx
     from onnx import TensorProto
 
-    from .. import weightmap
+    from ..core import weightmap
     from ..fileio import publish, staging_dir
     from ..nvfp4 import ensure_opsets
     from ..onnxio import copy_links, external_info, read_external

@@ -26,8 +26,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from .. import flux_math as fm
+from ..core.workflows import ImageInputs
 from ..errors import QueueFull, ShuttingDown  # noqa: F401 - defined in errors.py, raised here
-from ..workflows import ImageInputs
 from .pipeline import Pipeline, RequestError
 
 log = logging.getLogger("fluxtrt")

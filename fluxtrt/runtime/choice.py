@@ -34,7 +34,7 @@ def choose_backend(requested: str, engines: Path | None) -> BackendChoice:
     notes = [f"no engine for {', '.join(missing)}: running PyTorch for it"] if missing else []
     if requested != "auto":
         return BackendChoice(requested, missing, notes)
-    from ..engine.backends import get_backend, local_gpu_capabilities
+    from ..core.backends import get_backend, local_gpu_capabilities
     from .executors import check_gpu_for
 
     try:

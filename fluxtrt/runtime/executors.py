@@ -81,7 +81,7 @@ class WeightSource:
 
     @classmethod
     def for_component(cls, source, engine_dir: Path, entry: ComponentEntry, name: str, lora=None):
-        from .. import weightmap
+        from ..core import weightmap
         from ..fileio import inside
 
         if source is None:
@@ -117,7 +117,7 @@ class WeightSource:
         return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.name not in mapped}
 
     def arrays(self) -> dict:
-        from .. import weightmap
+        from ..core import weightmap
 
         get = CheckpointReader(self.folder)
         if self.lora is None:
@@ -156,7 +156,7 @@ class OnnxRuntimeExecutor(Executor):
         self.session = None
         self.weights = weights
         self.stream = None  # the pipeline's torch CUDA stream (GPU providers)
-        self.widen = widen  # a bf16 graph computed in fp32 on every provider (compare.runnable_session)
+        self.widen = widen  # a bf16 graph computed in fp32 on every provider (core.sessions.runnable_session)
 
     @property
     def device(self):
@@ -174,7 +174,7 @@ class OnnxRuntimeExecutor(Executor):
         return [(p, named[p]) if p in named else p for p in ORT_PROVIDERS[self.provider]]
 
     def activate(self) -> None:
-        from ..compare import runnable_session
+        from ..core.sessions import runnable_session
         from ..fileio import sha256_file
         from ..onnxio import onnxruntime
 
@@ -230,7 +230,7 @@ class OnnxRuntimeExecutor(Executor):
 def check_gpu_for(manifest, backend) -> None:
     """Refuse to run engines this GPU/driver/TensorRT cannot: no GPU, another compute capability, another
     TensorRT version."""
-    from ..engine.backends import local_gpu_capabilities
+    from ..core.backends import local_gpu_capabilities
 
     caps = local_gpu_capabilities()
     if not caps:

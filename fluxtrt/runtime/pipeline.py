@@ -15,9 +15,9 @@ from pathlib import Path
 
 from .. import flux_math as fm
 from ..components import TRANSFORMER_PARTS, Geometry, ShapePoint, specs_for
+from ..core.workflows import ImageInputs, select
 from ..errors import FluxtrtError, NonFiniteError, RequestError  # noqa: F401 - defined in errors.py, raised here
 from ..records import IMAGE_COMPONENTS, RUN_COMPONENTS, ManifestError, is_number, read_manifest
-from ..workflows import Context, ImageInputs, Prepared, select
 from .executors import (
     OnnxRuntimeExecutor,
     TorchExecutor,
@@ -25,6 +25,7 @@ from .executors import (
     check_gpu_for,
 )
 from .tensorrt import SharedActivations, TensorRTExecutor
+from .workflows import Context, Prepared, prepare_workflow
 
 log = logging.getLogger("fluxtrt")
 ASSETS = "model"  # tokenizers and config files copied beside the engines at build time
@@ -200,7 +201,7 @@ class Pipeline:
                 for n in engine_names}
 
     def _tensorrt_executors(self, names, sources, budget, cuda_graph, allow_host_code, *, kernel_specialization):
-        from ..engine.backends import get_backend
+        from ..core.backends import get_backend
 
         trt_backend = get_backend(self.manifest.backend)
         _ = trt_backend.trt  # clear error if the package is missing
@@ -522,8 +523,9 @@ class Pipeline:
         import torch
 
         generator = torch.Generator("cpu").manual_seed(seed)
-        return wf.prepare(Context(self.geo, self.scheduler_config, self.scaling_factor, self.shift_factor,
-                                  self._encode, generator, batch, height, width, steps, inputs, self.noise_dtype()))
+        return prepare_workflow(wf, Context(self.geo, self.scheduler_config, self.scaling_factor, self.shift_factor,
+                                            self._encode, generator, batch, height, width, steps, inputs,
+                                            self.noise_dtype()))
 
     def noise_dtype(self):
         """The dtype of the diffusers pipeline these components reproduce, which its noise is drawn in: the

@@ -175,7 +175,7 @@ class TensorRTExecutor(Executor):
                     else "; it embeds host code: pass --allow-host-code only if you trust where it came from")
             raise FluxtrtError(f"{self.backend.name} could not load {self.engine_path.name}: {detail}{hint}")
         if self.weights is not None:  # weightless engine (or new weights): refit from the user's checkpoint
-            from ..engine.refit import refit_engine
+            from ..core.refit import refit_engine
 
             arrays = self._arrays if self._arrays is not None else self.weights.arrays()
             refit_engine(engine, trt, self.backend.logger, arrays, self.weights.graph_constants)

@@ -18,7 +18,8 @@ from typing import Callable
 
 from .. import __version__
 from ..components import TRANSFORMER_PARTS, family, specs_for
-from ..engine.backends import get_backend
+from ..core.backends import get_backend
+from ..core.workflows import for_model, profile_range
 from ..engine.build import build_engine
 from ..errors import FluxtrtError
 from ..fileio import (
@@ -34,7 +35,6 @@ from ..gpus import GpuConfig
 from ..models.source import ModelSource
 from ..precisions import is_quantized
 from ..records import BuildRequest, ComponentEntry, Manifest, ModelRef, read_manifest
-from ..workflows import for_model, profile_range
 from .base import StageResult
 from .fp32_plan import ensure_fp32_plan
 from .zerocopy_plan import ensure_zero_copy, zero_copy_plan_refusal
@@ -88,7 +88,7 @@ def build_key(onnx_sha: str, backend: str, backend_version: str, cfg: GpuConfig,
 def write_weight_files(onnx_path: Path, gpu_dir: Path, name: str, subfolder: str, quantized: bool) -> dict:
     """The component's weight map (engine weight -> checkpoint tensors) and, when every weight can come from
     a checkpoint, the weight-free ONNX that ONNX Runtime fills from the user's checkpoint at load."""
-    from .. import weightmap
+    from ..core import weightmap
     from ..onnxio import load_onnx
 
     wmap = weightmap.build_map(load_onnx(onnx_path, load_data=False), name, subfolder, quantized)

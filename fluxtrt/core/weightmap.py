@@ -18,8 +18,8 @@ import contextlib
 import contextvars
 import json
 
-from .dtypes import cast, np_dtype
-from .errors import FluxtrtError
+from ..dtypes import cast, np_dtype
+from ..errors import FluxtrtError
 
 KEY = "fluxtrt.weights"
 _current: contextvars.ContextVar = contextvars.ContextVar("fluxtrt_provenance", default=None)
@@ -119,7 +119,7 @@ MAX_RECIPE_DEPTH = 16
 
 
 def _check_recipe(r, where: str, depth: int = 0) -> None:
-    from .dtypes import TABLE
+    from ..dtypes import TABLE
 
     def bad(why):
         return FluxtrtError(f"{where}: {why}; the weight map was edited or is damaged: rebuild the engines")
@@ -143,8 +143,8 @@ def _check_recipe(r, where: str, depth: int = 0) -> None:
 
 def read_map(path) -> dict:
     """A weight map file (untrusted: engine folders travel) with every field fluxtrt reads checked."""
-    from .dtypes import TABLE
-    from .fileio import read_json
+    from ..dtypes import TABLE
+    from ..fileio import read_json
 
     where = str(path)
     data = read_json(path, "a weight map", "rebuild the engines")
@@ -188,8 +188,8 @@ CHECKPOINT_LOCATION = "fluxtrt-weights-from-checkpoint"
 def write_weightfree(onnx_path, weight_map: dict, dest) -> int:
     """Write the optimized graph without the weights the map can rebuild (graph constants stay inline).
     Returns the bytes written."""
-    from .fileio import write_bytes_atomic
-    from .onnxio import load_onnx, set_external
+    from ..fileio import write_bytes_atomic
+    from ..onnxio import load_onnx, set_external
 
     mapped = {e["name"] for e in weight_map["weights"]}
     model = load_onnx(onnx_path, skip=mapped)  # the graph's own constants inline, the weights not read
