@@ -1,5 +1,6 @@
 """Engine builder: real TensorRT-RTX engines for the tiny models, ahead of time on this CPU-only machine."""
 
+import json
 import re
 import sys
 import types
@@ -260,3 +261,36 @@ def test_another_calibration_resolution_rebuilds_the_fp8_graph(path, tiny_bf16, 
         return q.status
 
     assert [quantize_status(r) for r in (256, 256, 512, 512)] == ["built", "reused", "built", "reused"]
+
+
+@pytest.mark.parametrize("path", ["zero-copy", "copying"])
+def test_every_stage_of_both_plans_goes_through_the_one_runner(path, tiny_bf16, tmp_path, monkeypatch):
+    """Export, graph passes and (fp8) quantization are Steps that stages.base.run_step reuses, makes and records:
+    a second ensure_onnx reuses every one of them, a forced one rebuilds every one."""
+    from fluxtrt.records import CalibrationSettings
+    from fluxtrt.stages import base, fp32_plan, zerocopy_plan
+    from fluxtrt.stages.build import ensure_onnx
+
+    seen = []
+    real = base.run_step
+
+    def spy(source, component, step, **kw):
+        out = real(source, component, step, **kw)
+        seen.append((step.stage, "reused" if out[1] else "built"))
+        return out
+
+    for module in (fp32_plan, zerocopy_plan):
+        monkeypatch.setattr(module, "run_step", spy)
+    calib = CalibrationSettings(size=1, steps=1, opt_resolution=256)
+
+    def stages(force=False):
+        seen.clear()
+        ensure_onnx(tiny_bf16, "clip", "bf16", tmp_path, force, calib=calib, zero_copy=path == "zero-copy",
+                    validate=False)
+        return list(seen)
+
+    assert stages() == [("export", "built"), ("optimize", "built")]
+    assert stages() == [("export", "reused"), ("optimize", "reused")]
+    assert stages(force=True) == [("export", "built"), ("optimize", "built")]
+    info = json.loads(next(tmp_path.glob("onnx/*/export.json")).read_text())
+    assert "clip" in info["components"]  # the export step's record is export.json, as before

@@ -95,7 +95,7 @@ class Step:
     """One recorded stage of a plan, stated by the plan: where its output goes (`folder/<component>.onnx`),
     the inputs that decide reuse, how to make it, and how to describe it. `run_step` does the rest."""
 
-    stage: str  # "optimize" or "quantize" (the record lives in folder/optimize.json)
+    stage: str  # "export", "optimize" or "quantize"
     folder: Path
     inputs: dict
     make: Callable  # () -> Made
@@ -103,6 +103,9 @@ class Step:
     what: str  # the validation's label ("optimized (zero-copy)", ...)
     reused: str  # the reason said when reused
     reusable: Callable = None  # (folder, info, component, inputs, validate) -> StageRecord | None; default recorded
+    info_name: str = OPTIMIZE_INFO  # the record file in `folder` (export: export.json)
+    write: Callable = None  # (Made, max_rel_err) -> None: writes the record; default record_entry in optimize.json
+    phase: str = ""  # what on_phase is told (default: the stage)
 
 
 @dataclass
@@ -116,6 +119,9 @@ class Made:
     info: dict | None = None  # the StageResult's info
     extra: list = field(default_factory=list)  # more StageResults
     seconds_excluded: float = 0.0  # time of `extra`, not this stage's
+    validated: bool = False  # `make` checked its output itself (the exporter, against the module it traced)
+    max_rel_err: float | None = None  # ... and found this error (None: not validated)
+    bytes: int | None = None  # bytes written, where they are not the output's files (a zero-copy graph's links)
 
 
 def run_step(source, component: str, step: Step, *, force: bool, on_phase, validate: bool):
@@ -125,20 +131,52 @@ def run_step(source, component: str, step: Step, *, force: bool, on_phase, valid
     import time
 
     reusable = step.reusable or recorded
-    entry = None if force else reusable(step.folder, OPTIMIZE_INFO, component, step.inputs, validate)
+    entry = None if force else reusable(step.folder, step.info_name, component, step.inputs, validate)
     if entry:
         return step.folder / f"{component}.onnx", entry, None
-    on_phase(step.stage)
+    on_phase(step.phase or step.stage)
     t0 = time.perf_counter()
     made = step.make()
-    max_err = validated_or_removed(source, component, made.path, step.dtype, step.what, validate=validate, on_phase=on_phase)
-    record_entry(step.folder, component, StageRecord(inputs=step.inputs, sha256=sha256_file(made.path),
-                                                     max_rel_err=max_err, **made.record))
+    if made.validated:
+        max_err = made.max_rel_err
+    else:
+        max_err = validated_or_removed(source, component, made.path, step.dtype, step.what, validate=validate,
+                                       on_phase=on_phase)
+    if step.write is not None:
+        step.write(made, max_err)
+    else:
+        record_entry(step.folder, component, StageRecord(inputs=step.inputs, sha256=sha256_file(made.path),
+                                                         max_rel_err=max_err, **made.record))
     seconds = time.perf_counter() - t0 - made.seconds_excluded
     detail = ", ".join(x for x in (made.detail, validation_text(max_err)) if x)
-    result = StageResult(component, step.stage, "built", seconds, detail, files_bytes(made.path), peak_rss_mb(),
-                         made.info)
+    written = files_bytes(made.path) if made.bytes is None else made.bytes
+    result = StageResult(component, step.stage, "built", seconds, detail, written, peak_rss_mb(), made.info)
     return made.path, None, [result, *made.extra]
+
+
+def export_step(source, component: str, folder: Path, dtype: str, *, zero_copy: bool, on_phase, validate: bool,
+                reusable: Callable = None) -> Step:
+    """Both plans' export, as a step: the component's graph at `dtype` into `folder` (zero-copy: weights linked
+    into the checkpoint, the model identified by its layout), checked by the exporter against the module it
+    traced, recorded in export.json."""
+    from ..export import EXPORT_INFO, export_component, write_export_info
+
+    spec = specs_for(source.geometry, [component])[component]
+    exported = []
+
+    def make() -> Made:
+        res = export_component(source, spec, folder, dtype, validate=validate, on_phase=on_phase, zero_copy=zero_copy)
+        exported.append(res)
+        return Made(res.path, detail="zero-copy" if zero_copy else "", validated=True, max_rel_err=res.max_rel_err,
+                    bytes=res.bytes)
+
+    def write(made: Made, max_err) -> None:
+        write_export_info(folder, source, dtype, DEFAULT_OPSET, exported, zero_copy=zero_copy)
+
+    model_hash = source.layout_hash if zero_copy else source.content_hash
+    return Step("export", folder, export_inputs(model_hash), make, dtype, "exported",
+                "unchanged checkpoint (zero-copy)" if zero_copy else "unchanged model and exporter", reusable,
+                info_name=EXPORT_INFO, write=write, phase="export (zero-copy)" if zero_copy else "export")
 
 
 def validated_or_removed(source, component: str, onnx_path: Path, dtype: str, what: str, *, validate: bool,

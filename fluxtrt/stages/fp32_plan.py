@@ -8,8 +8,6 @@ import time
 from pathlib import Path
 
 from .. import __version__
-from ..components import specs_for
-from ..export import DEFAULT_OPSET, EXPORT_INFO, export_component, write_export_info
 from ..fileio import peak_rss_mb, sha256_file
 from ..precisions import REGISTRY, is_quantized
 from .base import (
@@ -17,10 +15,8 @@ from .base import (
     StageResult,
     Step,
     calibration_inputs,
-    export_inputs,
-    recorded,
+    export_step,
     run_step,
-    validation_text,
 )
 
 
@@ -38,17 +34,10 @@ def onnx_dir_for(out_root: Path, source, dtype: str) -> Path:
 
 
 def _ensure_export(source, component, out_root, force, on_phase, *, validate: bool = True):
-    folder = onnx_dir_for(out_root, source, "fp32")
-    inputs = export_inputs(source.content_hash)
-    if not force and recorded(folder, EXPORT_INFO, component, inputs, validate):
-        return folder / f"{component}.onnx", StageResult(component, "export", "reused", 0.0,
-                                                         "unchanged model and exporter")
-    on_phase("export")
-    spec = specs_for(source.geometry, [component])[component]
-    res = export_component(source, spec, folder, "fp32", validate=validate, on_phase=on_phase)
-    write_export_info(folder, source, "fp32", DEFAULT_OPSET, [res])
-    return res.path, StageResult(component, "export", "built", res.seconds, validation_text(res.max_rel_err),
-                                 res.bytes, peak_rss_mb())
+    step = export_step(source, component, onnx_dir_for(out_root, source, "fp32"), "fp32", zero_copy=False,
+                       on_phase=on_phase, validate=validate)
+    path, entry, made = run_step(source, component, step, force=force, on_phase=on_phase, validate=validate)
+    return path, (StageResult(component, "export", "reused", 0.0, step.reused) if entry else made[0])
 
 
 def _ensure_optimized(source, component, dtype, fp32_path, out_root, *, force, on_phase, calib=None,

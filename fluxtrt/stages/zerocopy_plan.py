@@ -19,7 +19,7 @@ from pathlib import Path
 from .. import __version__
 from ..components import specs_for
 from ..errors import FluxtrtError
-from ..fileio import peak_rss_mb, sha256_file
+from ..fileio import sha256_file
 from ..precisions import REGISTRY
 from ..records import CalibrationSettings
 from .base import (
@@ -27,10 +27,9 @@ from .base import (
     StageResult,
     Step,
     calibration_inputs,
-    export_inputs,
+    export_step,
     recorded,
     run_step,
-    validation_text,
 )
 
 
@@ -62,21 +61,12 @@ def _reusable(folder: Path, info_name: str, component: str, inputs: dict, valida
 def ensure_zero_copy(source, component: str, precision: str, out_root: Path, force: bool, *, on_phase, calib: CalibrationSettings,
                   validate: bool = True):
     """-> (the engine's ONNX, [export, optimize(, quantize) results]) on the zero-copy path."""
-    from ..export import DEFAULT_OPSET, EXPORT_INFO, export_component, write_export_info
-
     graph = graph_dtype(precision)
     base = Path(out_root) / "onnx" / f"{source.content_hash[:12]}-{graph}-zc"
-    spec = specs_for(source.geometry, [component])[component]
-    if not force and _reusable(base, EXPORT_INFO, component, export_inputs(source.layout_hash), validate):
-        path = base / f"{component}.onnx"
-        export_res = StageResult(component, "export", "reused", 0.0, "unchanged checkpoint (zero-copy)")
-    else:
-        on_phase("export (zero-copy)")
-        res = export_component(source, spec, base, graph, validate=validate, on_phase=on_phase, zero_copy=True)
-        write_export_info(base, source, graph, DEFAULT_OPSET, [res], zero_copy=True)
-        path = res.path
-        export_res = StageResult(component, "export", "built", res.seconds,
-                                 f"zero-copy, {validation_text(res.max_rel_err)}", res.bytes, peak_rss_mb())
+    step = export_step(source, component, base, graph, zero_copy=True, on_phase=on_phase, validate=validate,
+                       reusable=_reusable)
+    path, entry, made = run_step(source, component, step, force=force, on_phase=on_phase, validate=validate)
+    export_res = StageResult(component, "export", "reused", 0.0, step.reused) if entry else made[0]
     opt_path, opt_res = _ensure_optimized(source, component, graph, path, out_root, force=force, on_phase=on_phase,
                                           validate=validate)
     if not REGISTRY[precision].recipe:
