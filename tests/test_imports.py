@@ -221,3 +221,34 @@ def test_api_functions_say_what_they_take_return_and_raise():
     missing = [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")
                and not all(w in (ast.get_docstring(n) or "") for w in ("Args", "Returns", "Raises"))]
     assert not missing, missing
+
+
+# Suites that cross modules by design; every other test file is named after the module or package it tests.
+CROSS_CUTTING = {
+    "test_imports": "the package's shape (this file)",
+    "test_untrusted": "every kind of untrusted input, fuzzed",
+    "test_bad_input": "one-line errors and exit code 2 across commands",
+    "test_reliability": "faults: concurrent and killed builds, full disks",
+    "test_gpu": "the runtime's GPU discipline (skipped without a GPU)",
+    "test_readme": "the README's commands and examples as written",
+}
+
+
+def test_every_test_file_is_named_after_what_it_tests():
+    """A reader finds a module's tests: tests/test_<a>_<b>.py tests fluxtrt/<a>/<b>.py (or fluxtrt/<a>_<b>.py,
+    or the package fluxtrt/<a>/), apart from the cross-cutting suites listed above."""
+    modules = set(all_modules())
+    unplaced = []
+    for path in sorted(ROOT.parent.joinpath("tests").glob("test_*.py")):
+        stem = path.stem
+        if stem in CROSS_CUTTING:
+            continue
+        words = stem.removeprefix("test_").split("_")
+        # every way of joining the words with "." or "_" (module paths use both)
+        names = {words[0]}
+        for w in words[1:]:
+            names = {n + sep + w for n in names for sep in (".", "_")}
+        if not any(f"fluxtrt.{n}" in modules for n in names):
+            unplaced.append(stem)
+    assert not unplaced, f"name these after the module they test, or list them in CROSS_CUTTING: {unplaced}"
+    assert all(ROOT.parent.joinpath("tests", f"{s}.py").exists() for s in CROSS_CUTTING)

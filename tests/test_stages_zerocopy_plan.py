@@ -1,4 +1,4 @@
-"""The zero-copy build path (build/native.py, quantize/zerocopy.py): engines straight from a checkpoint stored in
+"""The zero-copy build path (stages/zerocopy_plan.py, quantize/zerocopy.py): engines straight from a checkpoint stored in
 bf16, fp8 weights quantized one at a time, activation ranges by module from PyTorch."""
 
 import hashlib
@@ -274,7 +274,7 @@ def test_zero_copy_engines_run_like_diffusers(tiny_bf16, tmp_path, reweighted_co
     from fluxtrt.gpus import load_gpu
     from fluxtrt.runtime.pipeline import Pipeline
     from fluxtrt.stages.build import build_gpu
-    from tests.test_runtime import MAX_UINT8_DIFF, reference
+    from tests.test_runtime_pipeline import MAX_UINT8_DIFF, reference
 
     cfg = load_gpu("4090").with_precision({"clip": "fp32", "t5": "bf16", "transformer": "bf16", "vae_decoder": "fp32"})
     manifest, _ = build_gpu(tiny_bf16, cfg, tmp_path, components=["clip", "t5", "transformer", "vae_decoder"])
