@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+from .core.limits import MAX_CACHE_THRESHOLD, MAX_GUIDANCE, MAX_SIDE, MAX_STEPS, check_number
 from .errors import FluxtrtError
 from .records import BuildRequest, CalibrationSettings, Manifest
 
@@ -230,28 +231,7 @@ def optimize(in_dir: Path, out_dir: Path, passes=None, dtype: str = "fp32", comp
 
 
 # -- run ------------------------------------------------------------------------------------------------------
-MAX_STEPS = 1000  # diffusers' schedulers have 1000 training timesteps; more steps than that are a typo
 MAX_PROMPTS_BYTES = 16 << 20  # a prompts file of more is not prompts (e.g. /dev/zero or a model file)
-MAX_GUIDANCE = 100.0  # distilled guidance and true-CFG scales (FLUX uses 1-30); more is a typo
-MAX_CACHE_THRESHOLD = 10.0  # First-Block Cache's relative change; past 1 every step after the first is skipped
-MAX_SIDE = 8192  # pixels a side: over any FLUX profile (the engines' own range is checked per request)
-
-
-def check_number(flag: str, value, lo, hi) -> None:
-    """A numeric option is finite and inside lo..hi before any work starts.
-
-    Args: flag: the option's name for the message; value (None: not given); lo, hi: the inclusive range.
-    Returns: None. Raises: FluxtrtError naming the flag and the bound it crosses."""
-    import math
-
-    if value is None:
-        return
-    if isinstance(value, float) and not math.isfinite(value):
-        raise FluxtrtError(f"{flag} must be a finite number, got {value}")
-    if value < lo:
-        raise FluxtrtError(f"{flag} must be at least {lo}, got {value}")
-    if value > hi:
-        raise FluxtrtError(f"{flag} must be at most {hi}, got {value}")
 
 
 @dataclass

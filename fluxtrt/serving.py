@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .api import MAX_CACHE_THRESHOLD, MAX_STEPS, check_number
+from .core.limits import MAX_CACHE_THRESHOLD, MAX_GUIDANCE, MAX_STEPS, check_number
 from .errors import BadRequest, FluxtrtError, TooLarge  # noqa: F401 - defined in errors.py, raised here
 
 MAX_PROMPT_CHARS = 10_000  # T5 reads at most 512 tokens; a longer body is a client bug, not a prompt
@@ -106,7 +106,7 @@ def parse_request(body: bytes, default_size: tuple[int, int], default_steps: int
     if min(width, height) < 1:
         raise BadRequest(f"\"size\" must be positive pixels, e.g. \"1024x768\"; got {size!r}")
     return Generation(prompt, number("n", 1, int, 1, MAX_N), width, height,
-                      number("steps", default_steps, int, 1, MAX_STEPS), number("guidance", 3.5, float, 0.0, 100.0),
+                      number("steps", default_steps, int, 1, MAX_STEPS), number("guidance", 3.5, float, 0.0, MAX_GUIDANCE),
                       number("seed", 0, int, 0, 2**63 - 1 - MAX_N),
                       number("cache_threshold", default_cache_threshold, float, 0.0, MAX_CACHE_THRESHOLD))
 

@@ -29,6 +29,9 @@ LAYERS = {
 BUILD_TOOLS = ("fluxtrt.export", "fluxtrt.optimize", "fluxtrt.quantize", "fluxtrt.engine", "fluxtrt.compare",
                "fluxtrt.stages")
 FORBIDDEN = [("fluxtrt.runtime", p) for p in BUILD_TOOLS] + [(p, "fluxtrt.runtime") for p in BUILD_TOOLS]
+# The server is a front end beside the CLI's facade: request limits come from core.limits, defaults from the
+# workflow registry, not from api.
+FORBIDDEN += [("fluxtrt.serving", "fluxtrt.api")]
 
 
 def module_name(path: Path) -> str:
