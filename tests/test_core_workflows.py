@@ -46,9 +46,8 @@ def inputs_for(workflow, rng, h, w):
     return ImageInputs(image=random_image(rng, ih, iw), max_area=h * w)
 
 
-def reference(src, workflow, prompts, h, w, steps, guidance, seed, inputs):
-    wf = WORKFLOWS[workflow]
-    pipe = src.load_pipeline(pipeline=wf.pipeline)
+def diffusers_call(pipe, src, workflow, prompts, h, w, steps, guidance, seed, inputs):
+    """One call of a diffusers pipeline as a user writes it: (uint8 images, latents after every step)."""
     latents = []
 
     def keep(p, i, t, kw):
@@ -57,8 +56,13 @@ def reference(src, workflow, prompts, h, w, steps, guidance, seed, inputs):
 
     img = pipe(prompt=prompts, height=h, width=w, num_inference_steps=steps, guidance_scale=guidance,
                max_sequence_length=src.geometry.t5_length, generator=torch.Generator().manual_seed(seed),
-               output_type="np", callback_on_step_end=keep, **wf.diffusers_kwargs(inputs)).images
+               output_type="np", callback_on_step_end=keep, **WORKFLOWS[workflow].diffusers_kwargs(inputs)).images
     return (img * 255).round().astype("uint8"), latents
+
+
+def reference(src, workflow, prompts, h, w, steps, guidance, seed, inputs):
+    pipe = src.load_pipeline(pipeline=WORKFLOWS[workflow].pipeline)
+    return diffusers_call(pipe, src, workflow, prompts, h, w, steps, guidance, seed, inputs)
 
 
 def compare(pipe, src, workflow, prompts, h, w, steps, executor):

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from fluxtrt.core.workflows import WORKFLOWS, ImageInputs
+from fluxtrt.core.workflows import ImageInputs
 from fluxtrt.dropin import DropInError, EngineTransformer, load_pipeline
 from fluxtrt.models.source import resolve_model
+from tests.test_core_workflows import diffusers_call as call
 from tests.test_core_workflows import inputs_for
 
 MAX_UINT8_DIFF = 2  # of 255
@@ -22,20 +23,6 @@ CASES = [("tiny", "FluxPipeline", "txt2img"), ("tiny-schnell", "FluxPipeline", "
          ("tiny-control", "FluxControlPipeline", "control"), ("tiny-kontext", "FluxKontextPipeline", "kontext")]
 IDS = [f"{c[1]}-{c[0]}" for c in CASES]
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def call(pipe, src, workflow, prompts, h, w, steps, guidance, seed, inputs):
-    """One diffusers call as a user writes it: (uint8 images, latents after every step)."""
-    latents = []
-
-    def keep(p, i, t, kw):
-        latents.append(kw["latents"].clone())
-        return {}
-
-    img = pipe(prompt=prompts, height=h, width=w, num_inference_steps=steps, guidance_scale=guidance,
-               max_sequence_length=src.geometry.t5_length, generator=torch.Generator().manual_seed(seed),
-               output_type="np", callback_on_step_end=keep, **WORKFLOWS[workflow].diffusers_kwargs(inputs)).images
-    return (img * 255).round().astype("uint8"), latents
 
 
 def compare(ours, ref, src, workflow, executor, prompts=("a red fox in the snow", "a bowl of ramen"), h=256, w=384):

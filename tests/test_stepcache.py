@@ -184,16 +184,19 @@ def test_split_parts_take_weights_and_lora_from_a_checkpoint(engines, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("gpu", ["4090", "5090"])
-def test_split_engines_build_and_inspect(gpu, tiny_bf16, tmp_path):
-    """The parts build for the 4090 (sm89) and the 5090 (sm120) at the config's transformer precision (bf16, from
-    a bf16 checkpoint: the zero-copy path FLUX.1 checkpoints take), and `fluxtrt inspect` lists them; their layer
-    and size reports are what docs/benchmarks.md tabulates."""
+@pytest.mark.parametrize("gpu,checkpoint", [("4090", "bf16"), ("5090", "bf16"), ("4090", "fp32")])
+def test_split_engines_build_and_inspect(gpu, checkpoint, tiny_bf16, tmp_path):
+    """The parts build for the 4090 (sm89) and the 5090 (sm120) at the config's transformer precision (bf16), from
+    a bf16 checkpoint (the zero-copy path FLUX.1 checkpoints take) and from an fp32 one (the copying path: bf16
+    placed on the fp32 graph, every part validated against PyTorch; the head's temb, a graph output the head also
+    reads on, used to reach a bf16 Gemm as fp32 there), and `fluxtrt inspect` lists them; their layer and size
+    reports are what docs/benchmarks.md tabulates."""
     from fluxtrt import api
     from fluxtrt.components import TRANSFORMER_PARTS
 
-    summary = api.build(gpu=gpu, model=str(tiny_bf16.path), out_dir=tmp_path, components=["transformer"],
-                        first_block_cache=True)
+    model = str(tiny_bf16.path) if checkpoint == "bf16" else "tiny"
+    summary = api.build(gpu=gpu, model=model, out_dir=tmp_path, components=["transformer"], first_block_cache=True,
+                        precision=["transformer=bf16"])
     comps = summary.manifest.components
     assert set(TRANSFORMER_PARTS) | {"transformer"} == set(comps)
     assert {comps[p].precision for p in TRANSFORMER_PARTS} == {comps["transformer"].precision} == {"bf16"}

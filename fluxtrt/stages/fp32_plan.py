@@ -46,8 +46,10 @@ def _ensure_optimized(source, component, dtype, fp32_path, out_root, *, force, o
     from ..optimize.passes import DEFAULT_PASSES
 
     folder = Path(out_root) / "onnx" / f"{source.content_hash[:12]}-{dtype}-opt"
+    from ..optimize.precision import PLACEMENT_VERSION
+
     inputs = {"source_sha256": sha256_file(fp32_path), "passes": list(DEFAULT_PASSES), "dtype": dtype,
-              "fluxtrt": __version__}
+              "fluxtrt": __version__, "placement": PLACEMENT_VERSION}
     if is_quantized(dtype):
         from ..fp8 import RECIPE_VERSION
 
