@@ -17,6 +17,7 @@ import asyncio
 import base64
 import io
 import json
+import logging
 import math
 import os
 import re
@@ -26,6 +27,8 @@ from pathlib import Path
 
 from .core.limits import MAX_CACHE_THRESHOLD, MAX_GUIDANCE, MAX_STEPS, check_number
 from .errors import BadRequest, FluxtrtError, TooLarge  # noqa: F401 - defined in errors.py, raised here
+
+log = logging.getLogger("fluxtrt")
 
 MAX_PROMPT_CHARS = 10_000  # T5 reads at most 512 tokens; a longer body is a client bug, not a prompt
 MAX_N = 8
@@ -124,8 +127,8 @@ class Service:
 
     def __init__(self, engines: str | None, model: str | None, backend: str, max_batch: int | None, max_queue: int,
                  *, metrics=None, torch_dtype: str = "bf16", calibration: str | None = None,
-                 cache_threshold: float = 0.0):
-        from .runtime.batching import ContinuousBatcher
+                 cache_threshold: float = 0.0, compile: bool = False):
+        from .runtime.batching import ContinuousBatcher, batch_buckets
         from .runtime.choice import choose_backend
         from .runtime.pipeline import Pipeline
 
@@ -139,12 +142,18 @@ class Service:
         # LAZY kernel specialization: a server must not stall on the first request of a new shape
         self.pipe = Pipeline(Path(engines) if engines else None, choice.backend, model=source,
                                 fallback=choice.fallback, torch_dtype=torch_dtype, kernel_specialization="lazy",
-                                calibration=Path(calibration) if calibration else None)
+                                calibration=Path(calibration) if calibration else None, compile=compile)
         self.backend = choice.backend
         self.metrics = metrics
-        self.batcher = ContinuousBatcher(self.pipe, max_batch, max_queue, on_step=self._record).start()
+        self.batcher = ContinuousBatcher(self.pipe, max_batch, max_queue, on_step=self._record)
         opt = self.pipe.manifest.shape_range["opt"] if self.pipe.manifest is not None else [1, 1024, 1024]
         self.default_size = (opt[1], opt[2])
+        if compile:  # every batch size the batcher can form, compiled before the first request
+            buckets = batch_buckets(self.batcher.max_batch)
+            seconds = self.pipe.warm_up_batches(buckets, *self.default_size)
+            log.info("compiled the transformer for batches %s at %dx%d in %.0f s", buckets, *self.default_size,
+                     seconds)
+        self.batcher.start()
         self.default_steps = self.pipe.plan(*self.default_size)[0].default_steps(self.pipe.geo)  # the workflow's
         self.pipe.step_cache(cache_threshold)  # refused now where the executor cannot run the cache's parts
         self.default_cache_threshold = cache_threshold
@@ -243,6 +252,7 @@ class ServeArgs:
     torch_dtype: str = "bf16"
     calibration: str | None = None
     cache_threshold: float = 0.0
+    compile: bool = False  # torch.compile the PyTorch transformer, for each batch size the batcher forms
 
     @classmethod
     def parse(cls, args: dict) -> "ServeArgs":
@@ -261,6 +271,12 @@ class ServeArgs:
         out = {}
         for key, value in args.items():
             hint = hints[key]
+            if hint is bool or hint == "bool":
+                words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+                if not isinstance(value, bool) and str(value).lower() not in words:
+                    raise FluxtrtError(f"{key}={value!r}: expected true or false")
+                out[key] = value if isinstance(value, bool) else words[str(value).lower()]
+                continue
             kind = next((t for t in (int, float) if t in (hint, *typing.get_args(hint))), str)
             if value is None:
                 out[key] = None
@@ -280,6 +296,9 @@ class ServeArgs:
                                     ("gpus_per_replica", self.gpus_per_replica, 0, 8),
                                     ("cache_threshold", self.cache_threshold, 0.0, MAX_CACHE_THRESHOLD)):
             check_number(flag, value, lo, hi)
+        if self.compile and self.backend != "torch":
+            raise FluxtrtError("compile=true compiles the PyTorch transformer: use backend torch (engines are "
+                               "compiled by `fluxtrt build`)")
         check_servable(Path(self.engines) if self.engines else None, self.model, self.backend)
         if self.cache_threshold > 0 and self.backend not in ("torch", "auto"):
             raise FluxtrtError(f"cache_threshold runs the transformer as First-Block Cache's parts: the {self.backend} "
@@ -306,7 +325,7 @@ class FluxService:
     def __init__(self, args: ServeArgs):
         self.service = Service(args.engines, args.model, args.backend, args.max_batch, args.max_queue,
                                metrics=_metrics_recorder(), torch_dtype=args.torch_dtype, calibration=args.calibration,
-                               cache_threshold=args.cache_threshold)
+                               cache_threshold=args.cache_threshold, compile=args.compile)
 
     async def generations(self, request):
         from fastapi.responses import JSONResponse
@@ -458,8 +477,6 @@ def serve_forever(args: ServeArgs, host: str, port: int, address: str | None, sa
         raise FluxtrtError(f"--calibration {args.calibration}: no such file; pass the file `fluxtrt calibrate` wrote")
     args = dataclasses.replace(args, engines=str(Path(args.engines).resolve()) if args.engines else None,
                                calibration=str(Path(args.calibration).resolve()) if args.calibration else None).check()
-    import logging
-
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
     started_ray = not ray.is_initialized()
     if started_ray:

@@ -169,3 +169,25 @@ def test_gpu_provider_options_follow_the_pipeline_stream(tmp_path):
     with pytest.raises(FluxtrtError, match="choose cpu, cuda, tensorrt, tensorrt-rtx"):
         OnnxRuntimeExecutor("toy", None, tmp_path / "toy.onnx", spec, None, provider="directml")
 
+
+
+def test_torch_executor_pads_a_batch_to_its_bucket_and_cuts_it_back():
+    """A server's compiled transformer sees only its batch buckets: 3 samples run as 4 (the last repeated) and
+    come back as 3, equal to the same samples run unpadded (the samples never mix); the First-Block Cache parts
+    pad the same way."""
+    from fluxtrt.models.source import resolve_model
+    from fluxtrt.runtime.executors import TorchExecutor
+
+    src = resolve_model("tiny")
+    spec = specs_for(src.geometry, ["transformer"])["transformer"]
+    feeds = spec.sample_inputs(ShapePoint(3, 256, 256), src.geometry, int(np.random.default_rng().integers(1 << 30)))
+    plain = TorchExecutor("transformer", src, spec, "cpu", "fp32")
+    padded = TorchExecutor("transformer", src, spec, "cpu", "fp32", batch_buckets=(1, 2, 4))
+    want, got = plain.infer(feeds)["noise_pred"], padded.infer(feeds)["noise_pred"]
+    assert got.shape == want.shape and got.shape[0] == 3
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+    head = specs_for(src.geometry, ["transformer_head"])["transformer_head"]
+    part_feeds = {k: v for k, v in feeds.items() if k in {t.name for t in head.inputs}}
+    a, b = plain.infer_part(head, part_feeds), padded.infer_part(head, part_feeds)
+    assert all(b[k].shape == a[k].shape and torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6) for k in a)
+    assert padded.padded(spec, feeds)[0]["hidden_states"].shape[0] == 4 and plain.padded(spec, feeds)[1] is None

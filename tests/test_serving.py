@@ -157,6 +157,32 @@ def test_service_answers_without_ray():
         svc.close()
 
 
+def test_compiled_service_compiles_each_batch_size_before_serving(monkeypatch):
+    """`serve --backend torch --compile`: the transformer is compiled once, then run at every batch size the batcher
+    can form (1, 2, 3 for max_batch 3) before the first request; a batch of 3 samples runs padded to its bucket,
+    and what a client gets equals a single run. (torch.compile is counted here, not run: compiling is torch's;
+    the padding and the warm-up are ours.)"""
+    import torch
+
+    from fluxtrt.runtime.batching import batch_buckets
+
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda module, **kw: compiled.append(module) or module)
+    assert batch_buckets(8) == (1, 2, 4, 8) and batch_buckets(3) == (1, 2, 3) and batch_buckets(1) == (1,)
+    svc = Service(None, "tiny-schnell", "torch", max_batch=3, max_queue=4, torch_dtype="fp32", compile=True)
+    try:
+        ex = svc.pipe.executors["transformer"]
+        assert len(compiled) >= 1 and ex.batch_buckets == (1, 2, 3) and svc.batcher.max_batch == 3
+        status, payload, _ = asyncio.run(svc.generate(b'{"prompt": "a cat", "size": "256x256", "n": 3, '
+                                                      b'"steps": 2, "seed": 5}'))
+        assert status == 200
+        img = np.asarray(Image.open(io.BytesIO(base64.b64decode(payload["data"][2]["b64_json"]))))
+        alone = svc.pipe.generate(["a cat"], 256, 256, 2, 3.5, seed=7).images[0]
+        assert diff(img, alone) <= MAX_UINT8_DIFF
+    finally:
+        svc.close()
+
+
 # --- fluxtrt serve on Ray Serve, over loopback -------------------------------------------------------------
 
 _ENGINES = {}
@@ -363,6 +389,8 @@ ROOT = Path(__file__).resolve().parents[1]
     ({"model": "tiny", "backend": "torch", "port": "80"}, "unknown argument port"),
     ({"model": "tiny"}, "add --backend torch"),
     ({"engines": ["a"]}, "expected a string"),
+    ({"model": "tiny", "backend": "torch", "compile": "maybe"}, "compile='maybe': expected true or false"),
+    ({"engines": "x", "backend": "onnxruntime", "compile": "true"}, "compile=true compiles the PyTorch transformer"),
 ])
 def test_app_builder_arguments_are_one_line(args, message):
     from fluxtrt.errors import FluxtrtError
@@ -381,8 +409,9 @@ def test_app_builder_types_its_arguments_and_builds_the_application():
     from fluxtrt.serving import ServeArgs, app
 
     args = ServeArgs.parse({"model": "tiny", "backend": "torch", "max_batch": "2", "cache_threshold": "0.2",
-                            "gpus_per_replica": "0", "torch_dtype": "fp32"})
-    assert (args.max_batch, args.cache_threshold, args.gpus_per_replica) == (2, 0.2, 0.0)
+                            "gpus_per_replica": "0", "torch_dtype": "fp32", "compile": "true"})
+    assert (args.max_batch, args.cache_threshold, args.gpus_per_replica, args.compile) == (2, 0.2, 0.0, True)
+    assert ServeArgs.parse({"model": "tiny", "backend": "torch", "compile": False}).compile is False
     built = app({"model": "tiny", "backend": "torch", "gpus_per_replica": "0"})
     assert isinstance(built, Application)
 

@@ -94,12 +94,12 @@ class Stats:
 
 
 class ContinuousBatcher:
-    """The scheduling loop over one pipeline. `max_batch`: largest transformer batch (default: the engines'
-    profile maximum, 4 for PyTorch modules); `max_queue`: samples accepted but not finished before `submit`
-    refuses with QueueFull."""
+    """The scheduling loop over one pipeline. `max_batch`: largest transformer batch (default and limit: the
+    engines' profile maximum; PyTorch modules have no profile: 4 unless asked); `max_queue`: samples accepted but
+    not finished before `submit` refuses with QueueFull."""
 
     def __init__(self, pipe: Pipeline, max_batch: int | None = None, max_queue: int = 64, on_step=None):
-        profile_max = pipe.manifest.shape_range["max"][0] if pipe.manifest is not None else 4
+        profile_max = pipe.manifest.shape_range["max"][0] if pipe.manifest is not None else max_batch or 4
         if max_batch is not None and max_batch < 1:
             raise RequestError(f"--max-batch must be at least 1, got {max_batch}")
         if max_queue < 1:
@@ -298,3 +298,12 @@ class ContinuousBatcher:
         self._active = [s for s in self._active if id(s.job) not in jobs]
         for job in jobs.values():
             self._finish(job, exception=e if isinstance(e, RequestError) else RequestError(f"generation failed: {e}"))
+
+
+def batch_buckets(max_batch: int) -> tuple:
+    """The batch sizes a compiled server transformer is compiled for: powers of two below `max_batch`, and it."""
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    return (*sizes, max_batch)

@@ -254,9 +254,12 @@ class TorchExecutor(Executor):
     kind = "torch"
 
     def __init__(self, component: str, source, spec, device: str = "cuda", dtype: str = "bf16",
-                 *, compile: bool = False, fp8=None):
+                 *, compile: bool = False, fp8=None, batch_buckets: tuple = ()):
         super().__init__(component, None)
         self.source, self.spec, self.compile = source, spec, compile
+        # a server's compiled transformer: batches padded to the smallest of these that holds them, so the
+        # compiled module sees a few batch sizes, each compiled once, whatever mix of requests is batched
+        self.batch_buckets = tuple(sorted(batch_buckets))
         self.fp8 = fp8  # the transformer's fp8 recipe: {"scales": {module: (sx, sw)}} or {"amax": {module: amax}}
         self.fp8_note = None
         self._device = device
@@ -324,12 +327,32 @@ class TorchExecutor(Executor):
         if spec.name not in self._parts:
             part = spec.wrap(self.module.model).eval()
             self._parts[spec.name] = torch.compile(part, fullgraph=False, dynamic=False) if self.compile else part
+        feeds, batch = self.padded(spec, feeds)
         args = [feeds[t.name].to(self.device, self.dtype) if feeds[t.name].is_floating_point()
                 else feeds[t.name].to(self.device) for t in spec.inputs if t.name in feeds]
         with torch.inference_mode():
             out = self._parts[spec.name](*args)
         out = out if isinstance(out, tuple) else (out,)
-        return {t.name: v for t, v in zip(spec.outputs, out)}
+        return {t.name: v[:batch] if batch else v for t, v in zip(spec.outputs, out)}
+
+    def padded(self, spec, feeds: dict) -> tuple[dict, int | None]:
+        """`feeds` with their batch padded to the smallest batch bucket that holds it (the last sample repeated;
+        samples never mix in FLUX's transformer, so the real ones compute as they would alone), and the real
+        batch to cut the outputs back to (None: nothing padded)."""
+        import torch
+
+        batched = [t.name for t in spec.inputs if t.name in feeds and t.dims and t.dims[0] == "batch"]
+        if not self.batch_buckets or not batched:
+            return feeds, None
+        batch = feeds[batched[0]].shape[0]
+        size = next((b for b in self.batch_buckets if b >= batch), batch)
+        if size == batch:
+            return feeds, None
+        out = dict(feeds)
+        for name in batched:
+            v = feeds[name]
+            out[name] = torch.cat([v, v[-1:].expand(size - batch, *v.shape[1:])])
+        return out, batch
 
     def deactivate(self) -> None:
         import torch
@@ -345,6 +368,7 @@ class TorchExecutor(Executor):
     def infer_impl(self, feeds: dict) -> dict:
         import torch
 
+        feeds, batch = self.padded(self.spec, feeds)
         args = []
         for t in self.spec.inputs:
             if t.name not in feeds:
@@ -354,4 +378,4 @@ class TorchExecutor(Executor):
                         else v.to(self.device, non_blocking=True))
         with torch.inference_mode():
             out = self._fn(*args)
-        return {self.spec.outputs[0].name: out}
+        return {self.spec.outputs[0].name: out[:batch] if batch else out}

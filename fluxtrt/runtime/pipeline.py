@@ -77,7 +77,7 @@ class Pipeline:
                  model=None, fallback=(), torch_dtype: str = "bf16", device: str | None = None,
                  compile: bool = False, allow_host_code: bool = False, weights: Path | None = None,
                  lora: Path | None = None, lora_scale: float = 1.0, kernel_specialization: str = "eager",
-                 calibration: Path | None = None):
+                 calibration: Path | None = None, batch_buckets: tuple = ()):
         import torch
 
         self.low_vram, self.cuda_graph = low_vram, cuda_graph
@@ -97,7 +97,7 @@ class Pipeline:
         if torch_names:
             on_cpu = {f.split("@")[0] for f in fallback if f.endswith("@cpu")}
             self._torch_executors(sorted(torch_names), on_cpu, model, device, torch_dtype, compile=compile,
-                                  calibration=calibration)
+                                  calibration=calibration, batch_buckets=batch_buckets)
         elif calibration is not None:
             raise FluxtrtError("--calibration gives the PyTorch transformer the fp8 recipe: add --backend torch")
         engine_names = [n for n in names if n not in torch_names]
@@ -148,7 +148,8 @@ class Pipeline:
             raise ManifestError(f"the configs in {assets} are not a FLUX.1 model's ({e}); rebuild with `fluxtrt "
                                 "build`") from None
 
-    def _torch_executors(self, names, on_cpu, model, device, torch_dtype, *, compile, calibration=None) -> None:
+    def _torch_executors(self, names, on_cpu, model, device, torch_dtype, *, compile, calibration=None,
+                         batch_buckets=()) -> None:
         import torch
 
         if model is None:
@@ -161,7 +162,8 @@ class Pipeline:
             dev_name = "cpu" if name in on_cpu else device
             dtype = "fp32" if dev_name == "cpu" and name in on_cpu else torch_dtype
             recipe = self._fp8_recipe(model, calibration) if name == "transformer" else None
-            self.executors[name] = TorchExecutor(name, model, specs[name], dev_name, dtype, compile=compile, fp8=recipe)
+            self.executors[name] = TorchExecutor(name, model, specs[name], dev_name, dtype, compile=compile, fp8=recipe,
+                                                 batch_buckets=batch_buckets if name == "transformer" else ())
 
     def _fp8_recipe(self, model, calibration: Path | None) -> dict | None:
         """The transformer's fp8 recipe for PyTorch: the scales the engines' fp8 graph recorded, or a calibration
@@ -321,6 +323,27 @@ class Pipeline:
         return step
 
     # -- request checks -------------------------------------------------------------------------------
+    def warm_up_batches(self, batches, height: int, width: int) -> float:
+        """A server's compiled PyTorch transformer: batches padded to the smallest of `batches` that holds them
+        (TorchExecutor.padded), and each of those sizes compiled now, at (height, width), rather than on a
+        client's request. Returns the seconds it took."""
+        import time
+
+        ex = self.executors["transformer"]
+        if not isinstance(ex, TorchExecutor):
+            raise FluxtrtError("only the PyTorch transformer is compiled (backend torch)")
+        t0 = time.perf_counter()
+        ex.batch_buckets = tuple(sorted(batches))
+        for batch in ex.batch_buckets:
+            feeds = ex.spec.sample_inputs(ShapePoint(batch, height, width), self.geo, batch)
+            with self.on_stream():
+                ex.infer(feeds)
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
     def plan(self, height: int, width: int, inputs: ImageInputs | None = None):
         """(workflow, output height, output width, reference size) for a request's image inputs; one line
         when these engines' model cannot serve them or the VAE encoder they need is missing."""
