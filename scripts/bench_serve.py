@@ -7,6 +7,11 @@ minute (requests / wall time) and p50 / p95 client latency. Writes JSON rows and
 
   python3 scripts/bench_serve.py --model random:flux.1-dev --sizes 512,1024 --concurrency 1,4,8 --out serve.json
   python3 scripts/bench_serve.py --replicas 1,2 --sizes 512 --concurrency 8 --no-baseline --out replicas.json
+The fast path (issue 32): `--fp8 --compile` serves the fp8 recipe compiled (`fluxtrt serve --backend torch
+--calibration FILE --compile`, the calibration made here as `fluxtrt calibrate` makes it), and `--baseline
+diffusers` measures one-at-a-time diffusers eager (FluxPipeline) instead of Pipeline.generate:
+  python3 scripts/bench_serve.py --sizes 512 --requests 16 --concurrency 8 --fp8 --compile --baseline diffusers \
+      --out serve_fp8.json
 """
 
 import argparse
@@ -44,35 +49,62 @@ def row(kind, size, concurrency, replicas, latencies, wall):
             "wall_s": round(wall, 3)}
 
 
-def sequential(model, sizes, counts, steps):
+def sequential(model, sizes, counts, steps, baseline="pipeline"):
     import torch
 
     from fluxtrt.models.source import resolve_model
     from fluxtrt.runtime.pipeline import Pipeline
 
-    pipe = Pipeline(None, "torch", model=resolve_model(model))
+    src = resolve_model(model)
+    if baseline == "diffusers":
+        dpipe = src.load_pipeline(torch.bfloat16, "cuda")
+        dpipe.set_progress_bar_config(disable=True)
+
+        def generate(prompt, size, seed):
+            dpipe(prompt=prompt, height=size, width=size, num_inference_steps=steps,
+                  generator=torch.Generator().manual_seed(seed), output_type="np")
+            torch.cuda.synchronize()
+        kind = "sequential (diffusers eager bf16)"
+    else:
+        pipe = Pipeline(None, "torch", model=src)
+
+        def generate(prompt, size, seed):
+            pipe.generate([prompt], size, size, steps, seed=seed)
+        kind = "sequential (Pipeline.generate)"
     rows = []
     for size, n in zip(sizes, counts):
-        pipe.generate(["warm up"], size, size, steps, seed=0)
+        generate("warm up", size, 0)
         lat, t0 = [], time.perf_counter()
         for k in range(n):
             t = time.perf_counter()
-            pipe.generate([f"a photo of a red fox, take {k}"], size, size, steps, seed=k)
+            generate(f"a photo of a red fox, take {k}", size, k)
             lat.append(time.perf_counter() - t)
-        rows.append(row("sequential (Pipeline.generate)", size, 1, 1, lat, time.perf_counter() - t0))
+        rows.append(row(kind, size, 1, 1, lat, time.perf_counter() - t0))
         print(rows[-1], flush=True)
-    del pipe
     torch.cuda.empty_cache()
     return rows
 
 
-def serve(model, replicas, max_batch, sizes, counts, concurrencies, steps):
+def calibration_file(model: str, work: str) -> str:
+    """What `fluxtrt calibrate` writes for a bf16 checkpoint (module ranges; 1 prompt, 1 step: scales do not
+    change speed), for `--calibration`."""
+    from pathlib import Path
+
+    from fluxtrt.models.source import resolve_model
+    from fluxtrt.quantize.calibration import calibrate_modules
+
+    return str(calibrate_modules(resolve_model(model), "fp8", Path(work) / "calibration", None, 1, steps=1,
+                                 opt_resolution=512, dtype="bf16", device="cuda").path)
+
+
+def serve(model, replicas, max_batch, sizes, counts, concurrencies, steps, extra=()):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}/v1/images/generations"
     proc = subprocess.Popen([sys.executable, "-m", "fluxtrt.cli", "serve", "--backend", "torch", "--model", model,
-                             "--port", str(port), "--replicas", str(replicas), "--max-batch", str(max_batch)],
+                             "--port", str(port), "--replicas", str(replicas), "--max-batch", str(max_batch),
+                             *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, RAY_AUTH_MODE="disabled"))
     t_start = time.perf_counter()
@@ -95,7 +127,9 @@ def serve(model, replicas, max_batch, sizes, counts, concurrencies, steps):
                 t0 = time.perf_counter()
                 with ThreadPoolExecutor(c) as pool:
                     lat = list(pool.map(lambda b: post(url, b), bodies))
-                rows.append(row("fluxtrt serve", size, c, replicas, lat, time.perf_counter() - t0))
+                label = "fluxtrt serve" + (" fp8" if "--calibration" in extra else "") + (
+                    " compiled" if "--compile" in extra else "")
+                rows.append(row(label, size, c, replicas, lat, time.perf_counter() - t0))
                 print(rows[-1], flush=True)
     finally:
         proc.send_signal(signal.SIGINT)
@@ -113,20 +147,25 @@ def main():
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=28)
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--baseline", choices=["pipeline", "diffusers"], default="pipeline")
+    ap.add_argument("--fp8", action="store_true", help="serve the fp8 recipe (a calibration made first)")
+    ap.add_argument("--compile", action="store_true", help="serve --compile (each batch size compiled at start)")
+    ap.add_argument("--work", default="/tmp/bench-serve")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    extra = (["--calibration", calibration_file(a.model, a.work)] if a.fp8 else []) + (["--compile"] if a.compile else [])
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     sizes, counts, conc = ints(a.sizes), ints(a.requests), ints(a.concurrency)
-    rows = [] if a.no_baseline else sequential(a.model, sizes, counts, a.steps)
+    rows = [] if a.no_baseline else sequential(a.model, sizes, counts, a.steps, a.baseline)
     for r in ints(a.replicas):
-        rows += serve(a.model, r, a.max_batch, sizes, counts, conc, a.steps)
+        rows += serve(a.model, r, a.max_batch, sizes, counts, conc, a.steps, extra)
     base = {(x["size"]): x["images_per_min"] for x in rows if x["system"].startswith("sequential")}
     one = {(x["size"], x["concurrency"]): x["images_per_min"] for x in rows if x.get("replicas") == 1
-           and x["system"] == "fluxtrt serve"}
+           and x["system"].startswith("fluxtrt serve")}
     for x in rows:
         if x["size"] in base:
             x["ratio_vs_sequential"] = round(x["images_per_min"] / base[x["size"]], 3)
-        if x["system"] == "fluxtrt serve" and (x["size"], x["concurrency"]) in one:
+        if x["system"].startswith("fluxtrt serve") and (x["size"], x["concurrency"]) in one:
             x["ratio_vs_one_replica"] = round(x["images_per_min"] / one[(x["size"], x["concurrency"])], 3)
     import torch
 
