@@ -271,7 +271,7 @@ class ServeArgs:
         out = {}
         for key, value in args.items():
             hint = hints[key]
-            if hint is bool or hint == "bool":
+            if hint is bool:
                 words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
                 if not isinstance(value, bool) and str(value).lower() not in words:
                     raise FluxtrtError(f"{key}={value!r}: expected true or false")

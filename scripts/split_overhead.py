@@ -38,18 +38,17 @@ def deep_copy_of_tiny(depth: int, dest: Path) -> Path:
     return dest
 
 
-def report(manifest, parts: list) -> dict:
-    c = manifest.components
-    one = c["transformer"]
-    row = {"transformer": {"layers": one.layers, "computed_layers": one.computed_layers, "bytes": one.bytes},
-           "parts": {"layers": sum(c[p].layers for p in parts),
-                     "computed_layers": sum(c[p].computed_layers for p in parts),
-                     "bytes": sum(c[p].bytes for p in parts)},
-           "each_part": {p: {"layers": c[p].layers, "computed_layers": c[p].computed_layers, "bytes": c[p].bytes}
-                         for p in parts}}
-    row["extra"] = {k: row["parts"][k] - row["transformer"][k] for k in row["parts"]}
-    row["extra_share"] = {k: round(row["extra"][k] / row["transformer"][k], 4) for k in row["parts"]}
-    return row
+def sizes(entry) -> dict:
+    """An engine's numbers from the builder's reports, as the manifest records them."""
+    return {"layers": entry.layers, "computed_layers": entry.computed_layers, "bytes": entry.bytes}
+
+
+def report(single: dict, each_part: dict) -> dict:
+    """The single engine against its parts: totals, what the split adds, and its share."""
+    total = {k: sum(v[k] for v in each_part.values()) for k in single}
+    extra = {k: total[k] - single[k] for k in single}
+    return {"transformer": single, "parts": total, "each_part": each_part, "extra": extra,
+            "extra_share": {k: round(extra[k] / single[k], 4) for k in single}}
 
 
 def full_size(a) -> None:
@@ -72,19 +71,14 @@ def full_size(a) -> None:
         built = api.build(gpu="4090", model=str(model), out_dir=work / "engines", components=["transformer"],
                           validate=False)
         one = built.manifest.components["transformer"]
-        doc["transformer"] = {"layers": one.layers, "computed_layers": one.computed_layers, "bytes": one.bytes}
+        doc["transformer"] = sizes(one)
         (work / "engines" / "4090" / one.engine).unlink()  # 24 GB: the machine's disk holds one such engine
     else:  # the parts alone (same request, `--first-block-cache`'s three extra components)
         built = api.build(gpu="4090", model=str(model), out_dir=work / "parts", components=list(TRANSFORMER_PARTS),
                           validate=False)
         c = built.manifest.components
-        parts = {p: {"layers": c[p].layers, "computed_layers": c[p].computed_layers, "bytes": c[p].bytes}
-                 for p in TRANSFORMER_PARTS}
-        total = {k: sum(v[k] for v in parts.values()) for k in doc["transformer"]}
-        extra = {k: total[k] - doc["transformer"][k] for k in total}
-        doc["row"] = {"double_blocks": 19, "single_blocks": 38, "transformer": doc["transformer"], "parts": total,
-                      "each_part": parts, "extra": extra,
-                      "extra_share": {k: round(extra[k] / doc["transformer"][k], 4) for k in total}}
+        doc["row"] = {"double_blocks": 19, "single_blocks": 38,
+                      **report(doc["transformer"], {p: sizes(c[p]) for p in TRANSFORMER_PARTS})}
     doc[a.phase + "_build_s"] = round(time.perf_counter() - t, 1)
     out.write_text(json.dumps(doc, indent=1))
     print(json.dumps(doc), flush=True)
@@ -108,8 +102,9 @@ def main():
             folder = deep_copy_of_tiny(depth, Path(tmp) / "model")
             built = api.build(gpu="4090", model=str(folder), out_dir=Path(tmp) / "engines",
                               components=["transformer"], first_block_cache=True)
+            c = built.manifest.components
             row = {"double_blocks": depth, "single_blocks": 2 * depth,
-                   **report(built.manifest, list(TRANSFORMER_PARTS))}
+                   **report(sizes(c["transformer"]), {p: sizes(c[p]) for p in TRANSFORMER_PARTS})}
             rows.append(row)
             print(json.dumps(row), flush=True)
     Path(a.out).write_text(json.dumps({"command": "python3 scripts/split_overhead.py --depths " + a.depths,

@@ -257,8 +257,8 @@ class TorchExecutor(Executor):
                  *, compile: bool = False, fp8=None, batch_buckets: tuple = ()):
         super().__init__(component, None)
         self.source, self.spec, self.compile = source, spec, compile
-        # a server's compiled transformer: batches padded to the smallest of these that holds them, so the
-        # compiled module sees a few batch sizes, each compiled once, whatever mix of requests is batched
+        # a server's compiled transformer (Pipeline.warm_up_batches sets them): batches padded to the smallest of
+        # these that holds them, so the compiled module sees a few batch sizes, each compiled once
         self.batch_buckets = tuple(sorted(batch_buckets))
         self.fp8 = fp8  # the transformer's fp8 recipe: {"scales": {module: (sx, sw)}} or {"amax": {module: amax}}
         self.fp8_note = None
@@ -341,8 +341,10 @@ class TorchExecutor(Executor):
         batch to cut the outputs back to (None: nothing padded)."""
         import torch
 
+        if not self.batch_buckets:
+            return feeds, None
         batched = [t.name for t in spec.inputs if t.name in feeds and t.dims and t.dims[0] == "batch"]
-        if not self.batch_buckets or not batched:
+        if not batched:
             return feeds, None
         batch = feeds[batched[0]].shape[0]
         size = next((b for b in self.batch_buckets if b >= batch), batch)

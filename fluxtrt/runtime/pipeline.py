@@ -77,7 +77,7 @@ class Pipeline:
                  model=None, fallback=(), torch_dtype: str = "bf16", device: str | None = None,
                  compile: bool = False, allow_host_code: bool = False, weights: Path | None = None,
                  lora: Path | None = None, lora_scale: float = 1.0, kernel_specialization: str = "eager",
-                 calibration: Path | None = None, batch_buckets: tuple = ()):
+                 calibration: Path | None = None):
         import torch
 
         self.low_vram, self.cuda_graph = low_vram, cuda_graph
@@ -97,7 +97,7 @@ class Pipeline:
         if torch_names:
             on_cpu = {f.split("@")[0] for f in fallback if f.endswith("@cpu")}
             self._torch_executors(sorted(torch_names), on_cpu, model, device, torch_dtype, compile=compile,
-                                  calibration=calibration, batch_buckets=batch_buckets)
+                                  calibration=calibration)
         elif calibration is not None:
             raise FluxtrtError("--calibration gives the PyTorch transformer the fp8 recipe: add --backend torch")
         engine_names = [n for n in names if n not in torch_names]
@@ -148,8 +148,7 @@ class Pipeline:
             raise ManifestError(f"the configs in {assets} are not a FLUX.1 model's ({e}); rebuild with `fluxtrt "
                                 "build`") from None
 
-    def _torch_executors(self, names, on_cpu, model, device, torch_dtype, *, compile, calibration=None,
-                         batch_buckets=()) -> None:
+    def _torch_executors(self, names, on_cpu, model, device, torch_dtype, *, compile, calibration=None) -> None:
         import torch
 
         if model is None:
@@ -162,8 +161,7 @@ class Pipeline:
             dev_name = "cpu" if name in on_cpu else device
             dtype = "fp32" if dev_name == "cpu" and name in on_cpu else torch_dtype
             recipe = self._fp8_recipe(model, calibration) if name == "transformer" else None
-            self.executors[name] = TorchExecutor(name, model, specs[name], dev_name, dtype, compile=compile, fp8=recipe,
-                                                 batch_buckets=batch_buckets if name == "transformer" else ())
+            self.executors[name] = TorchExecutor(name, model, specs[name], dev_name, dtype, compile=compile, fp8=recipe)
 
     def _fp8_recipe(self, model, calibration: Path | None) -> dict | None:
         """The transformer's fp8 recipe for PyTorch: the scales the engines' fp8 graph recorded, or a calibration
