@@ -422,6 +422,8 @@ def serve(
     address: Optional[str] = _opt(None, "--address", help="Join this Ray cluster (e.g. ray://head:10001 or auto); "
                                   "default: start Ray inside this process."),
     calibration: Optional[Path] = CALIBRATION, cache_threshold: float = CACHE_THRESHOLD, compile: bool = COMPILE,
+    size: Optional[str] = _opt(None, "--size", help="WIDTHxHEIGHT of requests that name none, and the size "
+                               "--compile compiles for (default: the profile's, 1024x1024 with --model)."),
 ):
     """Serve text-to-image over HTTP (Ray Serve) with step-level continuous batching: POST /v1/images/generations,
     GET /health. Prints the URL when ready; Ctrl-C stops."""
@@ -430,7 +432,7 @@ def serve(
 
     args = ServeArgs(str(engines) if engines else None, model, backend, max_batch, max_queue, replicas,
                      torch_dtype=torch_dtype, calibration=str(calibration) if calibration else None,
-                     cache_threshold=cache_threshold, compile=compile)
+                     cache_threshold=cache_threshold, compile=compile, size=size)
     serve_forever(args, host, port, address, r.out.print)
 
 

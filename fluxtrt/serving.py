@@ -71,6 +71,17 @@ class Generation:
     cache_threshold: float = 0.0
 
 
+def parse_size(size, what: str = "size") -> tuple[int, int]:
+    """(width, height) from "WIDTHxHEIGHT", or BadRequest naming `what`."""
+    match = re.fullmatch(r"([0-9]{1,5})[xX]([0-9]{1,5})", size) if isinstance(size, str) else None
+    if match is None:  # ASCII digits only: int() would also take fullwidth or Arabic-Indic ones
+        raise BadRequest(f"{what} must be \"WIDTHxHEIGHT\" in pixels, e.g. \"1024x768\"; got {str(size)[:40]!r}")
+    width, height = int(match[1]), int(match[2])
+    if min(width, height) < 1:
+        raise BadRequest(f"{what} must be positive pixels, e.g. \"1024x768\"; got {size!r}")
+    return width, height
+
+
 def parse_request(body: bytes, default_size: tuple[int, int], default_steps: int,
                   default_cache_threshold: float = 0.0) -> Generation:
     """The request body as a Generation, or BadRequest naming the field and what it takes."""
@@ -101,13 +112,7 @@ def parse_request(body: bytes, default_size: tuple[int, int], default_steps: int
         raise BadRequest(f"\"prompt\" has {len(prompt)} characters; at most {MAX_PROMPT_CHARS} (T5 reads 512 tokens)")
     if data.get("response_format", "b64_json") != "b64_json":
         raise BadRequest("\"response_format\" must be \"b64_json\" (images are returned inline as base64 PNG)")
-    size = data.get("size", f"{default_size[1]}x{default_size[0]}")
-    match = re.fullmatch(r"([0-9]{1,5})[xX]([0-9]{1,5})", size) if isinstance(size, str) else None
-    if match is None:  # ASCII digits only: int() would also take fullwidth or Arabic-Indic ones
-        raise BadRequest(f"\"size\" must be \"WIDTHxHEIGHT\" in pixels, e.g. \"1024x768\"; got {str(size)[:40]!r}")
-    width, height = int(match[1]), int(match[2])
-    if min(width, height) < 1:
-        raise BadRequest(f"\"size\" must be positive pixels, e.g. \"1024x768\"; got {size!r}")
+    width, height = parse_size(data.get("size", f"{default_size[1]}x{default_size[0]}"), "\"size\"")
     return Generation(prompt, number("n", 1, int, 1, MAX_N), width, height,
                       number("steps", default_steps, int, 1, MAX_STEPS), number("guidance", 3.5, float, 0.0, MAX_GUIDANCE),
                       number("seed", 0, int, 0, 2**63 - 1 - MAX_N),
@@ -127,7 +132,7 @@ class Service:
 
     def __init__(self, engines: str | None, model: str | None, backend: str, max_batch: int | None, max_queue: int,
                  *, metrics=None, torch_dtype: str = "bf16", calibration: str | None = None,
-                 cache_threshold: float = 0.0, compile: bool = False):
+                 cache_threshold: float = 0.0, compile: bool = False, size: str | None = None):
         from .runtime.batching import ContinuousBatcher, batch_buckets
         from .runtime.choice import choose_backend
         from .runtime.pipeline import Pipeline
@@ -147,7 +152,11 @@ class Service:
         self.metrics = metrics
         self.batcher = ContinuousBatcher(self.pipe, max_batch, max_queue, on_step=self._record)
         opt = self.pipe.manifest.shape_range["opt"] if self.pipe.manifest is not None else [1, 1024, 1024]
-        self.default_size = (opt[1], opt[2])
+        self.default_size = (opt[1], opt[2])  # (height, width)
+        if size is not None:  # a request's default size, and the one --compile compiles for
+            width, height = parse_size(size, "--size")
+            self.pipe.check_request(1, height, width, 1)
+            self.default_size = (height, width)
         if compile:  # every batch size the batcher can form, compiled before the first request
             buckets = batch_buckets(self.batcher.max_batch)
             seconds = self.pipe.warm_up_batches(buckets, *self.default_size)
@@ -253,6 +262,7 @@ class ServeArgs:
     calibration: str | None = None
     cache_threshold: float = 0.0
     compile: bool = False  # torch.compile the PyTorch transformer, for each batch size the batcher forms
+    size: str | None = None  # "WIDTHxHEIGHT": requests' default size, the one `compile` compiles for
 
     @classmethod
     def parse(cls, args: dict) -> "ServeArgs":
@@ -299,6 +309,8 @@ class ServeArgs:
         if self.compile and self.backend != "torch":
             raise FluxtrtError("compile=true compiles the PyTorch transformer: use backend torch (engines are "
                                "compiled by `fluxtrt build`)")
+        if self.size is not None:
+            parse_size(self.size, "size")
         check_servable(Path(self.engines) if self.engines else None, self.model, self.backend)
         if self.cache_threshold > 0 and self.backend not in ("torch", "auto"):
             raise FluxtrtError(f"cache_threshold runs the transformer as First-Block Cache's parts: the {self.backend} "
@@ -325,7 +337,7 @@ class FluxService:
     def __init__(self, args: ServeArgs):
         self.service = Service(args.engines, args.model, args.backend, args.max_batch, args.max_queue,
                                metrics=_metrics_recorder(), torch_dtype=args.torch_dtype, calibration=args.calibration,
-                               cache_threshold=args.cache_threshold, compile=args.compile)
+                               cache_threshold=args.cache_threshold, compile=args.compile, size=args.size)
 
     async def generations(self, request):
         from fastapi.responses import JSONResponse

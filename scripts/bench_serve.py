@@ -22,6 +22,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -97,7 +98,7 @@ def calibration_file(model: str, work: str) -> str:
                                  opt_resolution=512, dtype="bf16", device="cuda").path)
 
 
-def serve(model, replicas, max_batch, sizes, counts, concurrencies, steps, extra=()):
+def serve(model, replicas, max_batch, sizes, counts, concurrencies, steps, extra=(), partial=None):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -113,6 +114,7 @@ def serve(model, replicas, max_batch, sizes, counts, concurrencies, steps, extra
             break
     else:
         raise SystemExit(f"fluxtrt serve exited with {proc.wait()}")
+    threading.Thread(target=lambda: [print("  serve:", x, end="", flush=True) for x in proc.stdout], daemon=True).start()
     print(f"server up with {replicas} replica(s) in {time.perf_counter() - t_start:.1f} s", flush=True)
     rows = []
     try:
@@ -131,6 +133,8 @@ def serve(model, replicas, max_batch, sizes, counts, concurrencies, steps, extra
                     " compiled" if "--compile" in extra else "")
                 rows.append(row(label, size, c, replicas, lat, time.perf_counter() - t0))
                 print(rows[-1], flush=True)
+                if partial:
+                    partial(rows)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(60)
@@ -153,12 +157,21 @@ def main():
     ap.add_argument("--work", default="/tmp/bench-serve")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    extra = (["--calibration", calibration_file(a.model, a.work)] if a.fp8 else []) + (["--compile"] if a.compile else [])
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     sizes, counts, conc = ints(a.sizes), ints(a.requests), ints(a.concurrency)
+    if a.compile and len(sizes) > 1:
+        raise SystemExit("--compile compiles the server for one size (its --size): give one --sizes")
+    extra = (["--calibration", calibration_file(a.model, a.work)] if a.fp8 else []) + (
+        ["--compile", "--size", f"{sizes[0]}x{sizes[0]}"] if a.compile else [])
     rows = [] if a.no_baseline else sequential(a.model, sizes, counts, a.steps, a.baseline)
+
+    def partial(more):  # a run cut short keeps what it measured
+        with open(a.out, "w") as f:
+            json.dump({"meta": {"partial": True}, "rows": rows + more}, f, indent=1)
+
+    partial([])
     for r in ints(a.replicas):
-        rows += serve(a.model, r, a.max_batch, sizes, counts, conc, a.steps, extra)
+        rows += serve(a.model, r, a.max_batch, sizes, counts, conc, a.steps, extra, partial)
     base = {(x["size"]): x["images_per_min"] for x in rows if x["system"].startswith("sequential")}
     one = {(x["size"], x["concurrency"]): x["images_per_min"] for x in rows if x.get("replicas") == 1
            and x["system"].startswith("fluxtrt serve")}

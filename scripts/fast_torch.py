@@ -8,7 +8,8 @@ speed: end to end (text encoders, N steps, VAE decode) for diffusers eager bf16 
   (`--calibration` from `fluxtrt calibrate`: the product's two commands), each with its first call (compile) timed;
   `bf16-graph` / `fp8-graph`: the same with the compiled step captured as a CUDA graph (`--cuda-graph`).
   A variant may carry modifiers after "+": `+flash` (SDPA's cuDNN backend off, so flash attention runs),
-  `+cdt` (Inductor's coordinate-descent tuning of its Triton kernels), e.g. `bf16-graph+flash`.
+  `+cdt` (Inductor's coordinate-descent tuning of its Triton kernels, in all directions, epilogue fusion off,
+  1x1 convolutions as matrix multiplies: flux-fast's settings), e.g. `bf16-graph+flash`.
 
 Rows go to --out as JSON after every measurement (a cut run keeps what it measured); `speed` also writes the
 `fast_torch.json` form: [{size, batch, steps, variant, e2e_s, baseline_s, ratio, ...}].
@@ -98,11 +99,13 @@ def speed(a) -> None:
     dev = torch.device(a.device)
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
-    t0 = time.perf_counter()  # what `fluxtrt calibrate` runs for a bf16 checkpoint (module ranges), also for random:
-    cal = calibrate_modules(src, "fp8", Path(a.work) / "calibration", None, 1, steps=1, opt_resolution=512, dtype="bf16",
-                            device=a.device)
-    print(f"calibrate: {time.perf_counter() - t0:.1f} s -> {cal.path}", flush=True)
     variants = [v for v in a.variants.split(",") if v]
+    cal = None
+    if any(v.startswith("fp8") for v in variants):
+        t0 = time.perf_counter()  # what `fluxtrt calibrate` runs for a bf16 checkpoint (module ranges), also random:
+        cal = calibrate_modules(src, "fp8", Path(a.work) / "calibration", None, 1, steps=1, opt_resolution=512,
+                                dtype="bf16", device=a.device)
+        print(f"calibrate: {time.perf_counter() - t0:.1f} s -> {cal.path}", flush=True)
     rows, table = [], []
 
     def save():
@@ -118,7 +121,11 @@ def speed(a) -> None:
             raise SystemExit(f"unknown modifier(s) {sorted(unknown)} in {variant}")
         import torch._inductor.config as inductor
 
-        inductor.coordinate_descent_tuning = "cdt" in mods
+        # +cdt: Inductor as flux-fast sets it: coordinate-descent tuning of the Triton kernels in all directions,
+        # epilogue fusion off, 1x1 convolutions (the VAE's) as matrix multiplies
+        inductor.coordinate_descent_tuning = inductor.coordinate_descent_check_all_directions = "cdt" in mods
+        inductor.epilogue_fusion = "cdt" not in mods
+        inductor.conv_1x1_as_mm = "cdt" in mods
         # Inductor's caches key on the traced graph, not on SDPA's backend switches: one cache folder per variant
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(a.work) / "inductor" / variant.replace("+", "_"))
         torch.backends.cuda.enable_cudnn_sdp("flash" not in mods)
@@ -173,7 +180,7 @@ def profile(pipe, size: int, batch: int, path: Path) -> None:
     with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         pipe.generate(["a photo of a cat"] * batch, size, size, 2, seed=3)
     table = p.key_averages().table(sort_by="cuda_time_total" if torch.cuda.is_available() else "cpu_time_total",
-                                   row_limit=40)
+                                   row_limit=70)
     path.write_text(table)
     print(table[:6000], flush=True)
 

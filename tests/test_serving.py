@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from fluxtrt.errors import FluxtrtError
 from fluxtrt.models.source import resolve_model
 from fluxtrt.runtime.batching import ContinuousBatcher, QueueFull
 from fluxtrt.runtime.pipeline import Pipeline, RequestError
@@ -118,7 +119,6 @@ def test_request_defaults_are_run_defaults():
     (dict(engines=Path("/nonexistent"), model=None, backend="auto"), "no manifest.json in /nonexistent"),
 ])
 def test_what_cannot_be_served_is_one_line_before_ray_starts(args, message):
-    from fluxtrt.errors import FluxtrtError
     from fluxtrt.serving import check_servable
 
     with pytest.raises(FluxtrtError, match=message.replace(".", "\\.")):
@@ -169,18 +169,28 @@ def test_compiled_service_compiles_each_batch_size_before_serving(monkeypatch):
     compiled = []
     monkeypatch.setattr(torch, "compile", lambda module, **kw: compiled.append(module) or module)
     assert batch_buckets(8) == (1, 2, 4, 8) and batch_buckets(3) == (1, 2, 3) and batch_buckets(1) == (1,)
-    svc = Service(None, "tiny-schnell", "torch", max_batch=3, max_queue=4, torch_dtype="fp32", compile=True)
+    from fluxtrt.runtime.executors import TorchExecutor
+
+    seen = []  # the transformer's (batch, tokens) at warm-up: compiled at --size, not at the default 1024x1024
+    real_infer = TorchExecutor.infer
+    monkeypatch.setattr(TorchExecutor, "infer", lambda self, feeds: (
+        seen.append(tuple(feeds["hidden_states"].shape[:2])) if self.component == "transformer" else None,
+        real_infer(self, feeds))[1])
+    svc = Service(None, "tiny-schnell", "torch", max_batch=3, max_queue=4, torch_dtype="fp32", compile=True,
+                  size="256x192")
     try:
         ex = svc.pipe.executors["transformer"]
         assert len(compiled) >= 1 and ex.batch_buckets == (1, 2, 3) and svc.batcher.max_batch == 3
-        status, payload, _ = asyncio.run(svc.generate(b'{"prompt": "a cat", "size": "256x256", "n": 3, '
-                                                      b'"steps": 2, "seed": 5}'))
+        assert seen == [(1, 192), (2, 192), (3, 192)] and svc.default_size == (192, 256)  # 16x12 latent patches
+        status, payload, _ = asyncio.run(svc.generate(b'{"prompt": "a cat", "n": 3, "steps": 2, "seed": 5}'))
         assert status == 200
         img = np.asarray(Image.open(io.BytesIO(base64.b64decode(payload["data"][2]["b64_json"]))))
-        alone = svc.pipe.generate(["a cat"], 256, 256, 2, 3.5, seed=7).images[0]
-        assert diff(img, alone) <= MAX_UINT8_DIFF
+        alone = svc.pipe.generate(["a cat"], 192, 256, 2, 3.5, seed=7).images[0]
+        assert img.shape == (192, 256, 3) and diff(img, alone) <= MAX_UINT8_DIFF
     finally:
         svc.close()
+    with pytest.raises(FluxtrtError, match=r"^width 250 is not a positive multiple of 16; use 240 or 256$"):
+        Service(None, "tiny-schnell", "torch", max_batch=1, max_queue=4, torch_dtype="fp32", size="250x256")
 
 
 # --- fluxtrt serve on Ray Serve, over loopback -------------------------------------------------------------
@@ -391,9 +401,10 @@ ROOT = Path(__file__).resolve().parents[1]
     ({"engines": ["a"]}, "expected a string"),
     ({"model": "tiny", "backend": "torch", "compile": "maybe"}, "compile='maybe': expected true or false"),
     ({"engines": "x", "backend": "onnxruntime", "compile": "true"}, "compile=true compiles the PyTorch transformer"),
+    ({"model": "tiny", "backend": "torch", "size": "big"}, 'size must be "WIDTHxHEIGHT" in pixels'),
+    ({"model": "tiny", "backend": "torch", "size": "0x512"}, "size must be positive pixels"),
 ])
 def test_app_builder_arguments_are_one_line(args, message):
-    from fluxtrt.errors import FluxtrtError
     from fluxtrt.serving import ServeArgs
 
     with pytest.raises(FluxtrtError, match=re.escape(message)):
