@@ -99,12 +99,16 @@ def _opt(default, *names, help: str):
     return typer.Option(default, *names, help=help)
 
 
-def _flag_type(self, ctx, _shown=_typer_core.TyperOption.display_type_rich):
+_shown_type = getattr(_typer_core.TyperOption, "display_type_rich", None)  # typer 0.2x; older ones have none
+
+
+def _flag_type(self, ctx):
     """The help's type column: none for on/off flags (typer 0.2x shows `<bool>` for them, --help included)."""
-    return None if getattr(self, "is_flag", False) else _shown(self, ctx)
+    return None if getattr(self, "is_flag", False) else _shown_type(self, ctx)
 
 
-_typer_core.TyperOption.display_type_rich = _flag_type
+if _shown_type is not None:
+    _typer_core.TyperOption.display_type_rich = _flag_type
 
 
 MODEL_HELP = ("Local FLUX.1 diffusers folder (dev, schnell, Fill, Canny, Depth, Kontext), or an embedded "
