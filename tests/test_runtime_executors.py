@@ -2,6 +2,8 @@
 provider runs), graphs of any dtype through it, outputs preallocated from the component specs, and the choice
 of execution provider (`--ort-provider`). Its GPU side is in tests/test_gpu.py."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -191,3 +193,24 @@ def test_torch_executor_pads_a_batch_to_its_bucket_and_cuts_it_back():
     a, b = plain.infer_part(head, part_feeds), padded.infer_part(head, part_feeds)
     assert all(b[k].shape == a[k].shape and torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6) for k in a)
     assert padded.padded(spec, feeds)[0]["hidden_states"].shape[0] == 4 and plain.padded(spec, feeds)[1] is None
+
+
+def test_compiled_modules_keep_their_kernels_in_fluxtrts_cache(tmp_path, monkeypatch):
+    """torch.compile's on-disk caches go to fluxtrt's cache folder (FLUXTRT_CACHE), which outlives /tmp, unless
+    the user chose TORCHINDUCTOR_CACHE_DIR; set before the first compile, so Inductor reads it."""
+    from fluxtrt.models.source import resolve_model
+    from fluxtrt.runtime.executors import TorchExecutor
+
+    src = resolve_model("tiny")
+    spec = specs_for(src.geometry, ["vae_decoder"])["vae_decoder"]
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: seen.append(os.environ.get("TORCHINDUCTOR_CACHE_DIR")) or m)
+    monkeypatch.setenv("FLUXTRT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    TorchExecutor("vae_decoder", src, spec, "cpu", "fp32").activate()
+    assert seen == [] and "TORCHINDUCTOR_CACHE_DIR" not in os.environ  # eager: nothing set
+    TorchExecutor("vae_decoder", src, spec, "cpu", "fp32", compile=True).activate()
+    assert seen == [str(tmp_path / "cache" / "inductor")]
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    TorchExecutor("vae_decoder", src, spec, "cpu", "fp32", compile=True).activate()
+    assert seen[-1] == str(tmp_path / "mine")

@@ -247,6 +247,17 @@ def check_gpu_for(manifest, backend) -> None:
             f"{backend.version} is installed; rebuild, or install {manifest.backend}=={manifest.backend_version}")
 
 
+def use_compile_cache() -> str:
+    """Where torch.compile keeps what it compiled (Inductor's and Triton's on-disk caches): the user's
+    TORCHINDUCTOR_CACHE_DIR, else fluxtrt's cache folder (FLUXTRT_CACHE, ~/.cache/fluxtrt), which outlives /tmp, so a
+    later start reuses the kernels (fp8 at 1024² on the H200: first call 148 s cold, 37 s warm)."""
+    import os
+
+    from ..models.tiny import cache_root
+
+    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+
+
 class TorchExecutor(Executor):
     """A component's PyTorch module from the model folder on the pipeline's device (bf16 by default), the
     fallback where no engine can run (e.g. TensorRT-RTX on Hopper). Optionally torch.compile'd."""
@@ -298,6 +309,7 @@ class TorchExecutor(Executor):
         if self.compile:
             import torch
 
+            use_compile_cache()
             self._fn = torch.compile(self.module, fullgraph=False, dynamic=False)
         self.active = True
 
