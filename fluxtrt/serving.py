@@ -154,7 +154,7 @@ class Service:
         opt = self.pipe.manifest.shape_range["opt"] if self.pipe.manifest is not None else [1, 1024, 1024]
         self.default_size = (opt[1], opt[2])  # (height, width)
         if size is not None:  # a request's default size, and the one --compile compiles for
-            width, height = parse_size(size, "--size")
+            width, height = parse_size(size, "size")  # the name ServeArgs and the app use
             self.pipe.check_request(1, height, width, 1)
             self.default_size = (height, width)
         if compile:  # every batch size the batcher can form, compiled before the first request
