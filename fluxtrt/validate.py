@@ -16,11 +16,9 @@ with the graph's own scales, which proves the Q/DQ graph computes what the recip
 unquantized fp32 module (the recipe's error) is reported beside it and does not decide. A fake-quant row is
 judged on its mean error, not its max: where ONNX Runtime's fp32 sum and PyTorch's differ in the last bit, an
 activation can round to the neighbouring E4M3 value on one side only, which moves a few elements by a whole
-quantization step (measured on tiny over 150 seeds: max 2e-3, mean 3e-6 to 1e-4, against 5e-3 mean for the
-unquantized module). How many elements flip is chance, so its bound is the fp32 bound or a tenth of the recipe's
-own error on the same inputs, whichever is larger (on tiny the fake-quant mean stays 50x or more below the
-recipe's; weight scales 5% off put it above the recipe's). Other quantized graphs are compared with the
-unquantized bf16 module only.
+quantization step; how many is chance, so the bound is the fp32 one or a tenth of the recipe's own error on the
+same inputs (compare.fake_quant_bound). Other quantized graphs are compared with the unquantized bf16 module
+only.
 
 `--fp32` (fp32=True) runs bf16 graphs widened to fp32 on every provider (weights widened exactly, bf16 casts made
 fp32) against the fp32 module: the graph's own arithmetic, apart from bf16 rounding, judged by the fp32 bound.
@@ -36,8 +34,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .errors import FluxtrtError
-
-RECIPE_FRACTION = 10  # a fake-quant row's mean error may reach this fraction of the recipe's own error
 
 
 @dataclass
@@ -125,7 +121,7 @@ def cross_check(engines: Path, components=None, provider: str = "auto", device: 
 def _component(engines, manifest, name, spec, src, *, geo, provider, device, seed, fp32=False) -> list[CrossCheckRow]:
     import onnx
 
-    from .compare import bound_for
+    from .compare import bound_for, fake_quant_bound
     from .dtypes import FLOAT_NAMES, torch_dtype
     from .fp8 import read_qdq
     from .runtime.executors import OnnxRuntimeExecutor
@@ -159,7 +155,7 @@ def _component(engines, manifest, name, spec, src, *, geo, provider, device, see
                       metric="max", decides=False)
         _fake_quantize(module, onnx_path, header, record)
         fp32 = bound_for(name, "fp32", spec.rtol_fp32)
-        bounds = [max(fp32, r.onnx_mean_error / RECIPE_FRACTION) for r in rows]
+        bounds = [fake_quant_bound(fp32, r.onnx_mean_error) for r in rows]
     against = "fake-quant module" if record else "module" if entry.precision in FLOAT_NAMES else "unquantized module"
     rows += _rows(name, entry.precision, tname, spec, module, feeds=feeds, got=got, points=points, bounds=bounds,
                   against=against, metric="mean" if record else "max")
