@@ -154,8 +154,8 @@ def _component(engines, manifest, name, spec, src, *, geo, provider, device, see
                       against="unquantized module",
                       metric="max", decides=False)
         _fake_quantize(module, onnx_path, header, record)
-        fp32 = bound_for(name, "fp32", spec.rtol_fp32)
-        bounds = [fake_quant_bound(fp32, r.onnx_mean_error) for r in rows]
+        fp32_bound = bound_for(name, "fp32", spec.rtol_fp32)
+        bounds = [fake_quant_bound(fp32_bound, r.onnx_mean_error) for r in rows]
     against = "fake-quant module" if record else "module" if entry.precision in FLOAT_NAMES else "unquantized module"
     rows += _rows(name, entry.precision, tname, spec, module, feeds=feeds, got=got, points=points, bounds=bounds,
                   against=against, metric="mean" if record else "max")
