@@ -149,7 +149,7 @@ def build(request: BuildRequest | None = None, *, progress: Callable[[str, str],
     req = dataclasses.replace(req, components=tuple(split_list(list(req.components))),
                               calibration=req.calibration.check())
     manifest, results = build_gpu(source, cfg, req, progress=progress)
-    return BuildSummary(cfg, source, req.out_dir, manifest, results, notes)
+    return BuildSummary(config=cfg, source=source, out_dir=req.out_dir, manifest=manifest, results=results, notes=notes)
 
 
 class CalibrationSummary(NamedTuple):

@@ -74,11 +74,13 @@ def bench_fluxtrt(pipe, label: str, h: int, w: int, batch: int, *, steps: int, r
     inside = statistics.median(sum(t.steps) for t in samples)
     cache = None if samples[0].cache is None else {
         "threshold": cache_threshold, **{k: statistics.median(t.cache[k] for t in samples) for k in ("computed", "skipped")}}
-    return Row(label, h, w, batch, steps, Measure.of(t.text_encoders for t in samples),
-               Measure.of(statistics.median(t.steps) for t in samples), Measure.of(t.vae for t in samples), total,
-               total.median / batch, 60 * batch / total.median, 1 - inside / total.median,
-               max((t.peak_memory_gb or 0) for t in samples) if samples[0].peak_memory_gb is not None else None,
-               cache=cache)
+    peak = max((t.peak_memory_gb or 0) for t in samples) if samples[0].peak_memory_gb is not None else None
+    return Row(system=label, height=h, width=w, batch=batch, steps=steps,
+               text_encoders_s=Measure.of(t.text_encoders for t in samples),
+               transformer_step_s=Measure.of(statistics.median(t.steps) for t in samples),
+               vae_decode_s=Measure.of(t.vae for t in samples), end_to_end_s=total,
+               seconds_per_image=total.median / batch, images_per_minute=60 * batch / total.median,
+               outside_transformer_share=1 - inside / total.median, peak_memory_gb=peak, cache=cache)
 
 
 class _CallTimer:
@@ -138,9 +140,12 @@ def bench_diffusers(dpipe, geo, h: int, w: int, batch: int, *, steps: int, runs:
             tm.close()
     total = Measure.of(r[0] for r in rows)
     inside = statistics.median(sum(r[2]) for r in rows)
-    return Row("diffusers", h, w, batch, steps, Measure.of(r[1] for r in rows),
-               Measure.of(statistics.median(r[2]) for r in rows), Measure.of(r[3] for r in rows), total,
-               total.median / batch, 60 * batch / total.median, 1 - inside / total.median, rows[0][4])
+    return Row(system="diffusers", height=h, width=w, batch=batch, steps=steps,
+               text_encoders_s=Measure.of(r[1] for r in rows),
+               transformer_step_s=Measure.of(statistics.median(r[2]) for r in rows),
+               vae_decode_s=Measure.of(r[3] for r in rows), end_to_end_s=total,
+               seconds_per_image=total.median / batch, images_per_minute=60 * batch / total.median,
+               outside_transformer_share=1 - inside / total.median, peak_memory_gb=rows[0][4])
 
 
 def add_ratios(ours: Row, base: Row) -> None:

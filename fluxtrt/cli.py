@@ -374,8 +374,10 @@ def bench(
 
     try:
         size_list, batch_list = ([int(v) for v in api.split_list([x])] for x in (sizes, batches))
-        opts = BenchOptions(size_list, batch_list, steps, runs, warmup, baseline, torch_dtype, compile, cuda_graph,
-                            api.image_inputs(image, mask, control_image), ort_provider, cache_threshold)
+        opts = BenchOptions(sizes=size_list, batches=batch_list, steps=steps, runs=runs, warmup=warmup,
+                            baseline=baseline, torch_dtype=torch_dtype, compile=compile, cuda_graph=cuda_graph,
+                            inputs=api.image_inputs(image, mask, control_image), ort_provider=ort_provider,
+                            cache_threshold=cache_threshold)
     except ValueError:
         raise FluxtrtError(f"--sizes and --batch take comma-separated integers, got {sizes!r} / {batches!r}") from None
     rows, meta, written = api.bench(engines, model, backend, opts, say=lambda line: r.console.print(line),
@@ -434,7 +436,8 @@ def serve(
     _quiet_libraries()
     from .serving import ServeArgs, serve_forever
 
-    args = ServeArgs(str(engines) if engines else None, model, backend, max_batch, max_queue, replicas,
+    args = ServeArgs(engines=str(engines) if engines else None, model=model, backend=backend, max_batch=max_batch,
+                     max_queue=max_queue, replicas=replicas,
                      torch_dtype=torch_dtype, calibration=str(calibration) if calibration else None,
                      cache_threshold=cache_threshold, compile=compile, size=size)
     serve_forever(args, host, port, address, r.out.print)

@@ -31,17 +31,19 @@ REGISTRY = {p.name: p for p in (
     Precision("fp32", "float32 everywhere"),
     Precision("fp16", "float16; norms, softmax and outputs stay fp32", zero_copy_graph="fp16"),
     Precision("bf16", "bfloat16; norms, softmax and outputs stay fp32", zero_copy_graph="bf16"),
-    Precision("fp8", "E4M3 weights and activations of the linear layers (calibrated)", _T, True, True, "bf16",
-              (8, 9), zero_copy_graph="bf16"),
-    Precision("fp8-attn", "fp8, plus E4M3 on both inputs of attention's two MatMuls", _T, True, True, "bf16",
-              (8, 9)),
-    Precision("int8", "W8A8 with SmoothQuant (full TensorRT only)", _T, True, True, "bf16",
-              backends=("tensorrt",)),
-    Precision("int8-wo", "INT8 weights, per-channel scales; activations in bf16", _T, True, False, "bf16"),
-    Precision("int4-wo", "INT4 weights in blocks of 128; activations in bf16", _T, True, False, "bf16"),
-    Precision("fp4", "NVFP4: E2M1 weights and activations in blocks of 16 with E4M3 block scales (calibrated "
-              "global scales; RTX 50-series)", _T, True, True, "bf16", (10, 0), zero_copy_graph="bf16",
-              instead="fp8"),
+    Precision(name="fp8", description="E4M3 weights and activations of the linear layers (calibrated)",
+              components=_T, recipe=True, calibrated=True, rest="bf16", min_cc=(8, 9), zero_copy_graph="bf16"),
+    Precision(name="fp8-attn", description="fp8, plus E4M3 on both inputs of attention's two MatMuls",
+              components=_T, recipe=True, calibrated=True, rest="bf16", min_cc=(8, 9)),
+    Precision(name="int8", description="W8A8 with SmoothQuant (full TensorRT only)", components=_T, recipe=True,
+              calibrated=True, rest="bf16", backends=("tensorrt",)),
+    Precision(name="int8-wo", description="INT8 weights, per-channel scales; activations in bf16", components=_T,
+              recipe=True, calibrated=False, rest="bf16"),
+    Precision(name="int4-wo", description="INT4 weights in blocks of 128; activations in bf16", components=_T,
+              recipe=True, calibrated=False, rest="bf16"),
+    Precision(name="fp4", description="NVFP4: E2M1 weights and activations in blocks of 16 with E4M3 block scales "
+              "(calibrated global scales; RTX 50-series)", components=_T, recipe=True, calibrated=True, rest="bf16",
+              min_cc=(10, 0), zero_copy_graph="bf16", instead="fp8"),
 )}
 FLOATS = tuple(n for n, p in REGISTRY.items() if not p.recipe)
 RECIPES = tuple(n for n, p in REGISTRY.items() if p.recipe)

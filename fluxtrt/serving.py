@@ -113,10 +113,11 @@ def parse_request(body: bytes, default_size: tuple[int, int], default_steps: int
     if data.get("response_format", "b64_json") != "b64_json":
         raise BadRequest("\"response_format\" must be \"b64_json\" (images are returned inline as base64 PNG)")
     width, height = parse_size(data.get("size", f"{default_size[1]}x{default_size[0]}"), "\"size\"")
-    return Generation(prompt, number("n", 1, int, 1, MAX_N), width, height,
-                      number("steps", default_steps, int, 1, MAX_STEPS), number("guidance", 3.5, float, 0.0, MAX_GUIDANCE),
-                      number("seed", 0, int, 0, 2**63 - 1 - MAX_N),
-                      number("cache_threshold", default_cache_threshold, float, 0.0, MAX_CACHE_THRESHOLD))
+    return Generation(prompt=prompt, n=number("n", 1, int, 1, MAX_N), width=width, height=height,
+                      steps=number("steps", default_steps, int, 1, MAX_STEPS),
+                      guidance=number("guidance", 3.5, float, 0.0, MAX_GUIDANCE),
+                      seed=number("seed", 0, int, 0, 2**63 - 1 - MAX_N),
+                      cache_threshold=number("cache_threshold", default_cache_threshold, float, 0.0, MAX_CACHE_THRESHOLD))
 
 
 def png_b64(image) -> str:

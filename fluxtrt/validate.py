@@ -211,6 +211,8 @@ def _rows(name, precision, tname, spec, module, *, feeds, got, points, bounds, a
         err, mean = relative_errors(out.to(ref.device), ref)
         e, r = (mean, pair_mean) if metric == "mean" else (err, pair)
         ok = bool(torch.isfinite(out).all()) and (e <= bound or e <= 2 * r)
-        rows.append(CrossCheckRow(name, precision, tname, point.batch, point.height, point.width, err, mean, pair,
-                                  pair_mean, bound, ok, against, decides, metric, kind))
+        rows.append(CrossCheckRow(component=name, precision=precision, torch_dtype=tname, batch=point.batch,
+                                  height=point.height, width=point.width, onnx_error=err, onnx_mean_error=mean,
+                                  reference=pair, reference_mean=pair_mean, bound=bound, ok=ok, against=against,
+                                  decides=decides, metric=metric, reference_kind=kind))
     return rows

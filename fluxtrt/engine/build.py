@@ -231,8 +231,9 @@ def build_engine(backend: Backend, onnx_path: Path, spec: ComponentSpec, geo: Ge
         for i in inputs
     }
     logger.file = None
-    built = BuiltEngine(writer.bytes, writer.sha.hexdigest(), network.num_layers, inputs, outputs, read_back,
-                        dict(logger.memory) or None, computed_layers(network))
+    built = BuiltEngine(bytes=writer.bytes, sha256=writer.sha.hexdigest(), layers=network.num_layers, inputs=inputs,
+                        outputs=outputs, profile=read_back,
+                        memory=dict(logger.memory) or None, computed_layers=computed_layers(network))
     del parser, network  # before the memory maps their weights point into
     del weights
     return built

@@ -64,8 +64,9 @@ def export_component(source: ModelSource, spec: ComponentSpec, out_dir: Path, dt
         if not mode.zero_copy and stale.is_dir():
             shutil.rmtree(stale)  # links of an earlier zero-copy export of this component
     size = sum(_written_bytes(p) for p in published)
-    return ExportResult(spec.name, out_dir / onnx_file.name, size, time.perf_counter() - t0, mode.external, max_err,
-                        mode.dtype, mode.record.as_json() if mode.record else None)
+    return ExportResult(component=spec.name, path=out_dir / onnx_file.name, bytes=size, seconds=time.perf_counter() - t0,
+                        external_data=mode.external, max_rel_err=max_err,
+                        dtype=mode.dtype, zero_copy=mode.record.as_json() if mode.record else None)
 
 
 def _validate(source, spec, mode, onnx_file: Path, on_phase) -> float:

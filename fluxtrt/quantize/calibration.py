@@ -172,13 +172,14 @@ def _cached(source, recipe: str, cache_dir: Path, prompts_file, size: int, *, st
     if path.exists():
         data = json.loads(path.read_text())
         if data.get("key") == key:
-            return Calibration(key, data["amax"], True, path, data["samples"], data.get("channel_amax"))
+            return Calibration(key=key, amax=data["amax"], cached=True, path=path, samples=data["samples"],
+                               channel_amax=data.get("channel_amax"))
     amax, channel, samples, extra = measure(prompts, sizes)
     write_json_atomic(path, {"key": key, "recipe": recipe, "model_hash": source.content_hash,
                              "prompts_file": str(prompts_file), "prompts": len(prompts), "steps": steps,
                              "sizes": sizes, "samples": samples, "amax": amax, "channel_amax": channel,
                              **key_extra, **extra})
-    return Calibration(key, amax, False, path, samples, channel)
+    return Calibration(key=key, amax=amax, cached=False, path=path, samples=samples, channel_amax=channel)
 
 
 def calibrate(source, model, onnx_sha: str, recipe: str, cache_dir: Path, *, prompts_file: Path | None = None,

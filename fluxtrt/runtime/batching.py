@@ -129,7 +129,8 @@ class ContinuousBatcher:
         self.pipe.step_cache(cache_threshold)  # one line where the executor cannot run the cache's parts
         if self._stop.is_set():
             raise ShuttingDown("the server is shutting down")
-        job = Job(prompt, height, width, steps, guidance, seed, n, cache_threshold=cache_threshold)
+        job = Job(prompt=prompt, height=height, width=width, steps=steps, guidance=guidance, seed=seed, n=n,
+                  cache_threshold=cache_threshold)
         with self._lock:
             if self._pending + n > self.max_queue:
                 raise QueueFull(f"{self._pending} images are queued (max {self.max_queue}); retry shortly")
@@ -224,10 +225,10 @@ class ContinuousBatcher:
         cond = prep.to(dev)
         guidance = torch.full([1], job.guidance, dtype=torch.float32).to(dev) if pipe.geo.guidance else None
         self._order += 1
-        return Sample(job, index, (wf.name, height, width, reference), cond.latents, cond,
-                      (prep.timesteps / 1000).to(dev), (prep.sigmas[1:] - prep.sigmas[:-1]).to(dev), guidance,
-                      pooled.to(dev), text.to(dev), cond.img_ids, order=self._order,
-                      cache=pipe.step_cache(job.cache_threshold))
+        return Sample(job=job, index=index, key=(wf.name, height, width, reference), latents=cond.latents, prep=cond,
+                      t_in=(prep.timesteps / 1000).to(dev), dts=(prep.sigmas[1:] - prep.sigmas[:-1]).to(dev),
+                      guidance=guidance, pooled=pooled.to(dev), text=text.to(dev), img_ids=cond.img_ids,
+                      order=self._order, cache=pipe.step_cache(job.cache_threshold))
 
     def _step(self, batch: list[Sample]) -> None:
         import torch

@@ -494,7 +494,8 @@ class Pipeline:
         if not (images.size and finite):
             raise NonFiniteError("vae_decoder produced NaN/Inf; build it in fp32 (`--precision vae_decoder=fp32`)")
         timings.cache = cache.summary() if cache is not None else None
-        return Result(images, timings, trace_latents, wf.name, height, width)
+        return Result(images=images, timings=timings, latents_per_step=trace_latents, workflow=wf.name, height=height,
+                      width=width)
 
     def decode(self, latents, height: int, width: int):
         """Packed latents [B, N, C] -> (uint8 images [B, H, W, 3], whether the VAE's output was finite): the one
@@ -544,9 +545,10 @@ class Pipeline:
         import torch
 
         generator = torch.Generator("cpu").manual_seed(seed)
-        return prepare_workflow(wf, Context(self.geo, self.scheduler_config, self.scaling_factor, self.shift_factor,
-                                            self._encode, generator, batch, height, width, steps, inputs,
-                                            self.noise_dtype()))
+        return prepare_workflow(wf, Context(geo=self.geo, scheduler_config=self.scheduler_config,
+                                            scaling_factor=self.scaling_factor, shift_factor=self.shift_factor,
+                                            encode=self._encode, generator=generator, batch=batch, height=height,
+                                            width=width, steps=steps, inputs=inputs, noise_dtype=self.noise_dtype()))
 
     def noise_dtype(self):
         """The dtype of the diffusers pipeline these components reproduce, which its noise is drawn in: the

@@ -150,7 +150,8 @@ def run_step(source, component: str, step: Step, *, force: bool, on_phase, valid
     seconds = time.perf_counter() - t0 - made.seconds_excluded
     detail = ", ".join(x for x in (made.detail, validation_text(max_err)) if x)
     written = files_bytes(made.path) if made.bytes is None else made.bytes
-    result = StageResult(component, step.stage, "built", seconds, detail, written, peak_rss_mb(), made.info)
+    result = StageResult(component=component, stage=step.stage, status="built", seconds=seconds, detail=detail,
+                         bytes_written=written, peak_rss_mb=peak_rss_mb(), info=made.info)
     return made.path, None, [result, *made.extra]
 
 
@@ -174,9 +175,10 @@ def export_step(source, component: str, folder: Path, dtype: str, *, zero_copy: 
         write_export_info(folder, source, dtype, DEFAULT_OPSET, exported, zero_copy=zero_copy)
 
     model_hash = source.layout_hash if zero_copy else source.content_hash
-    return Step("export", folder, export_inputs(model_hash), make, dtype, "exported",
-                "unchanged checkpoint (zero-copy)" if zero_copy else "unchanged model and exporter", reusable,
-                info_name=EXPORT_INFO, write=write, phase="export (zero-copy)" if zero_copy else "export")
+    return Step(stage="export", folder=folder, inputs=export_inputs(model_hash), make=make, dtype=dtype,
+                what="exported", reused="unchanged checkpoint (zero-copy)" if zero_copy else "unchanged model and exporter",
+                reusable=reusable, info_name=EXPORT_INFO, write=write,
+                phase="export (zero-copy)" if zero_copy else "export")
 
 
 def validated_or_removed(source, component: str, onnx_path: Path, dtype: str, what: str, *, validate: bool,

@@ -206,8 +206,9 @@ def _engine_stage(source, cfg, request: BuildRequest, *, spec, backend, rng, onn
                          optimization_level=cfg.builder_optimization_level, timing_cache=gpu_dir / "timing.cache",
                          log_file=log, weightless=request.weightless)
     seconds = time.perf_counter() - t0
-    result = StageResult(name, "build", "built", seconds, f"{built.layers} layers ({built.computed_layers} computed)",
-                         built.bytes, peak_rss_mb())
+    result = StageResult(component=name, stage="build", status="built", seconds=seconds,
+                         detail=f"{built.layers} layers ({built.computed_layers} computed)",
+                         bytes_written=built.bytes, peak_rss_mb=peak_rss_mb())
     manifest.components[name] = ComponentEntry(
         engine=engine_path.name, sha256=built.sha256, bytes=built.bytes, precision=dtype,
         onnx=str(onnx_path.relative_to(Path(gpu_dir).parent)), onnx_sha256=onnx_sha, build_key=key,

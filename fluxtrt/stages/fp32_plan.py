@@ -62,12 +62,14 @@ def _ensure_optimized(source, component, dtype, fp32_path, out_root, *, force, o
                                                                     out_root=out_root, calib=calib, on_phase=on_phase)
         nodes = [report.rows[0][1], report.rows[-1][2]]
         extra = [] if quant is None else [  # calibration + Q/DQ, timed inside; its bytes are the optimize output's
-            StageResult(component, "quantize", "built", quant_seconds, f"{quant['quantized_layers']} layers {dtype}",
-                        0, peak_rss_mb(), quant)]
+            StageResult(component=component, stage="quantize", status="built", seconds=quant_seconds,
+                        detail=f"{quant['quantized_layers']} layers {dtype}",
+                        bytes_written=0, peak_rss_mb=peak_rss_mb(), info=quant)]
         return Made(out_path, {"nodes": nodes, "quantization": quant}, f"{nodes[0]} -> {nodes[1]} nodes",
                     extra=extra, seconds_excluded=quant_seconds)
 
-    step = Step("optimize", folder, inputs, make, dtype, "optimized", "unchanged ONNX")
+    step = Step(stage="optimize", folder=folder, inputs=inputs, make=make, dtype=dtype, what="optimized",
+                reused="unchanged ONNX")
     path, entry, made = run_step(source, component, step, force=force, on_phase=on_phase, validate=validate)
     if not entry:
         return path, made

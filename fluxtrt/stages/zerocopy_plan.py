@@ -90,9 +90,10 @@ def _ensure_optimized(source, component, graph, zc_path, out_root, *, force, on_
         return Made(report.path, {"nodes": nodes, "zero_copy": report.zero_copy},
                     f"{nodes[0]} -> {nodes[1]} nodes (zero-copy)", report.zero_copy)
 
-    step = Step("optimize", folder, {"source_sha256": sha256_file(zc_path), "passes": list(DEFAULT_PASSES),
-                                     "dtype": graph, "fluxtrt": __version__},
-                make, graph, "optimized (zero-copy)", "unchanged zero-copy graph", _reusable)
+    inputs = {"source_sha256": sha256_file(zc_path), "passes": list(DEFAULT_PASSES), "dtype": graph,
+              "fluxtrt": __version__}
+    step = Step(stage="optimize", folder=folder, inputs=inputs, make=make, dtype=graph, what="optimized (zero-copy)",
+                reused="unchanged zero-copy graph", reusable=_reusable)
     path, entry, made = run_step(source, component, step, force=force, on_phase=on_phase, validate=validate)
     if entry:
         return path, StageResult(component, "optimize", "reused", 0.0, step.reused, info=entry.zero_copy)
@@ -117,8 +118,8 @@ def _ensure_quantized(source, component, recipe, zc_path, out_root, *, force, on
 
     inputs = {"source_sha256": sha256_file(zc_path), "recipe": recipe, "fluxtrt": __version__, "qdq_record": 1,
               "calibration": calibration_inputs(calib)}
-    step = Step("quantize", folder, inputs, make, recipe, "quantized (zero-copy)",
-                "unchanged zero-copy graph and calibration", _reusable)
+    step = Step(stage="quantize", folder=folder, inputs=inputs, make=make, dtype=recipe, what="quantized (zero-copy)",
+                reused="unchanged zero-copy graph and calibration", reusable=_reusable)
     path, entry, made = run_step(source, component, step, force=force, on_phase=on_phase, validate=validate)
     if entry:
         return path, StageResult(component, "quantize", "reused", 0.0, step.reused, info=entry.quantization)
