@@ -35,6 +35,10 @@ MAX_N = 8
 MAX_BODY_BYTES = 64 << 10  # a request is a prompt and a few numbers: 64 KiB is far more than the largest
 MAX_JSON_DEPTH = 8
 ROUTE = "/v1/images/generations"
+MAX_URL_CHARS = 2048  # path and query: the API's URLs are short; a longer one is refused before routing
+# The request's fields. "model" and "user" are OpenAI's own (its clients may send them): accepted, and they change
+# nothing (the engines decide the model). Any other name is refused, with the nearest known one.
+FIELDS = ("prompt", "n", "size", "steps", "guidance", "seed", "cache_threshold", "response_format", "model", "user")
 
 
 def too_large(size: str | int) -> TooLarge:
@@ -95,6 +99,9 @@ def parse_request(body: bytes, default_size: tuple[int, int], default_steps: int
         raise BadRequest(f"the body is not valid JSON ({e.__class__.__name__}); send a JSON object") from None
     if not isinstance(data, dict):
         raise BadRequest("the body must be a JSON object with at least \"prompt\"")
+    for key in data:
+        if key not in FIELDS:
+            raise BadRequest(unknown_field(key))
 
     def number(key, default, kind, lo, hi):
         value = data.get(key, default)
@@ -118,6 +125,15 @@ def parse_request(body: bytes, default_size: tuple[int, int], default_steps: int
                       guidance=number("guidance", 3.5, float, 0.0, MAX_GUIDANCE),
                       seed=number("seed", 0, int, 0, 2**63 - 1 - MAX_N),
                       cache_threshold=number("cache_threshold", default_cache_threshold, float, 0.0, MAX_CACHE_THRESHOLD))
+
+
+def unknown_field(key: str) -> str:
+    """The line for a field the API does not take: the nearest known name, and the list."""
+    import difflib
+
+    near = difflib.get_close_matches(key.lower(), FIELDS, n=1, cutoff=0.5)
+    hint = f' (did you mean "{near[0]}"?)' if near else ""
+    return f'unknown field "{key[:40]}"{hint}; the fields are {", ".join(FIELDS)}'
 
 
 def png_b64(image) -> str:
@@ -175,7 +191,7 @@ class Service:
     def health(self) -> dict:
         s = self.batcher.stats
         return {"status": "ok", "backend": self.backend, "model": self.pipe.geo.pipeline, "pid": os.getpid(),
-                "queued": s.queued, "running_batch": s.running_batch, "steps_run": s.steps_run,
+                "queued": s.queued, "running_batch": s.running_batch, "steps_run": s.steps_run, "cancelled": s.cancelled,
                 "max_batch": self.batcher.max_batch, "max_queue": self.batcher.max_queue}
 
     def metrics_text(self) -> str:
@@ -185,6 +201,7 @@ class Service:
                  "# TYPE fluxtrt_running_batch gauge", f'fluxtrt_running_batch{{replica="{pid}"}} {s.running_batch}',
                  "# TYPE fluxtrt_step_seconds gauge", f'fluxtrt_step_seconds{{replica="{pid}"}} {s.step_seconds:.6f}',
                  "# TYPE fluxtrt_steps_total counter", f'fluxtrt_steps_total{{replica="{pid}"}} {s.steps_run}',
+                 "# TYPE fluxtrt_cancelled_total counter", f'fluxtrt_cancelled_total{{replica="{pid}"}} {s.cancelled}',
                  "# TYPE fluxtrt_batch_steps_total counter"]
         lines += [f'fluxtrt_batch_steps_total{{replica="{pid}",batch="{b}"}} {n}'
                   for b, n in sorted(s.batch_histogram.items())]
@@ -210,6 +227,9 @@ class Service:
             return 400, _error(e), {}
         try:
             done = await asyncio.wrap_future(future)
+        except asyncio.CancelledError:  # the client went away (Ray Serve cancels the handler): stop its samples
+            self.batcher.cancel(future)
+            raise
         except ShuttingDown as e:
             return 503, _error(e), {"Retry-After": "5"}
         except FluxtrtError as e:
@@ -371,11 +391,11 @@ def app(args: dict | ServeArgs):
     `import_path` of a Serve config file (docs/serve-config.yaml) or of KubeRay's RayService
     (docs/kuberay-rayservice.yaml). `fluxtrt serve` runs the same application. The deployment is named
     FluxService (a config's `deployments:` entry overrides its replicas and resources)."""
-    from fastapi import FastAPI, Request
+    from fastapi import Request
     from ray import serve
 
     opts = args if isinstance(args, ServeArgs) else ServeArgs.parse(args)
-    api = FastAPI(title="fluxtrt", docs_url=None, redoc_url=None)
+    api = http_api()
 
     @serve.deployment(name="FluxService", num_replicas=opts.replicas,
                       max_ongoing_requests=opts.max_queue + max(opts.max_batch or 4, 1),
@@ -395,6 +415,45 @@ def app(args: dict | ServeArgs):
             return FluxService.metrics(self)
 
     return Deployment.bind(opts)
+
+
+def http_api():
+    """The FastAPI app the deployment's routes are added to: every answer it gives itself (no such route, a method
+    the route does not take, an over-long URL) is the API's JSON error shape, as the routes' own are."""
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
+
+    api = FastAPI(title="fluxtrt", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def answer(status: int, message: str, headers=None):
+        return JSONResponse({"error": {"message": message}}, status_code=status, headers=headers)
+
+    @api.exception_handler(HTTPException)
+    async def http_error(request, exc):
+        path = request.url.path[:80]
+        if exc.status_code == 404:
+            return answer(404, f"no route {path}; POST {ROUTE}, GET /health or GET /metrics")
+        if exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            return answer(405, f"{request.method} {path} is not allowed; use {allowed or 'POST'}"
+                          + (" with a JSON body" if path == ROUTE else ""), headers=exc.headers)
+        return answer(exc.status_code, str(exc.detail).splitlines()[0] if exc.detail else "HTTP error")
+
+    @api.exception_handler(RequestValidationError)
+    async def invalid(request, exc):
+        return answer(400, "the request is not valid; send a JSON object with at least \"prompt\"")
+
+    @api.middleware("http")
+    async def url_limit(request, call_next):
+        length = len(request.url.path) + len(request.url.query)
+        if length > MAX_URL_CHARS:
+            return answer(414, f"the URL has {length} characters, over the {MAX_URL_CHARS} limit; send settings in "
+                          "the JSON body")
+        return await call_next(request)
+
+    return api
 
 
 async def bounded_body(request) -> bytes | None:

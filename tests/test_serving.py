@@ -98,6 +98,9 @@ def test_batcher_refuses_bad_requests_and_a_full_queue():
     (b'{"prompt": "a", "seed": -1}', '"seed" must be in 0..'),
     (b'{"prompt": "a", "size": "big"}', '"size" must be "WIDTHxHEIGHT"'),
     (b'{"prompt": "a", "response_format": "url"}', '"response_format" must be "b64_json"'),
+    (b'{"prompt": "a", "stpes": 2, "sead": 5}', 'unknown field "stpes" (did you mean "steps"?); the fields are prompt,'),
+    (b'{"prompt": "a", "Seed": 5}', 'unknown field "Seed" (did you mean "seed"?)'),
+    (b'{"prompt": "a", "xyzzy": 1}', 'unknown field "xyzzy"; the fields are'),
 ])
 def test_bad_bodies_are_one_line(body, message):
     with pytest.raises(BadRequest) as e:
@@ -110,6 +113,102 @@ def test_request_defaults_are_run_defaults():
     assert (g.n, g.width, g.height, g.steps, g.guidance, g.seed) == (1, 1024, 768, 28, 3.5, 0)
     g = parse_request(b'{"prompt": "a", "size": "320x256", "n": 2, "seed": 9, "guidance": 5}', (1024, 1024), 4)
     assert (g.width, g.height, g.n, g.seed, g.guidance, g.steps) == (320, 256, 2, 9, 5.0, 4)
+
+
+def test_openai_fields_that_change_nothing_are_accepted():
+    g = parse_request(b'{"prompt": "a cat", "model": "dall-e-3", "user": "u1", "steps": 3}', (256, 256), 4)
+    assert (g.prompt, g.steps) == ("a cat", 3)
+
+
+def test_a_cancelled_request_leaves_at_the_next_step_and_the_counts_stay_true():
+    """Two requests of 1000 steps x 8 images whose clients went away stop running at the next step boundary: the
+    queue drops to what is left, a normal request behind them finishes after a handful of steps, not 1000."""
+    pipe = Pipeline(None, "torch", model=resolve_model("tiny-schnell"), device="cpu", torch_dtype="fp32")
+    batcher = ContinuousBatcher(pipe, max_batch=4, max_queue=64)
+    gone = [batcher.submit("a cat", 256, 256, 1000, seed=k, n=8) for k in range(2)]
+    batcher.step_once()
+    batcher.step_once()
+    assert batcher.stats.queued == 16
+    batcher.cancel(gone[0])
+    batcher.step_once()
+    assert batcher.stats.queued == 8 and batcher.stats.cancelled == 1
+    normal = batcher.submit("a dog", 256, 256, 2, seed=3)
+    batcher.cancel(gone[1])
+    batcher.run_until_idle()
+    assert batcher.stats.queued == 0 and batcher.stats.cancelled == 2 and batcher.stats.steps_run <= 6
+    alone = pipe.generate(["a dog"], 256, 256, 2, 3.5, seed=3).images[0]
+    assert diff(normal.result(timeout=0).images[0], alone) <= MAX_UINT8_DIFF
+    assert all(f.cancelled() for f in gone)
+
+
+def test_service_cancels_the_work_of_clients_that_gave_up():
+    """Seven clients give up after 0.3 s on {"steps": 1000, "n": 8} (Ray Serve cancels their handlers): a normal
+    request is answered within seconds, and /health's queue goes back to 0."""
+    svc = Service(None, "tiny-schnell", "torch", max_batch=4, max_queue=64, torch_dtype="fp32")
+    heavy = b'{"prompt": "a cat", "size": "256x256", "steps": 1000, "n": 8}'
+
+    async def scenario():
+        async def impatient():
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(svc.generate(heavy), 0.3)
+
+        await asyncio.gather(*(impatient() for _ in range(7)))
+        t0 = time.perf_counter()
+        status, _, _ = await svc.generate(b'{"prompt": "a dog", "size": "256x256", "steps": 2}')
+        return status, time.perf_counter() - t0
+
+    try:
+        status, seconds = asyncio.run(scenario())
+        assert status == 200 and seconds < 30, seconds
+        deadline = time.time() + 10
+        while svc.health()["queued"] and time.time() < deadline:
+            time.sleep(0.05)
+        health = svc.health()
+        assert health["queued"] == 0 and health["cancelled"] == 7, health
+        assert "fluxtrt_cancelled_total" in svc.metrics_text()
+    finally:
+        svc.close()
+
+
+def asgi(app, method: str, path: str, body: bytes = b"") -> tuple[int, dict]:
+    """One request through an ASGI app (no server, no HTTP client library): (status, JSON body)."""
+    sent, got = [{"type": "http.request", "body": body, "more_body": False}], {}
+    path, _, query = path.partition("?")
+
+    async def receive():
+        return sent.pop(0) if sent else {"type": "http.disconnect"}
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            got["status"] = message["status"]
+        elif message["type"] == "http.response.body":
+            got["body"] = got.get("body", b"") + message.get("body", b"")
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": query.encode(), "root_path": "",
+             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1), "server": ("t", 80)}
+    asyncio.run(app(scope, receive, send))
+    return got["status"], json.loads(got["body"])
+
+
+def test_the_apps_own_answers_are_the_json_error_shape():
+    """What FastAPI answers by itself (a GET on the generate path, no such route, an over-long URL) comes in the
+    documented {"error": {"message": ...}} shape, as the routes' own errors do."""
+    from fluxtrt.serving import MAX_URL_CHARS, ROUTE, http_api
+
+    api = http_api()
+
+    @api.post(ROUTE)
+    async def generations():
+        return {"data": []}
+
+    assert asgi(api, "POST", ROUTE) == (200, {"data": []})
+    status, body = asgi(api, "GET", ROUTE)
+    assert status == 405 and body["error"]["message"] == f"GET {ROUTE} is not allowed; use POST with a JSON body"
+    status, body = asgi(api, "GET", "/v1/images/generation")
+    assert status == 404 and body["error"]["message"].startswith("no route /v1/images/generation; POST")
+    status, body = asgi(api, "GET", ROUTE + "?" + "x" * (MAX_URL_CHARS + 1))
+    assert status == 414 and "over the 2048 limit" in body["error"]["message"]
 
 
 @pytest.mark.parametrize("args,message", [

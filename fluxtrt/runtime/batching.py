@@ -14,6 +14,8 @@ First-Block Cache (a request's `cache_threshold`, stepcache.py) decides per samp
 does: the head runs for the whole batch; when any sample's residual changed past its threshold the tail runs
 for the whole batch, and only those samples take (and keep) its output; the others take their kept residual.
 So a sample's image does not depend on its batch-mates' decisions.
+A request whose future is cancelled (its HTTP client went away: `Service.generate` cancels it) leaves at the next
+step boundary: its samples stop running and the queue no longer counts them.
 The library is usable without Ray: `submit` returns a `concurrent.futures.Future`, one thread runs the loop."""
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import collections
 import logging
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 from .. import flux_math as fm
@@ -50,6 +52,7 @@ class Job:
     created: float = field(default_factory=time.perf_counter)
     started: float | None = None  # first step
     cache_threshold: float = 0.0  # First-Block Cache, per sample (0: off)
+    settled: bool = False  # counted out of the queue (finished, failed or cancelled): exactly once
 
 
 @dataclass
@@ -90,6 +93,7 @@ class Stats:
     running_batch: int = 0  # size of the last transformer call
     step_seconds: float = 0.0  # duration of the last transformer call (+ Euler update)
     steps_run: int = 0
+    cancelled: int = 0  # requests whose client went away before they finished (their samples dropped)
     batch_histogram: dict = field(default_factory=lambda: collections.Counter())
 
 
@@ -159,8 +163,12 @@ class ContinuousBatcher:
             self._incoming.clear()
             self._active.clear()
         for job in jobs:
-            if not job.future.done():
-                job.future.set_exception(ShuttingDown("the server stopped before this request finished"))
+            self._finish(job, exception=ShuttingDown("the server stopped before this request finished"))
+
+    def cancel(self, future: Future) -> None:
+        """Drop the request of `future` at the next step boundary (its client went away); the loop wakes for it."""
+        future.cancel()
+        self._wake.set()
 
     def run_until_idle(self) -> None:
         """Run the loop in this thread until every submitted request is done (tests, batch jobs)."""
@@ -182,7 +190,8 @@ class ContinuousBatcher:
 
     def step_once(self) -> None:
         """Admit waiting requests, run one transformer step for the oldest bucket's samples (up to max_batch),
-        decode the samples that finished."""
+        decode the samples that finished. Requests cancelled since the last step leave first."""
+        self._drop_cancelled()
         self._admit()
         if not self._active:
             return
@@ -201,6 +210,19 @@ class ContinuousBatcher:
             except Exception as e:  # noqa: BLE001
                 self._fail(finished, e)
 
+    def _drop_cancelled(self) -> None:
+        with self._lock:
+            waiting = [job for job in self._incoming if job.future.cancelled()]
+            for job in waiting:
+                self._incoming.remove(job)
+        running = {id(s.job): s.job for s in self._active if s.job.future.cancelled()}
+        if running:
+            self._active = [s for s in self._active if id(s.job) not in running]
+        for job in [*waiting, *running.values()]:
+            if self._finish(job):
+                self.stats.cancelled += 1
+                log.info("dropped a cancelled request of %d image(s): its client went away", job.n)
+
     def _admit(self) -> None:
         import torch
 
@@ -209,6 +231,10 @@ class ContinuousBatcher:
                 if not self._incoming:
                     return
                 job = self._incoming.popleft()
+            if job.future.cancelled():
+                if self._finish(job):
+                    self.stats.cancelled += 1
+                continue
             try:
                 with self.pipe.on_stream():
                     pooled, text = self.pipe.encode_prompts([job.prompt])
@@ -281,18 +307,28 @@ class ContinuousBatcher:
                     if len(s.job.images) == s.job.n:
                         self._finish(s.job)
 
-    def _finish(self, job: Job, exception: Exception | None = None) -> None:
+    def _finish(self, job: Job, exception: Exception | None = None) -> bool:
+        """Count the job out of the queue (once) and settle its future unless its client cancelled it; False when
+        it was already counted out."""
         with self._lock:
-            if job.future.done():
-                return
+            if job.settled:
+                return False
+            job.settled = True
             self._pending -= job.n
             self.stats.queued = self._pending
-        if exception is not None:
-            job.future.set_exception(exception)
-        else:
-            now = time.perf_counter()
-            job.future.set_result(Finished([job.images[i] for i in range(job.n)], (job.started or now) - job.created,
-                                           now - job.created, [job.caches.get(i) for i in range(job.n)]))
+        if job.future.cancelled():  # its client went away: nobody waits for the result
+            return True
+        try:
+            if exception is not None:
+                job.future.set_exception(exception)
+            else:
+                now = time.perf_counter()
+                job.future.set_result(Finished(images=[job.images[i] for i in range(job.n)],
+                                               queue_seconds=(job.started or now) - job.created,
+                                               seconds=now - job.created, caches=[job.caches.get(i) for i in range(job.n)]))
+        except InvalidStateError:  # cancelled by its client meanwhile: nobody waits for the result
+            pass
+        return True
 
     def _fail(self, samples: list[Sample], e: Exception) -> None:
         jobs = {id(s.job): s.job for s in samples}
