@@ -202,8 +202,9 @@ def optimize(in_dir: Path, out_dir: Path, passes=None, dtype: str = "fp32", comp
         optimized graph that disagrees with the export."""
     from .compare import bound_for, compare_onnx
     from .components import specs_for
-    from .fileio import check_out_folder
+    from .fileio import check_out_folder, sha256_file
     from .models.source import resolve_model
+    from .onnxio import load_header
     from .optimize.pipeline import check_passes, optimize_file
     from .records import StageInfo
 
@@ -219,8 +220,18 @@ def optimize(in_dir: Path, out_dir: Path, passes=None, dtype: str = "fp32", comp
         raise FluxtrtError(f"optimize takes an fp32 export (its precision placement casts); {in_dir} is {dtype_in}")
     pass_names = check_passes(split_list(passes, unique=False) or None)
     geo = resolve_model(info.header["model"]).geometry
+    specs = specs_for(geo, split_list(components) or list(info.components))
+    for name in specs:  # every input checked before anything is written
+        if name not in info.components:
+            raise FluxtrtError(f"{in_dir} holds no {name} export (it has {', '.join(info.components)}); export it "
+                               f"with `fluxtrt export -c {name} --out {in_dir}`")
+        src = Path(in_dir) / info.components[name].file
+        if not src.is_file() or sha256_file(src) != info.components[name].sha256:
+            raise FluxtrtError(f"{src} is not the ONNX that export.json records (missing, truncated or edited); export "
+                               f"again with `fluxtrt export --out {in_dir}` (nothing was written)")
+        load_header(src)
     out = []
-    for name, spec in specs_for(geo, split_list(components) or list(info.components)).items():
+    for name, spec in specs.items():
         src = Path(in_dir) / info.components[name].file
         rep = optimize_file(src, Path(out_dir) / src.name, name, pass_names, dtype)
         check = compare_onnx(src, rep.path, spec, geo, bound_for(name, dtype, 1e-5))

@@ -91,9 +91,9 @@ def relative_error(actual, expected) -> float:
 
 def graph_io(onnx_path: Path):
     """(inputs, outputs) of an ONNX file as lists of (name, [dims]) without loading its weights."""
-    import onnx
+    from .onnxio import load_header
 
-    model = onnx.load(str(onnx_path), load_external_data=False)
+    model = load_header(onnx_path)
 
     def dims(vi):
         return [d.dim_param if d.HasField("dim_param") else d.dim_value for d in vi.type.tensor_type.shape.dim]

@@ -73,13 +73,32 @@ def read_external(onnx_path: Path, t):
     return memoryview(m)[offset:offset + length]
 
 
+def load_header(onnx_path: Path):
+    """The ONNX model's proto without its external data, checked: an empty, truncated or corrupt file (or one that
+    holds no graph) is one line naming it, never a protobuf traceback. The one way fluxtrt opens an ONNX file."""
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    path = Path(onnx_path)
+    fix = "export it again (`fluxtrt export`, or `fluxtrt build` reuses nothing broken)"
+    try:
+        size = path.stat().st_size
+        model = onnx.load(str(path), load_external_data=False) if size else None
+    except OSError as e:
+        raise FluxtrtError(f"cannot read {path}: {e.strerror}; {fix}") from None
+    except (DecodeError, ValueError, RuntimeError) as e:
+        raise FluxtrtError(f"{path} is not an ONNX model (truncated or corrupt: {type(e).__name__}); {fix}") from None
+    if model is None or not model.graph.node or not model.opset_import:
+        raise FluxtrtError(f"{path} is not an ONNX model ({'empty' if not size else 'no graph in it'}); {fix}")
+    return model
+
+
 def load_onnx(onnx_path: Path, load_data: bool = True, skip=()):
     """onnx.load that also follows fluxtrt's links into a checkpoint (data copied into the proto); tensors
     named in `skip` are left unloaded (they are filled from elsewhere)."""
-    import onnx
     from onnx import TensorProto
 
-    model = onnx.load(str(onnx_path), load_external_data=False)
+    model = load_header(onnx_path)
     if not load_data:
         return model
     for t in _all_tensors(model.graph):
@@ -94,10 +113,9 @@ def load_linked(onnx_path: Path):
     """A zero-copy graph for the graph passes: vectors (biases, norm scales: kilobytes even at full size) are
     read into the proto; matrices stay links into the checkpoint, never read (onnx-graphsurgeon keeps them as
     lazy constants and writes their references back unchanged)."""
-    import onnx
     from onnx import TensorProto
 
-    model = onnx.load(str(onnx_path), load_external_data=False)
+    model = load_header(onnx_path)
     for t in model.graph.initializer:
         if external_info(t) is not None and len(t.dims) <= 1:
             t.raw_data = bytes(read_external(onnx_path, t))

@@ -119,11 +119,10 @@ def cross_check(engines: Path, components=None, provider: str = "auto", device: 
 
 
 def _component(engines, manifest, name, spec, src, *, geo, provider, device, seed, fp32=False) -> list[CrossCheckRow]:
-    import onnx
-
     from .compare import bound_for, fake_quant_bound
     from .dtypes import FLOAT_NAMES, torch_dtype
     from .fp8 import read_qdq
+    from .onnxio import load_header
     from .runtime.executors import OnnxRuntimeExecutor
 
     entry = manifest.component(name)
@@ -133,7 +132,7 @@ def _component(engines, manifest, name, spec, src, *, geo, provider, device, see
         import torch
 
         ex.stream = torch.cuda.current_stream()
-    header = onnx.load(str(onnx_path), load_external_data=False) if entry.precision == "fp8" else None
+    header = load_header(onnx_path) if entry.precision == "fp8" else None
     # the fake-quant reference where the graph's weights are the checkpoint's own bf16 bytes (zero-copy path); a
     # copying build of an fp32 checkpoint rounds its weights to bf16, which the fp32 module does not
     zero_copy = (entry.quantization or {}).get("path") == "zero-copy"

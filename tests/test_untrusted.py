@@ -474,3 +474,61 @@ def test_help_reads_cleanly_at_80_and_120_columns():
     desc = [ln[13:-1].rstrip() for ln in rows]
     assert not any(len(a) < 40 and b and not b.startswith(" ") and a and a[-1] not in ".)" for a, b in
                    zip(desc, desc[1:]) if a.strip()), res.output
+
+
+# -- class: an output folder holding another model's engines -------------------------------------------------------
+def test_a_build_of_another_model_never_replaces_the_engines_there(engines, tmp_path):
+    """`build --model tiny-schnell` into a root whose 4090/ holds tiny's engines is refused in one line before any
+    work, and tiny's manifest and engines stay as they were."""
+    import shutil
+
+    folder, _ = engines
+    root = tmp_path / "root"
+    shutil.copytree(folder, root / "4090", symlinks=True)
+    before = snapshot(root)
+    hashes = {p: p.read_bytes() for p in (root / "4090").glob("*.engine")}
+    res = cli("build", "--gpu", "4090", "--model", "tiny-schnell", "--out", root, "-c", "clip")
+    one_line_exit_2(res)
+    assert "holds engines of tiny, not tiny-schnell: pass another --out" in res.output
+    assert snapshot(root) == before and all(p.read_bytes() == b for p, b in hashes.items())
+
+
+# -- class: broken ONNX files handed to `fluxtrt optimize` -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def clip_export(tmp_path_factory):
+    from fluxtrt import api
+
+    out = tmp_path_factory.mktemp("export-clip") / "onnx"
+    api.export("tiny", out, ["clip"], validate=False)
+    return out
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "garbage", "missing"])
+def test_optimize_on_a_broken_onnx_is_one_line_and_writes_nothing(clip_export, tmp_path, damage):
+    import shutil
+
+    src = tmp_path / "in"
+    shutil.copytree(clip_export, src)
+    onnx_file = src / "clip.onnx"
+    data = onnx_file.read_bytes()
+    if damage == "missing":
+        onnx_file.unlink()
+    else:
+        onnx_file.write_bytes({"empty": b"", "truncated": data[: len(data) // 3],
+                               "garbage": os.urandom(len(data))}[damage])
+    res = cli("optimize", "--in", src, "--out", tmp_path / "out", "-c", "clip")
+    one_line_exit_2(res)
+    assert "is not the ONNX that export.json records" in res.output and "nothing was written" in res.output
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("content,says", [(b"", "(empty)"), (b"\x0a\xff\xff\xff", "truncated or corrupt"),
+                                          (b"\x08\x07", "no graph in it")])
+def test_every_onnx_reader_refuses_a_broken_file_in_one_line(tmp_path, content, says):
+    from fluxtrt.onnxio import load_header, load_onnx
+
+    path = tmp_path / "x.onnx"
+    path.write_bytes(content)
+    for read in (load_header, load_onnx):
+        with pytest.raises(FluxtrtError, match=f"is not an ONNX model .*{says.replace('(', '.').replace(')', '.')}"):
+            read(path)

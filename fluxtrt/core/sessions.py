@@ -109,14 +109,13 @@ def runnable_session(onnx_path: Path, providers=("CPUExecutionProvider",), overr
     from a checkpoint into a weight-free ONNX. `providers`: ONNX Runtime's list (names or (name, options)
     pairs), the first one preferred. `widen`: run a bf16 graph widened to fp32 on any provider (`fluxtrt
     validate --fp32`: the graph's arithmetic checked apart from bf16 rounding)."""
-    import onnx
     from onnx import TensorProto, numpy_helper
 
-    from ..onnxio import load_onnx, onnxruntime, ort_session
+    from ..onnxio import load_header, load_onnx, onnxruntime, ort_session
 
     ort = onnxruntime()
     on_cpu = [p if isinstance(p, str) else p[0] for p in providers][0] == "CPUExecutionProvider"
-    header = onnx.load(str(onnx_path), load_external_data=False)
+    header = load_header(onnx_path)
     widen = ((widen or on_cpu) and _has_bf16(header)) or has_bf16_qdq(header)
     has_fp4 = any(t.data_type == TensorProto.FLOAT4E2M1 for t in header.graph.initializer)
     if not has_fp4:

@@ -152,11 +152,9 @@ class MappedWeights:
 def _parse(parser, onnx_path: Path) -> MappedWeights | None:
     """Parse an ONNX file, its external weights handed over as pointers into memory maps (see MappedWeights);
     None when parsing failed. The maps must outlive the parser and the build."""
-    import onnx
+    from ..onnxio import external_info, load_header, resolve_external
 
-    from ..onnxio import external_info, resolve_external
-
-    model = onnx.load(str(onnx_path), load_external_data=False)
+    model = load_header(onnx_path)
     external = [t for t in model.graph.initializer if external_info(t) is not None]
     weights = MappedWeights()
     if not external or not hasattr(parser, "load_initializer"):

@@ -10,6 +10,7 @@ from pathlib import Path
 from .. import __version__
 from ..components import ComponentSpec, Geometry, ShapePoint
 from ..dtypes import torch_dtype
+from ..onnxio import load_header
 
 
 def example_point(geo: Geometry) -> ShapePoint:
@@ -79,7 +80,7 @@ def finalize_graph(onnx_file: Path, spec: ComponentSpec) -> None:
     the exporter's per-node debug metadata (FX node text, class paths: most of a small graph's bytes)."""
     import onnx
 
-    model = onnx.load(str(onnx_file), load_external_data=False)
+    model = load_header(onnx_file)
     by_name = {t.name: t for t in spec.inputs + spec.outputs}
     for vi in list(model.graph.input) + list(model.graph.output):
         t = by_name.get(vi.name)

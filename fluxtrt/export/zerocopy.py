@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoint import StoredTensor, check_stored, link, missing_tensor
+from ..onnxio import load_header
 
 
 @dataclass
@@ -184,7 +185,7 @@ def relink(key: str, index: dict[str, StoredTensor], onnx_path: Path) -> ZeroCop
     template = template_path(key)
     if not template.exists() or not template.with_suffix(".json").exists():
         return None
-    model = onnx.load(str(template), load_external_data=False)
+    model = load_header(template)
     meta = json.loads(template.with_suffix(".json").read_text())
     prov = weightmap.read(model)
     links = linked_dir(onnx_path)

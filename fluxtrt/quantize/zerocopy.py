@@ -24,6 +24,7 @@ from typing import Callable
 
 from ..errors import FluxtrtError
 from ..fp8 import QDQ_KEY, activation_scale, to_e4m3, weight_scale
+from ..onnxio import load_header
 from .qdq import _Writer, linear_weight, plan
 
 ZERO_COPY_RECIPES = ("fp8", "fp4")
@@ -153,7 +154,7 @@ def quantize_zero_copy(onnx_in: Path, dest_dir: Path, recipe: str, module_amax: 
     if recipe not in ZERO_COPY_RECIPES:
         raise FluxtrtError(f"recipe {recipe} cannot be built from the zero-copy graph; build it with --copy-weights")
     onnx_in = Path(onnx_in)
-    model = onnx.load(str(onnx_in), load_external_data=False)
+    model = load_header(onnx_in)
     g = model.graph
     prov = weightmap.read(model)
     inits = {t.name: t for t in g.initializer}

@@ -176,13 +176,13 @@ class Pipeline:
         if entry is not None and entry.precision == "fp8":
             if calibration is not None:
                 raise FluxtrtError("--calibration: these engines' fp8 graph already holds its scales; drop it")
-            import onnx
+            from ..onnxio import load_header
 
             path = self.dir.parent / entry.onnx
             if not path.is_file():
                 raise ManifestError(f"the fp8 transformer's ONNX {path} is not here (an unpacked archive?); its scales "
                                     "are in it: build here, or copy the build's onnx/ folder beside the engines")
-            return {"scales": fp8.scales_from_graph(onnx.load(str(path), load_external_data=False))}
+            return {"scales": fp8.scales_from_graph(load_header(path))}
         if calibration is not None:
             return {"amax": fp8.read_calibration(calibration, model.content_hash)}
         return None

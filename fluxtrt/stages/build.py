@@ -122,6 +122,7 @@ def build_gpu(source: ModelSource, cfg: GpuConfig, request: BuildRequest | Path,
     rng = cfg.shape_range(request.static_shape)
     gpu_dir = Path(out_root) / cfg.key
     check_out_folder(Path(out_root))
+    check_same_model(gpu_dir, source, force=request.force)
     new_dir = not gpu_dir.exists()
     gpu_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -130,6 +131,17 @@ def build_gpu(source: ModelSource, cfg: GpuConfig, request: BuildRequest | Path,
     except BaseException as e:
         _after_failure(e, gpu_dir, new_dir, Path(out_root))
         raise
+
+
+def check_same_model(gpu_dir: Path, source: ModelSource, *, force: bool) -> None:
+    """A GPU folder holding another model's engines is never replaced silently: refused unless `force`. The same
+    model is the same name (its weights may have changed) or the same content (under another path)."""
+    old = read_manifest(gpu_dir, required=False)
+    if force or old is None or not old.components:
+        return
+    if old.model.id != source.id and old.model.hash != source.content_hash:
+        raise FluxtrtError(f"{gpu_dir} holds engines of {old.model.id}, not {source.id}: pass another --out (nothing "
+                           "was replaced), or --force to replace them")
 
 
 def _after_failure(e: BaseException, gpu_dir: Path, new_dir: bool, out_root: Path) -> None:
