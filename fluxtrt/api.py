@@ -426,7 +426,7 @@ def open_pipeline(opts: RunOptions):
         from .models.source import resolve_model
 
         source = resolve_model(opts.model)
-    choice = choose_backend(opts.backend, engines)
+    choice = choose_backend(opts.backend, engines, opts.fallback)
     provider = _ort_provider(opts.ort_provider, choice)
     choice.notes += _gpu_only_flags(opts, choice.backend, provider)
     if opts.cache_threshold > 0 and opts.cuda_graph:
@@ -588,6 +588,11 @@ class EngineCheck:
 class Inspection(NamedTuple):
     manifest: Manifest
     checks: list  # EngineCheck per component
+    problems: list = []  # what makes the folder unusable beyond the files: a stopped build, a broken weight map
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and all(c.file == "ok" for c in self.checks)
 
 
 def inspect(engine_dir: Path) -> Inspection:
@@ -628,7 +633,31 @@ def inspect(engine_dir: Path) -> Inspection:
         if why_not and validity != "-" and not validity.startswith("VALID"):
             validity = f"{validity.split(' (')[0]}: {why_not}"
         rows.append(EngineCheck(name, e, state, validity))
-    return Inspection(m, rows)
+    return Inspection(m, rows, _folder_problems(engine_dir, m))
+
+
+def _folder_problems(engine_dir: Path, m: Manifest) -> list:
+    """What `inspect` finds wrong beside the engine files: components a stopped build never made, weight maps that
+    do not read, a manifest whose model disagrees with the model assets beside it."""
+    from .components import Geometry
+    from .core.weightmap import read_map
+    from .models.source import check_model_ref
+
+    problems = []
+    if m.pending:
+        problems.append(f"incomplete: the build stopped before {', '.join(m.pending)}; run the same `fluxtrt build` "
+                        "again to finish it")
+    for name, e in m.components.items():
+        if e.weight_map is not None:
+            try:
+                read_map(Path(engine_dir) / e.weight_map)
+            except FluxtrtError as err:
+                problems.append(f"{name}: {err}")
+    try:
+        check_model_ref(m.model, Geometry.from_folder(Path(engine_dir) / "model"), m.workflows)
+    except FluxtrtError as err:
+        problems.append(str(err))
+    return problems
 
 
 class Archive(NamedTuple):

@@ -72,8 +72,9 @@ def friendly(fn):
         try:
             return fn(*args, **kwargs)
         except KeyboardInterrupt:
-            r.console.print("[yellow]interrupted[/]: nothing half-written was left behind")
-            raise typer.Exit(130) from None
+            by = "stopped by SIGTERM" if _STATE.get("terminated") else "interrupted"
+            r.console.print(f"[yellow]{by}[/]: nothing half-written was left behind")
+            raise typer.Exit(143 if _STATE.get("terminated") else 130) from None
         except Exception as e:
             line = None if _STATE["debug"] else _one_line(e)
             if line is None:
@@ -278,9 +279,11 @@ def inspect(engine_dir: Path = typer.Argument(..., help="A folder written by `fl
     machine's TensorRT can run it (and why not). Exit 2 when a file does not match the manifest."""
     from . import api
 
-    manifest, rows = api.inspect(engine_dir)
-    r.inspection(manifest, rows)
-    bad = [f"{row.component}: {row.file.split(' (')[0].split(':')[0]}" for row in rows if row.file != "ok"]
+    found = api.inspect(engine_dir)
+    r.inspection(found.manifest, found.checks)
+    bad = [f"{row.component}: {row.file.split(' (')[0].split(':')[0]}" for row in found.checks if row.file != "ok"]
+    if found.problems:
+        raise FluxtrtError("; ".join(found.problems[:3]))
     if bad:
         raise FluxtrtError(f"{len(bad)} engine file(s) do not match the manifest ({', '.join(bad)}); rebuild with "
                            "`fluxtrt build` or unpack the archive again")
@@ -461,7 +464,17 @@ def optimize(
     r.optimize_reports(api.optimize(in_dir, out_dir, passes, dtype, components), out_dir)
 
 
+def _terminated(signum, frame):
+    """SIGTERM (Kubernetes, CI, `kill`) stops a command as Ctrl-C does: temp files and locks are removed on the
+    way out, one line is printed, and the exit code is 143."""
+    _STATE["terminated"] = True
+    raise KeyboardInterrupt
+
+
 def run_cli():  # entry point
+    import signal
+
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         app()
     except BrokenPipeError:

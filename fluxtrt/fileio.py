@@ -71,7 +71,7 @@ def atomic_file(path: Path):
     (readers see the old file or the new one), on an error removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)  # remove_stale_staging's prefix
     try:
         with os.fdopen(fd, "wb") as f:
             yield f
@@ -148,11 +148,15 @@ def exclusive_lock(folder: Path, what: str = "fluxtrt build"):
 
 
 def remove_stale_staging(folder: Path) -> int:
-    """Staging folders left by a killed run (only call while holding the folder's lock)."""
+    """Staging folders and temp files (`.tmp-*`) left by a killed run (only call while holding the folder's lock)."""
     n = 0
-    for tmp in Path(folder).rglob(".tmp-*"):
-        if tmp.is_dir():
+    for tmp in sorted(Path(folder).rglob(".tmp-*"), key=lambda p: len(p.parts)):
+        if tmp.is_dir() and not tmp.is_symlink():
             shutil.rmtree(tmp, ignore_errors=True)
+            n += 1
+        elif tmp.is_file() or tmp.is_symlink():
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
             n += 1
     return n
 

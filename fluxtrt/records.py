@@ -136,17 +136,25 @@ class Manifest:
     pixel_multiple: int
     components: dict[str, ComponentEntry] = field(default_factory=dict)
     workflows: list = field(default_factory=lambda: ["txt2img", "img2img"])  # what `fluxtrt run` can do with them
+    pending: list = field(default_factory=list)  # components the build was asked for and has not finished yet
     schema: int = SCHEMA
 
     @property
     def sm(self) -> str:
         return "sm" + self.compute_capability.replace(".", "")
 
+    def missing(self, names) -> list:
+        """Which of `names` have no engine here (e.g. the build was stopped before them)."""
+        return [n for n in names if n not in self.components]
+
     def component(self, name: str) -> ComponentEntry:
         try:
             return self.components[name]
         except KeyError:
             have = ", ".join(self.components) or "none"
+            if self.pending:
+                raise ManifestError(f"the build of these engines stopped before {', '.join(self.pending)} (it has "
+                                    f"{have}); run the same `fluxtrt build` again to finish it") from None
             raise ManifestError(f"the manifest has no {name} engine (it has {have}); "
                                 f"build it with `fluxtrt build --components {name}`") from None
 
@@ -329,6 +337,9 @@ def check_manifest(m: Manifest, folder: Path) -> None:
         raise bad("shape_range", sr)
     if not _is_int(m.pixel_multiple, 1):
         raise bad("pixel_multiple", m.pixel_multiple)
+    for key in ("workflows", "pending"):
+        if not all(isinstance(v, str) for v in getattr(m, key)):
+            raise bad(key, getattr(m, key))
     for name, e in m.components.items():
         shapes_ok = all(isinstance(k, str) and isinstance(v, dict) and all(
             isinstance(v.get(p), list) and all(_is_int(d) for d in v[p]) for p in ("min", "opt", "max"))

@@ -1,4 +1,4 @@
-"""Faults: concurrent builds, a build killed mid-way, a full disk. Nothing half-written may be trusted."""
+"""Faults: concurrent builds, a build stopped mid-way (SIGTERM), a full disk. Nothing half-written may be trusted."""
 
 import errno
 import os
@@ -27,12 +27,19 @@ def test_second_build_into_the_same_folder_fails_clearly(tiny_schnell, tmp_path)
 
 
 @pytest.mark.slow
-def test_killed_build_resumes_with_only_the_missing_work(tiny_schnell, tmp_path):
+def test_sigterm_mid_build_cleans_up_then_inspect_run_and_the_rebuild_know(tiny_schnell, tmp_path):
+    """SIGTERM (Kubernetes, CI) mid-build: one line, exit 143, no lock, no temp file, a build.log that says where it
+    stopped; `inspect` says incomplete (exit 2), `run` names the missing engines, and the next build does only the
+    missing work. (SIGKILL's leftovers: test_untrusted's stale temp file test.)"""
+    from typer.testing import CliRunner
+
+    from fluxtrt.cli import app
+
     comps = "clip,vae_decoder,vae_encoder"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "fluxtrt.cli", "build", "--gpu", "4090", "--model", "tiny-schnell",
-                             "--out", str(tmp_path), "-c", comps], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                             "--out", str(tmp_path), "-c", comps], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     manifest_path = tmp_path / "4090" / "manifest.json"
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
@@ -40,18 +47,32 @@ def test_killed_build_resumes_with_only_the_missing_work(tiny_schnell, tmp_path)
         if m and m.components:
             break
         time.sleep(0.1)
-    assert proc.poll() is None, "the build finished before it could be killed"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    assert proc.poll() is None, "the build finished before it could be stopped"
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 143 and "stopped by SIGTERM" in output and "Traceback" not in output, output
+    leftovers = [p.name for p in tmp_path.rglob("*") if p.name.startswith((".tmp-", ".fluxtrt.lock"))]
+    assert not leftovers, leftovers
+    log = (tmp_path / "4090" / "build.log").read_text()
+    assert "== stopped (KeyboardInterrupt" in log and "not built:" in log, log
     done = set(read_manifest(tmp_path / "4090").components)
     assert done and done != set(comps.split(","))
+
+    res = CliRunner().invoke(app, ["inspect", str(tmp_path / "4090")])
+    assert res.exit_code == 2 and "incomplete: the build stopped before" in " ".join(res.output.split()), res.output
+    res = CliRunner().invoke(app, ["run", "--engines", str(tmp_path / "4090"), "--prompt", "a fox", "--backend",
+                                   "onnxruntime", "--out", str(tmp_path / "x.png")])
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2 and "is an unfinished build: it has no" in said and "run the same `fluxtrt build` again" \
+        in said, res.output
+
     manifest, results = build_gpu(tiny_schnell, load_gpu("4090"), tmp_path, components=comps.split(","))
     status = {(r.component, r.stage): r.status for r in results}
     for c in comps.split(","):
         assert status[(c, "build")] == ("reused" if c in done else "built"), (c, status)
         e = manifest.components[c]
         assert sha256_file(tmp_path / "4090" / e.engine) == e.sha256
-    assert not list(tmp_path.rglob(".tmp-*"))  # the killed run's staging folders were cleared
+    assert manifest.pending == [] and read_manifest(tmp_path / "4090").pending == []
 
 
 def test_disk_full_before_writing_names_the_need(tmp_path, monkeypatch):

@@ -532,3 +532,55 @@ def test_every_onnx_reader_refuses_a_broken_file_in_one_line(tmp_path, content, 
     for read in (load_header, load_onnx):
         with pytest.raises(FluxtrtError, match=f"is not an ONNX model .*{says.replace('(', '.').replace(')', '.')}"):
             read(path)
+
+
+# -- class: an edited manifest, a truncated weight map ---------------------------------------------------------------
+@pytest.mark.parametrize("edit,says", [
+    (lambda m: m["model"].update(id="tiny-fill"), "names the model 'tiny-fill', whose engines are a dev FluxFillPipeline"),
+    (lambda m: m["model"].update(id="tiny-schnell", variant="schnell"), "the manifest's model is a schnell FluxPipeline"),
+    (lambda m: m["model"].update(pipeline="FluxFillPipeline"), "model assets are a dev FluxPipeline"),
+    (lambda m: m.update(workflows=["txt2img", "fill"]), "are not what a FluxPipeline serves"),
+])
+def test_an_edited_model_in_the_manifest_is_caught_by_inspect_and_run(engines, tmp_path, edit, says):
+    folder, manifest = engines
+    changed = copy.deepcopy(manifest)
+    edit(changed)
+    dest = with_manifest(folder, changed, tmp_path)
+    for args in (["inspect", dest], ["run", "--engines", dest, "--prompt", "a fox", "--backend", "onnxruntime",
+                                     "--out", tmp_path / "x.png"]):
+        res = cli(*args)
+        one_line_exit_2(res)
+        assert says in " ".join(res.output.split()), res.output
+    assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "not a map"])
+def test_inspect_reads_every_weight_map(engines, tmp_path, damage):
+    folder, manifest = engines
+    dest = with_manifest(folder, manifest, tmp_path)
+    path = dest / "t5.weights.json"
+    text = path.read_text()
+    path.write_text({"truncated": text[: len(text) // 2], "empty": "", "not a map": "[1, 2]"}[damage])
+    res = cli("inspect", dest)
+    one_line_exit_2(res)
+    assert "t5.weights.json" in " ".join(res.output.split()) and "rebuild the engines" in res.output
+
+
+def test_a_stale_temp_file_of_a_killed_build_is_removed_by_the_next(tmp_path):
+    """SIGKILL leaves an engine's temp file (nothing can catch it); the next build, holding the lock, removes it."""
+    from fluxtrt.fileio import atomic_file, remove_stale_staging
+
+    gpu = tmp_path / "4090"
+    gpu.mkdir()
+    try:
+        with atomic_file(gpu / "transformer.engine") as f:
+            f.write(b"x" * 10)
+            temp = next(gpu.glob(".tmp-transformer.engine-*"))  # the temp name remove_stale_staging knows
+            os.link(temp, gpu / ".tmp-transformer.engine-killed")  # what a kill at this point leaves
+            raise RuntimeError("stop")
+    except RuntimeError:
+        pass
+    (gpu / ".tmp-model-x").mkdir()
+    (gpu / "keep.engine").write_bytes(b"1")
+    assert remove_stale_staging(tmp_path) == 2
+    assert sorted(p.name for p in gpu.iterdir()) == ["keep.engine"]

@@ -13,7 +13,7 @@ from ..components import Geometry
 from ..errors import FluxtrtError, ModelSourceError
 from .random_arch import MARKER as RANDOM_MARKER
 from .random_arch import RANDOM_NAMES, random_component, random_model_dir
-from .tiny import TINY_NAMES, tiny_model_dir
+from .tiny import TINY_NAMES, TINY_PIPELINES, tiny_model_dir
 
 REQUIRED = ("transformer", "text_encoder", "text_encoder_2", "vae", "tokenizer", "tokenizer_2", "scheduler")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -182,3 +182,25 @@ def check_safetensors(folder: Path) -> None:
 
     for shard in sorted(folder.glob("*/*.safetensors")):
         read_header(shard)  # raises naming the file and its size
+
+
+def check_model_ref(ref, geo: Geometry, workflows) -> None:
+    """An engine folder's manifest says which model its engines are of (`model`: id, variant, pipeline) and what
+    they serve (`workflows`); all of it is untrusted (a manifest is a text file anyone can edit). It must agree
+    with the model assets copied beside the engines (`geo`, from model/) and, for an embedded model's name, with
+    that model. One line naming the field otherwise."""
+    from ..core.workflows import for_model
+
+    fix = "rebuild with `fluxtrt build` or unpack the archive again"
+    if ref.pipeline != geo.pipeline or ref.variant != geo.variant:
+        raise ModelSourceError(f"the manifest's model is a {ref.variant} {ref.pipeline}, but the engines' model assets "
+                               f"are a {geo.variant} {geo.pipeline} (an edited manifest?); {fix}")
+    if ref.id in TINY_NAMES and (TINY_NAMES[ref.id], TINY_PIPELINES.get(ref.id, "FluxPipeline")) != (
+            ref.variant, ref.pipeline):
+        raise ModelSourceError(f"the manifest names the model {ref.id!r}, whose engines are a "
+                               f"{TINY_NAMES[ref.id]} {TINY_PIPELINES.get(ref.id, 'FluxPipeline')}, but its engines "
+                               f"are a {ref.variant} {ref.pipeline} (an edited manifest?); {fix}")
+    served = sorted(w.name for w in for_model(geo))
+    if sorted(workflows) != served:
+        raise ModelSourceError(f"the manifest's workflows {sorted(workflows)} are not what a {geo.pipeline} serves "
+                               f"({', '.join(served)}); {fix}")

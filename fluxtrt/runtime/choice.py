@@ -18,10 +18,11 @@ class BackendChoice:
     notes: list = field(default_factory=list)  # each choice said once, for the user
 
 
-def choose_backend(requested: str, engines: Path | None) -> BackendChoice:
+def choose_backend(requested: str, engines: Path | None, fallback=()) -> BackendChoice:
     """`auto`: the TensorRT executor where this GPU can run the engines; else PyTorch on a CUDA GPU (e.g.
-    TensorRT-RTX engines on Hopper); else ONNX Runtime. Components the manifest lacks fall back to PyTorch;
-    engines larger than the free GPU memory (weight streaming excepted) run in PyTorch on the CPU."""
+    TensorRT-RTX engines on Hopper); else ONNX Runtime. Components the manifest lacks fall back to PyTorch, except
+    those a stopped build never made (refused, naming them, unless the user's `fallback` names them); engines
+    larger than the free GPU memory (weight streaming excepted) run in PyTorch on the CPU."""
     if requested not in BACKENDS:
         raise FluxtrtError(f"--backend {requested}: choose {', '.join(BACKENDS)}")
     if engines is None:
@@ -31,6 +32,13 @@ def choose_backend(requested: str, engines: Path | None) -> BackendChoice:
         return BackendChoice("torch")
     manifest = read_manifest(engines)
     missing = [c for c in RUN_COMPONENTS if c not in manifest.components]
+    asked = {x.split("@")[0] for f in fallback or () for x in str(f).split(",")}
+    stopped = [c for c in missing if c in manifest.pending and c not in asked]
+    if stopped:
+        have = ", ".join(manifest.components) or "none"
+        raise FluxtrtError(f"{engines} is an unfinished build: it has no {', '.join(stopped)} engine(s) (it has {have}); "
+                           f"run the same `fluxtrt build` again to finish it, or pass --fallback {','.join(stopped)} "
+                           "to run them in PyTorch")
     notes = [f"no engine for {', '.join(missing)}: running PyTorch for it"] if missing else []
     if requested != "auto":
         return BackendChoice(requested, missing, notes)

@@ -166,20 +166,36 @@ def _build_locked(source, cfg, request: BuildRequest, *, backend, specs, rng, gp
         manifest = _new_manifest(source, cfg, backend, rng, gpu_dir)
         results = []
         copy_model_assets(source, gpu_dir)
+        manifest.pending = list(specs)  # until each is built: `inspect` and `run` name what a stopped build lacks
+        manifest.write(gpu_dir)
         with open(gpu_dir / "build.log", "a") as log:
             log.write(f"== fluxtrt {__version__} build {cfg.key} ({backend.name} {backend.version}) "
                       f"model {source.id} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-            for name, spec in specs.items():
-                on_phase = lambda p, n=name: progress(n, p)  # noqa: E731
-                onnx_path, res = ensure_onnx(source, name, cfg.precision[family(name)], out_root, request.force,
-                                             on_phase=on_phase, calib=calib, zero_copy=request.zero_copy,
-                                             validate=request.validate)
-                results.extend(res)
-                results.append(_engine_stage(source, cfg, request, spec=spec, backend=backend, rng=rng,
-                                             onnx_path=onnx_path, res=res, manifest=manifest, gpu_dir=gpu_dir,
-                                             log=log, on_phase=on_phase))
+            log.flush()
+            try:
+                _build_each(source, cfg, request, specs=specs, backend=backend, rng=rng, gpu_dir=gpu_dir,
+                            progress=progress, calib=calib, manifest=manifest, results=results, log=log)
+            except BaseException as e:  # Ctrl-C, SIGTERM, an error: the log says where the build stopped
+                log.write(f"== stopped ({type(e).__name__}: {str(e)[:200]}); not built: {', '.join(manifest.pending)}\n")
+                raise
         manifest.write(gpu_dir)
         return manifest, results
+
+
+def _build_each(source, cfg, request: BuildRequest, *, specs, backend, rng, gpu_dir, progress, calib, manifest,
+                results, log) -> None:
+    out_root = request.out_dir
+    for name, spec in specs.items():
+        on_phase = lambda p, n=name: progress(n, p)  # noqa: E731
+        onnx_path, res = ensure_onnx(source, name, cfg.precision[family(name)], out_root, request.force,
+                                     on_phase=on_phase, calib=calib, zero_copy=request.zero_copy,
+                                     validate=request.validate)
+        results.extend(res)
+        results.append(_engine_stage(source, cfg, request, spec=spec, backend=backend, rng=rng,
+                                     onnx_path=onnx_path, res=res, manifest=manifest, gpu_dir=gpu_dir,
+                                     log=log, on_phase=on_phase))
+        manifest.pending.remove(name)
+        manifest.write(gpu_dir)
 
 
 def _new_manifest(source, cfg, backend, rng, gpu_dir) -> Manifest:
