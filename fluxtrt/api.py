@@ -273,7 +273,9 @@ def read_prompts(prompt: str | None, prompts_file: Path | None) -> list[str]:
             raise FluxtrtError(f"cannot read {prompts_file}: {e.strerror}") from None
         except UnicodeDecodeError as e:
             raise FluxtrtError(f"{prompts_file} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
-        prompts = [line.strip() for line in text.splitlines() if line.strip()]
+        # a BOM (Windows editors write one) and CR line ends are the file's encoding, not the prompt's text
+        lines = (line.replace("\ufeff", "").replace("\r", "").strip() for line in text.splitlines())
+        prompts = [line for line in lines if line]
         if not prompts:
             raise FluxtrtError(f"{prompts_file} has no prompts (one per line)")
         return prompts

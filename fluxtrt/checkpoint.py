@@ -138,6 +138,23 @@ def read_stored(t: StoredTensor):
     return np.frombuffer(raw, dtype=np_dtype(numpy_name(t))).reshape(t.shape)
 
 
+def check_finite(arr, file, key: str):
+    """`arr` as is, or one line naming the file and tensor when a float tensor holds NaN or Inf (a broken download or
+    fine-tune): said when the weights load, not blamed on the engine's precision after a run."""
+    import numpy as np
+
+    if arr.dtype.kind in "iub":
+        return arr
+    try:
+        finite = bool(np.isfinite(arr).all())
+    except TypeError:  # a float type numpy's ufunc lacks: compare in fp32
+        finite = bool(np.isfinite(arr.astype(np.float32)).all())
+    if not finite:
+        raise FluxtrtError(f"{file}: tensor {key} holds NaN or Inf; this checkpoint is broken (download or export it "
+                           "again)")
+    return arr
+
+
 class CheckpointReader:
     """Tensors of one component folder's safetensors shards, read by key."""
 
@@ -150,7 +167,7 @@ class CheckpointReader:
         if t is None:
             raise FluxtrtError(f"your checkpoint {self.folder} has no tensor '{key}', which the engine needs; "
                                "is it the same model (dev/schnell, same architecture) the engines were built for?")
-        return read_stored(t)
+        return check_finite(read_stored(t), t.file, key)
 
 
 def link(links: Path, stored: StoredTensor) -> str:

@@ -123,10 +123,11 @@ def _component(engines, manifest, name, spec, src, *, geo, provider, device, see
     from .dtypes import FLOAT_NAMES, torch_dtype
     from .fp8 import read_qdq
     from .onnxio import load_header
+    from .records import built_onnx
     from .runtime.executors import OnnxRuntimeExecutor
 
     entry = manifest.component(name)
-    onnx_path = engines.parent / entry.onnx
+    onnx_path = built_onnx(engines, entry)
     ex = OnnxRuntimeExecutor(name, entry, onnx_path, spec, geo, provider=provider, widen=fp32)
     if device == "cuda":
         import torch

@@ -204,14 +204,18 @@ def test_corrupt_onnx_or_manifest_is_refused(fp32_engines, tmp_path):
 
 
 def test_cli_run_writes_png(fp32_engines, tmp_path):
+    """`run` writes PNGs with their settings, also when the engine folder is reached through a symbolic link (its
+    ONNX is found in the linked build's root)."""
     from PIL import Image
     from typer.testing import CliRunner
 
     from fluxtrt.cli import app
 
     _, engines = fp32_engines("tiny-schnell")
+    link = tmp_path.parent / f"{tmp_path.name}-engines-link"  # an engine folder reached through a symbolic link
+    link.symlink_to(engines, target_is_directory=True)
     out = tmp_path / "img.png"
-    res = CliRunner().invoke(app, ["run", "--prompt", "a cat", "--engines", str(engines), "--height", "256",
+    res = CliRunner().invoke(app, ["run", "--prompt", "a cat", "--engines", str(link), "--height", "256",
                                    "--width", "384", "--batch", "2", "--out", str(out)])
     assert res.exit_code == 0, res.output
     for i in range(2):

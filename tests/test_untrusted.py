@@ -172,6 +172,17 @@ def test_prompts_file_that_is_not_prompts(engines, tmp_path):
         assert says in res.output, res.output
 
 
+@pytest.mark.parametrize("raw", [b"\xef\xbb\xbfa red fox\r\nthe sea\r\n", b"\xef\xbb\xbfa red fox\rthe sea\r",
+                                 "a red fox\n\ufeffthe sea\n".encode()])
+def test_prompts_file_encoding_marks_stay_out_of_the_prompts(tmp_path, raw):
+    """A BOM and CR line ends (Windows editors) are the file's encoding: the prompts (which the PNGs record) are
+    the text alone."""
+    from fluxtrt.api import read_prompts
+
+    (tmp_path / "p.txt").write_bytes(raw)
+    assert read_prompts(None, tmp_path / "p.txt") == ["a red fox", "the sea"]
+
+
 # -- class: safetensors headers ---------------------------------------------------------------------------------
 def safetensors_bytes(header: dict, data: bytes) -> bytes:
     raw = json.dumps(header).encode()
@@ -318,6 +329,36 @@ def test_images_16_bit_bomb_tiny_and_resized(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="fluxtrt"):
         load_resized(tmp_path / "small.png", "--image", 256, 256)
     assert "--image is 40x24: resized to 256x256" in caplog.text
+
+
+@pytest.mark.parametrize("fmt,options", [("PNG", {}), ("TIFF", {"compression": "group4"})])
+def test_a_decompression_bomb_gets_the_pixel_limit_line_in_every_format(tmp_path, fmt, options):
+    """20000x20000 px (400 MP): Pillow refuses it while opening, before fluxtrt reads the size; the line is the
+    same pixel-limit line as for a 65 MP image."""
+    from fluxtrt.core.image_inputs import WorkflowError, load_image
+
+    path = tmp_path / f"huge.{fmt.lower()}"
+    Image.new("1", (20000, 20000)).save(path, fmt, **options)
+    with pytest.raises(WorkflowError, match="is over the 64 MP limit; pass an image of at most a few megapixels"):
+        load_image(path, "--image")
+
+
+def test_exif_orientation_is_applied_as_diffusers_does(tmp_path):
+    """A phone photo stored sideways with EXIF orientation 6: the image used is the upright one, as diffusers'
+    load_image gives (exif_transpose), pixel for pixel."""
+    from diffusers.utils import load_image as diffusers_load_image
+
+    from fluxtrt.core.image_inputs import load_image
+
+    rng = np.random.default_rng()
+    stored = rng.integers(0, 256, (48, 80, 3), dtype=np.uint8)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: rotate 90 degrees clockwise to display
+    Image.fromarray(stored).save(tmp_path / "phone.jpg", exif=exif.tobytes(), quality=95)
+    ours = load_image(tmp_path / "phone.jpg", "--image")
+    theirs = diffusers_load_image(str(tmp_path / "phone.jpg"))
+    assert ours.size == (48, 80) == theirs.size
+    assert np.array_equal(np.asarray(ours), np.asarray(theirs))
 
 
 @FUZZ

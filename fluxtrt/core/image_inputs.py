@@ -28,8 +28,8 @@ MIN_IMAGE_SIDE = 16  # the pixel multiple: a smaller image holds no latent pixel
 def load_image(value, flag: str):
     """An RGB PIL image from a path (or a PIL image as is), checked as untrusted input: a pixel limit read from the
     header before decoding, at least 16 px a side, 16-bit and float images scaled to 8 bits (not clipped), alpha
-    dropped as diffusers' load_image does. One line naming the flag otherwise."""
-    from PIL import Image, UnidentifiedImageError
+    dropped and the EXIF orientation applied as diffusers' load_image does. One line naming the flag otherwise."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     if isinstance(value, Image.Image):
         return value
@@ -45,10 +45,13 @@ def load_image(value, flag: str):
             if min(w, h) < MIN_IMAGE_SIDE:
                 raise WorkflowError(f"{flag} {path} is {w}x{h} px; pass an image at least {MIN_IMAGE_SIDE} px a side")
             img.load()
-            return _to_rgb(img)
+            return _to_rgb(ImageOps.exif_transpose(img))  # a camera's orientation tag applied, as diffusers does
     except WorkflowError:
         raise
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError, EOFError) as e:
+    except Image.DecompressionBombError:  # Pillow refuses before reading the size out: the same limit, said so
+        raise WorkflowError(f"{flag} {path} is over the {MAX_IMAGE_PIXELS >> 20} MP limit; pass an image of at most "
+                            "a few megapixels") from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError) as e:
         raise WorkflowError(f"{flag} {path} is not a readable image ({type(e).__name__}); pass a PNG or JPEG") from None
 
 

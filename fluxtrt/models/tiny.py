@@ -32,7 +32,21 @@ LATENT_CHANNELS = 4
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("FLUXTRT_CACHE", Path.home() / ".cache" / "fluxtrt"))
+    """fluxtrt's cache folder (the tiny models, graph templates, compiled kernels), made if missing: FLUXTRT_CACHE
+    with `~` expanded (empty or blank means unset), else ~/.cache/fluxtrt. One line naming FLUXTRT_CACHE when it
+    cannot be a writable folder."""
+    from ..errors import FluxtrtError
+
+    value = os.environ.get("FLUXTRT_CACHE", "").strip()
+    folder = Path(value).expanduser().absolute() if value else Path.home() / ".cache" / "fluxtrt"
+    where = f"FLUXTRT_CACHE={value}" if value else f"the cache folder {folder}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise FluxtrtError(f"cannot make {where} ({e.strerror}); set FLUXTRT_CACHE to a writable folder") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise FluxtrtError(f"{where} is not writable; set FLUXTRT_CACHE to a writable folder")
+    return folder
 
 
 def tiny_model_dir(name: str) -> Path:

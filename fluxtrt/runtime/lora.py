@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..checkpoint import read_header, read_stored
+from ..checkpoint import check_finite, read_header, read_stored
 from ..dtypes import cast
 from ..errors import FluxtrtError
 
@@ -29,9 +29,11 @@ class Lora:
         for module, p in pairs.items():
             if "lora_A" not in p or "lora_B" not in p:
                 raise FluxtrtError(f"{path}: {module} lacks lora_A or lora_B")
-            a, b = read_stored(p["lora_A"]).astype("float32"), read_stored(p["lora_B"]).astype("float32")
+            a, b = (check_finite(read_stored(p[part]), path, f"{module}.{part}.weight").astype("float32")
+                    for part in ("lora_A", "lora_B"))
             rank = a.shape[0]
-            alpha = float(read_stored(p["alpha"]).reshape(-1)[0]) if "alpha" in p else rank
+            alpha = float(check_finite(read_stored(p["alpha"]), path, f"{module}.alpha").reshape(-1)[0]) \
+                if "alpha" in p else rank
             self.deltas[f"{module}.weight"] = (b @ a) * (scale * alpha / rank)
 
     def wrap(self, get):

@@ -17,7 +17,7 @@ from .. import flux_math as fm
 from ..components import TRANSFORMER_PARTS, Geometry, ShapePoint, specs_for
 from ..core.workflows import ImageInputs, select
 from ..errors import FluxtrtError, NonFiniteError, RequestError  # noqa: F401 - defined in errors.py, raised here
-from ..records import IMAGE_COMPONENTS, RUN_COMPONENTS, ManifestError, is_number, read_manifest
+from ..records import IMAGE_COMPONENTS, RUN_COMPONENTS, ManifestError, built_onnx, is_number, read_manifest
 from .executors import (
     OnnxRuntimeExecutor,
     TorchExecutor,
@@ -190,7 +190,7 @@ class Pipeline:
                 raise FluxtrtError("--calibration: these engines' fp8 graph already holds its scales; drop it")
             from ..onnxio import load_header
 
-            path = self.dir.parent / entry.onnx
+            path = built_onnx(self.dir, entry)
             if not path.is_file():
                 raise ManifestError(f"the fp8 transformer's ONNX {path} is not here (an unpacked archive?); its scales "
                                     "are in it: build here, or copy the build's onnx/ folder beside the engines")
@@ -234,7 +234,7 @@ class Pipeline:
         specs = specs_for(self.geo, names)
         for name in names:
             e, ws = self.manifest.component(name), sources[name]
-            onnx_path = self.dir / e.weightfree_onnx if ws is not None else self.dir.parent / e.onnx
+            onnx_path = self.dir / e.weightfree_onnx if ws is not None else built_onnx(self.dir, e)
             if ws is None and not onnx_path.exists() and e.weightfree_onnx and (self.dir / e.weightfree_onnx).exists():
                 raise ManifestError(f"{name}: this engine folder has no ONNX of its build machine (an unpacked "
                                     "archive?); ONNX Runtime runs its weight-free ONNX with your checkpoint: "
