@@ -146,6 +146,9 @@ def build(request: BuildRequest | None = None, *, progress: Callable[[str, str],
     if req.model is None:
         notes.append("no --model given: built the embedded random-weight `tiny` model (its images are noise)")
     source = resolve_model(req.model or "tiny")
+    if source.embedded:
+        notes.append(f"the embedded model {source.id} is a diffusers folder at {source.path}: pass it to `run --weights` "
+                     "(or make a LoRA for it) to try your own weights on these engines")
     req = dataclasses.replace(req, components=tuple(split_list(list(req.components))),
                               calibration=req.calibration.check())
     manifest, results = build_gpu(source, cfg, req, progress=progress)
@@ -155,6 +158,7 @@ def build(request: BuildRequest | None = None, *, progress: Callable[[str, str],
 class CalibrationSummary(NamedTuple):
     source: object  # ModelSource
     calibration: object  # quantize.calibration.Calibration: amax, path, key, cached, samples
+    graph: object = None  # the copying path's graph ranges (an fp32 checkpoint's build reuses them), or None
 
 
 def calibrate(model: str, out_dir: Path, recipe: str = "fp8", settings: CalibrationSettings | None = None,
@@ -165,7 +169,9 @@ def calibrate(model: str, out_dir: Path, recipe: str = "fp8", settings: Calibrat
     Args: model; out_dir: the build root; recipe: a calibrated recipe (fp8, fp8-attn, int8, fp4); settings:
         CalibrationSettings; zero_copy: from a bf16 checkpoint, ranges per nn.Linear measured in PyTorch (else
         ranges of the optimized fp32 graph measured in ONNX Runtime); on_prompt: (done, total) callback.
-    Returns: CalibrationSummary (source, calibration).
+    Returns: CalibrationSummary (source, calibration, graph): `calibration` is the file `run --backend torch
+        --calibration` takes (fp8: ranges by module, whatever the checkpoint's dtype); for a checkpoint the zero-copy
+        plan refuses (e.g. stored in fp32), `graph` holds the graph's ranges the build reuses.
     Raises: FluxtrtError for a weight-only or unknown recipe, a bad model, output folder or prompts file."""
     from .models.source import resolve_model
     from .precisions import CALIBRATED
@@ -181,9 +187,13 @@ def calibrate(model: str, out_dir: Path, recipe: str = "fp8", settings: Calibrat
     check_out_folder(Path(out_dir))
     source = resolve_model(model)
     if zero_copy and zero_copy_plan_refusal(source, "transformer", recipe) is None:
-        return source, calibrate_zero_copy(source, Path(out_dir), settings, on_prompt)
+        return CalibrationSummary(source, calibrate_zero_copy(source, Path(out_dir), settings, on_prompt))
     graph = optimized_fp32_transformer(source, Path(out_dir))
-    return source, calibrate_graph(source, graph, recipe, Path(out_dir), settings)
+    graph_ranges = calibrate_graph(source, graph, recipe, Path(out_dir), settings)
+    if recipe != "fp8":  # the PyTorch transformer computes fp8 alone: no module ranges for the others
+        return CalibrationSummary(source, graph_ranges)
+    # the PyTorch path (`run --backend torch --calibration`) reads ranges by module, measured in PyTorch
+    return CalibrationSummary(source, calibrate_zero_copy(source, Path(out_dir), settings, on_prompt), graph_ranges)
 
 
 class Optimized(NamedTuple):

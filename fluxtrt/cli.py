@@ -235,10 +235,15 @@ def calibrate(
 
     settings = CalibrationSettings(size, steps, prompts, opt_resolution=resolution, device=device)
     with r.console.status("calibrating (running the reference pipeline over the prompts)...") as st:
-        source, cal = api.calibrate(model, out_dir, recipe, settings, zero_copy,
-                                    on_prompt=lambda d, n: st.update(f"calibrating: {d}/{n} prompts"))
-    state = "reused the cache" if cal.cached else f"measured {cal.samples} transformer calls"
-    r.out.print(f"{recipe} calibration for {source.id}: {len(cal.amax)} activation ranges, {state} -> {cal.path}")
+        done = api.calibrate(model, out_dir, recipe, settings, zero_copy,
+                             on_prompt=lambda d, n: st.update(f"calibrating: {d}/{n} prompts"))
+    for cal in (done.graph, done.calibration):
+        if cal is not None:
+            state = "reused the cache" if cal.cached else f"measured {cal.samples} transformer calls"
+            what = "graph ranges for `fluxtrt build`" if cal is done.graph else "activation ranges"
+            use = " (for `fluxtrt build`, and `run --backend torch --calibration`)" if cal is done.calibration and \
+                recipe == "fp8" else ""
+            r.out.print(f"{recipe} calibration for {done.source.id}: {len(cal.amax)} {what}, {state} -> {cal.path}{use}")
 
 
 @app.command()

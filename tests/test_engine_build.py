@@ -180,6 +180,10 @@ def test_cli_build_and_inspect(tmp_path):
     assert ("clip", "build") in [(c, p) for _, c, p in phases] and ("vae_decoder", "done") in [(c, p) for _, c, p in phases]
     assert [float(t) for t, _, _ in phases] == sorted(float(t) for t, _, _ in phases)
     assert "vae_decoder" in res.output and "built" in res.output
+    from fluxtrt.models.source import resolve_model
+
+    said = " ".join(res.output.split())  # where the embedded checkpoint lives, for --weights and LoRAs
+    assert f"the embedded model tiny-schnell is a diffusers folder at {resolve_model('tiny-schnell').path}" in said
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0 and "Nothing to do" in res.output
     res = CliRunner().invoke(app, ["inspect", str(tmp_path / "4090")])

@@ -43,6 +43,35 @@ def test_readme_python_example_runs(tmp_path, monkeypatch):
     assert done.paths == [Path("fox.png")] and (tmp_path / "fox.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
+def test_readme_fast_pytorch_path_runs_as_written_on_tiny(tmp_path, monkeypatch):
+    """The README's two fast-path commands, as written, with the embedded model for ./FLUX.1-dev (stored in fp32,
+    so the copying path's calibration) and the file `calibrate` printed for calibration-XXXX.json. Only a small
+    calibration and one 256² step are added, to keep CI short: --compile and --cuda-graph stay."""
+    import shlex
+
+    from typer.testing import CliRunner
+
+    from fluxtrt.cli import app
+
+    (block,) = [b for b in _blocks() if "fluxtrt calibrate --model ./FLUX.1-dev --out work" in b]
+    calibrate, run = (shlex.split(line.replace("./FLUX.1-dev", "tiny"), comments=True)[1:]
+                      for line in block.strip().splitlines())
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(app, [*calibrate, "--calibration-size", "2", "--calibration-steps", "1",
+                                   "--resolution", "256"])
+    assert res.exit_code == 0, res.output
+    printed = re.search(r"-> (\S+calibration-[0-9a-f]+\.json) \(for `fluxtrt build`, and `run --backend torch "
+                        r"--calibration`\)", " ".join(res.output.split()))
+    assert printed, res.output
+    run = [printed[1] if a == "work/calibration/calibration-XXXX.json" else a for a in run]
+    assert printed[1] in run and "--compile" in run and "--cuda-graph" in run
+    res = CliRunner().invoke(app, [*run, "--steps", "1", "--height", "256", "--width", "256"])
+    assert res.exit_code == 0, res.output
+    assert "fp8 recipe emulated" in res.output
+    assert (tmp_path / "fluxtrt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_readme_is_a_short_guide():
     """At most 2,000 words, no paragraph (outside code blocks) over 120 words; details live in docs/."""
     text = re.sub(r"```.*?```", "", (ROOT / "README.md").read_text(), flags=re.S)

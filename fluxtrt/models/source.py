@@ -44,6 +44,11 @@ class ModelSource:
         return (self.path / RANDOM_MARKER).exists()
 
     @property
+    def embedded(self) -> bool:
+        """One of fluxtrt's own random-weight models (tiny..., random:...), written to the cache folder."""
+        return self.id in TINY_NAMES or self.id in RANDOM_NAMES
+
+    @property
     def variant(self) -> str:
         return self.geometry.variant
 
