@@ -198,7 +198,7 @@ def calibrate(model: str, out_dir: Path, recipe: str = "fp8", settings: Calibrat
 
 class Optimized(NamedTuple):
     component: str
-    report: object  # optimize.pipeline.OptimizeReport
+    report: object  # optimize.graph.OptimizeReport
     check: object  # compare.Check against the export
 
 
@@ -215,7 +215,7 @@ def optimize(in_dir: Path, out_dir: Path, passes=None, dtype: str = "fp32", comp
     from .fileio import check_out_folder, sha256_file
     from .models.source import resolve_model
     from .onnxio import load_header
-    from .optimize.pipeline import check_passes, optimize_file
+    from .optimize.graph import check_passes, optimize_file
     from .records import StageInfo
 
     check_out_folder(Path(out_dir))

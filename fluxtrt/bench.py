@@ -232,7 +232,7 @@ def run_bench(pipe, source, backend: str, opts: BenchOptions, say=lambda line: N
         src = source or resolve_model(pipe.manifest.model.id)
         on_gpu = pipe.device.type == "cuda"
         dpipe = src.load_pipeline(torch_dtype(opts.torch_dtype) if on_gpu else torch.float32, pipe.device.type,
-                                  pipeline=wf.pipeline)
+                                  diffusers_pipeline=wf.diffusers_pipeline)
         dpipe.set_progress_bar_config(disable=True)
         # diffusers eager is the baseline of the ratios; with --compile diffusers compiled is measured too
         baselines = [("diffusers", dpipe.transformer)]

@@ -39,7 +39,7 @@ class Geometry:
     latent_channels: int
     vae_scale_factor: int
     out_channels: int = 0  # transformer output channels (0: as in_channels)
-    pipeline: str = "FluxPipeline"  # model_index.json's class: which workflows the model serves (workflows/)
+    model_class: str = "FluxPipeline"  # model_index.json's class: which workflows the model serves (core/workflows.py)
     transformer_dim: int = 0  # the transformer's hidden width (heads x head dim): its blocks' activations
 
     @property
@@ -70,7 +70,7 @@ class Geometry:
                                "re-download it)") from None
         sizes = [v for v in dataclasses.astuple(geo) if not isinstance(v, str)]
         if not all(isinstance(v, int) and not isinstance(v, bool) and 0 < v < 1 << 20 for v in sizes) \
-                or not isinstance(geo.pipeline, str):
+                or not isinstance(geo.model_class, str):
             raise FluxtrtError(f"the configs in {folder} give sizes {sizes} that no FLUX.1 model has; rebuild or "
                                "re-download the folder")
         return geo
@@ -83,7 +83,7 @@ class Geometry:
         tr, clip, t5, vae = cfg("transformer"), cfg("text_encoder"), cfg("text_encoder_2"), cfg("vae")
         variant = "dev" if tr.get("guidance_embeds", False) else "schnell"
         index = Path(folder) / "model_index.json"
-        pipeline = json.loads(index.read_text()).get("_class_name", "FluxPipeline") if index.exists() else "FluxPipeline"
+        model_class = json.loads(index.read_text()).get("_class_name", "FluxPipeline") if index.exists() else "FluxPipeline"
         return cls(
             variant=variant,
             clip_length=CLIP_LENGTH,
@@ -96,7 +96,7 @@ class Geometry:
             latent_channels=vae["latent_channels"],
             vae_scale_factor=2 ** (len(vae["block_out_channels"]) - 1),
             out_channels=tr.get("out_channels") or tr["in_channels"],
-            pipeline=pipeline,
+            model_class=model_class,
             # absent keys take FluxTransformer2DModel's defaults, as diffusers loads such a config
             transformer_dim=tr.get("num_attention_heads", 24) * tr.get("attention_head_dim", 128),
         )

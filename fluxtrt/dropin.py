@@ -267,15 +267,15 @@ def open_engines(engines=None, **options):
     return pipe
 
 
-def load_pipeline(engines=None, pipeline: str | None = None, **options):
+def load_pipeline(engines=None, diffusers_pipeline: str | None = None, **options):
     """A ready diffusers pipeline on the engines in `engines`: the class their manifest records (FluxPipeline,
-    FluxFillPipeline, FluxControlPipeline, FluxKontextPipeline), or `pipeline` (e.g. "FluxImg2ImgPipeline" on
+    FluxFillPipeline, FluxControlPipeline, FluxKontextPipeline), or `diffusers_pipeline` (e.g. "FluxImg2ImgPipeline" on
     FLUX.1-dev engines that include the vae_encoder), with the engines' tokenizers and scheduler config and
     engine-backed modules. `options`: `fluxtrt run`'s (see `open_engines`)."""
     import diffusers
 
     pipe = open_engines(engines, **options)
-    name = pipeline or pipe.geo.pipeline
+    name = diffusers_pipeline or pipe.geo.model_class
     cls = getattr(diffusers, name, None)
     if not (isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline) and name.startswith("Flux")):
         raise DropInError(f"{name} is not a diffusers FLUX pipeline; pass one of FluxPipeline, FluxImg2ImgPipeline, "

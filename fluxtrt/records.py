@@ -115,7 +115,7 @@ class ModelRef:
     id: str
     hash: str
     variant: str
-    pipeline: str = "FluxPipeline"  # model_index.json's class: which workflows the engines serve
+    model_class: str = "FluxPipeline"  # model_index.json's class: which workflows the engines serve
 
 
 @dataclass
@@ -167,7 +167,10 @@ class Manifest:
     def from_json(cls, data: dict) -> "Manifest":
         fields = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in fields}
-        kwargs["model"] = ModelRef(**data["model"])
+        model = dict(data["model"]) if isinstance(data["model"], dict) else data["model"]
+        if isinstance(model, dict) and "pipeline" in model:  # its name before 0.1.0's manifests said model_class
+            model.setdefault("model_class", model.pop("pipeline"))
+        kwargs["model"] = ModelRef(**model)
         kwargs["components"] = {n: ComponentEntry.from_json(e) for n, e in data["components"].items()}
         kwargs["schema"] = SCHEMA
         return cls(**kwargs)

@@ -188,7 +188,7 @@ def validate_rows(rows) -> None:
 def inspection(m, checks) -> None:
     out.print(f"[bold]{escape(m.gpu_name)}[/] ({m.gpu}, {m.sm}) built by {m.backend} {m.backend_version}, fluxtrt "
               f"{m.fluxtrt}; model {escape(m.model.id)} ({m.model.variant}, {m.model.hash[:12]}); shapes "
-              f"{m.shape_range}; workflows {', '.join(m.workflows)} ({m.model.pipeline})")
+              f"{m.shape_range}; workflows {', '.join(m.workflows)} ({m.model.model_class})")
     rows = []
     for c in checks:
         prof = ", ".join(f"{k} {v['min']}..{v['max']}" for k, v in c.entry.profile.items())

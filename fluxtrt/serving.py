@@ -190,7 +190,7 @@ class Service:
 
     def health(self) -> dict:
         s = self.batcher.stats
-        return {"status": "ok", "backend": self.backend, "model": self.pipe.geo.pipeline, "pid": os.getpid(),
+        return {"status": "ok", "backend": self.backend, "model": self.pipe.geo.model_class, "pid": os.getpid(),
                 "queued": s.queued, "running_batch": s.running_batch, "steps_run": s.steps_run, "cancelled": s.cancelled,
                 "max_batch": self.batcher.max_batch, "max_queue": self.batcher.max_queue}
 
@@ -502,7 +502,7 @@ def check_servable(engines: Path | None, model: str | None, backend: str) -> Non
         raise FluxtrtError("pass --engines DIR (built by `fluxtrt build`), or --backend torch with --model")
     if engines is not None:
         manifest = read_manifest(Path(engines))
-        pipeline, workflows = manifest.model.pipeline, manifest.workflows
+        model_class, workflows = manifest.model.model_class, manifest.workflows
     else:
         from .core.workflows import for_model
         from .models.source import resolve_model
@@ -510,9 +510,9 @@ def check_servable(engines: Path | None, model: str | None, backend: str) -> Non
         if backend != "torch":
             raise FluxtrtError("--model serves the PyTorch modules: add --backend torch (or pass --engines DIR)")
         geo = resolve_model(model).geometry
-        pipeline, workflows = geo.pipeline, [w.name for w in for_model(geo)]
+        model_class, workflows = geo.model_class, [w.name for w in for_model(geo)]
     if "txt2img" not in workflows:
-        raise FluxtrtError(f"fluxtrt serve runs text-to-image; these are {pipeline} engines ({', '.join(workflows)}): "
+        raise FluxtrtError(f"fluxtrt serve runs text-to-image; these are {model_class} engines ({', '.join(workflows)}): "
                            "use `fluxtrt run` for them")
 
 

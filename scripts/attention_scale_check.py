@@ -50,8 +50,8 @@ def main() -> None:
     from fluxtrt.core.sessions import runnable_session
     from fluxtrt.export import export_component
     from fluxtrt.models.source import resolve_model
+    from fluxtrt.optimize.graph import optimize_zero_copy
     from fluxtrt.optimize.passes import DEFAULT_PASSES
-    from fluxtrt.optimize.pipeline import optimize_zero_copy
     from fluxtrt.validate import relative_errors
 
     work = Path(tempfile.mkdtemp(prefix="attention-scale-"))

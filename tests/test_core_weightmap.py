@@ -19,7 +19,7 @@ def optimized(source, component, out, dtype):
     """Export (once per checkpoint and component) then optimize at `dtype`."""
     from fluxtrt.export import export_component
     from fluxtrt.onnxio import load_onnx
-    from fluxtrt.optimize.pipeline import optimize_model
+    from fluxtrt.optimize.graph import optimize_model
 
     key = (str(source.path), component)
     if key not in _EXPORTS:

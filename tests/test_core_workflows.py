@@ -61,7 +61,7 @@ def diffusers_call(pipe, src, workflow, prompts, h, w, steps, guidance, seed, in
 
 
 def reference(src, workflow, prompts, h, w, steps, guidance, seed, inputs):
-    pipe = src.load_pipeline(pipeline=WORKFLOWS[workflow].pipeline)
+    pipe = src.load_pipeline(diffusers_pipeline=WORKFLOWS[workflow].diffusers_pipeline)
     return diffusers_call(pipe, src, workflow, prompts, h, w, steps, guidance, seed, inputs)
 
 
@@ -126,8 +126,8 @@ def test_requests_a_model_cannot_serve_are_one_line(model, given, message):
 
 
 def test_every_declared_workflow_has_its_runtime_preparation():
-    """core/workflows.py declares, runtime/workflows.py prepares: one function per workflow, by name."""
-    from fluxtrt.runtime.workflows import PREPARE
+    """core/workflows.py declares, runtime/prepare.py prepares: one function per workflow, by name."""
+    from fluxtrt.runtime.prepare import PREPARE
 
     assert set(PREPARE) == set(WORKFLOWS) and len(WORKFLOWS) == 5
     assert all(PREPARE[name].__name__ == name for name in WORKFLOWS)
@@ -226,7 +226,7 @@ def test_cli_unreadable_image_is_one_line(tmp_path, make, message):
 @pytest.mark.parametrize("workflow", list(MODEL))
 def test_engines_build_with_the_workflows_profile(engines, workflow):
     src, folder, manifest = engines(MODEL[workflow])
-    assert workflow in manifest.workflows and manifest.model.pipeline == src.geometry.pipeline
+    assert workflow in manifest.workflows and manifest.model.model_class == src.geometry.model_class
     parts = set() if workflow == "control" else {"transformer_head", "transformer_tail", "transformer_out"}
     assert set(manifest.components) == {"clip", "t5", "transformer", "vae_decoder", "vae_encoder"} | parts
     for name, e in manifest.components.items():

@@ -45,9 +45,9 @@ def compare(ours, ref, src, workflow, executor, prompts=("a red fox in the snow"
 @pytest.mark.parametrize("model,pipeline,workflow", CASES, ids=IDS)
 def test_torch_executor_modules_equal_diffusers_modules(model, pipeline, workflow):
     src = resolve_model(model)
-    ours = load_pipeline(model=model, backend="torch", torch_dtype="fp32", pipeline=pipeline)
+    ours = load_pipeline(model=model, backend="torch", torch_dtype="fp32", diffusers_pipeline=pipeline)
     assert type(ours).__mro__[1].__name__ == pipeline and ours.transformer.dtype == torch.float32
-    compare(ours, src.load_pipeline(pipeline=pipeline), src, workflow, "torch")
+    compare(ours, src.load_pipeline(diffusers_diffusers_pipeline=pipeline), src, workflow, "torch")
 
 
 @pytest.mark.slow
@@ -55,9 +55,9 @@ def test_torch_executor_modules_equal_diffusers_modules(model, pipeline, workflo
 def test_onnxruntime_engines_equal_diffusers_modules(engines, model, pipeline, workflow):
     """ONNX Runtime over the ONNX of a real fp32 build, batch 2 at a non-square size, step for step."""
     src, folder, manifest = engines(model)
-    ours = load_pipeline(folder, backend="onnxruntime", pipeline=pipeline)
+    ours = load_pipeline(folder, backend="onnxruntime", diffusers_pipeline=pipeline)
     assert {m.executor.kind for m in (ours.transformer, ours.vae, ours.text_encoder)} == {"onnxruntime"}
-    compare(ours, src.load_pipeline(pipeline=pipeline), src, workflow, "onnxruntime")
+    compare(ours, src.load_pipeline(diffusers_diffusers_pipeline=pipeline), src, workflow, "onnxruntime")
 
 
 @pytest.mark.slow
@@ -111,7 +111,8 @@ def test_what_an_engine_cannot_do_is_one_line_naming_the_fluxtrt_way():
          "lora=FILE"),
         (lambda: pipe.vae(torch.zeros(1)), "vae.decode"),
         (lambda: load_pipeline(model="tiny", backend="torch", steps=4), "unknown option steps"),
-        (lambda: load_pipeline(model="tiny", backend="torch", pipeline="StableDiffusionPipeline"), "not a diffusers FLUX"),
+        (lambda: load_pipeline(model="tiny", backend="torch", diffusers_pipeline="StableDiffusionPipeline"),
+         "not a diffusers FLUX"),
     ]
     for fn, message in cases:
         with pytest.raises(DropInError, match=re.escape(message)) as e:

@@ -42,7 +42,7 @@ def check_manifest(root, src, cfg, manifest):
     assert read_manifest(gpu_dir) == manifest
     assert manifest.backend == "tensorrt-rtx" and manifest.backend_version == TensorRTRTX().version
     assert manifest.compute_capability == cfg.compute_capability
-    assert vars(manifest.model) == {"id": src.id, "hash": src.content_hash, "variant": src.variant, "pipeline": "FluxPipeline"}
+    assert vars(manifest.model) == {"id": src.id, "hash": src.content_hash, "variant": src.variant, "model_class": "FluxPipeline"}
     assert manifest.workflows == ["txt2img", "img2img"]
     assert manifest.config_hash == cfg.config_hash
     rng = cfg.shape_range()

@@ -81,7 +81,7 @@ def test_optimize_on_zero_copy_graph_never_touches_the_checkpoint(zero_copy_expo
     same optimized weights as the normal export; the checkpoint's bytes and mtime are unchanged."""
     from onnx import numpy_helper
 
-    from fluxtrt.optimize.pipeline import optimize_file
+    from fluxtrt.optimize.graph import optimize_file
 
     src, out, results = zero_copy_exports
     ckpt = next((src.path / "transformer").glob("*.safetensors"))

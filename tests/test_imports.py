@@ -249,3 +249,39 @@ def test_every_test_file_is_named_after_what_it_tests():
             unplaced.append(stem)
     assert not unplaced, f"name these after the module they test, or list them in CROSS_CUTTING: {unplaced}"
     assert all(ROOT.parent.joinpath("tests", f"{s}.py").exists() for s in CROSS_CUTTING)
+
+
+# Module names that two packages share, each with the one meaning they share.
+SHARED_NAMES = {
+    "build": "building: stages/build.py builds a GPU folder (every component), engine/build.py one engine",
+    "zerocopy": "the zero-copy path (weights read in place from the checkpoint): its export and its quantization",
+}
+
+
+def test_one_meaning_per_module_name():
+    """Two modules of one name (or its plural) in different packages mean one thing, said in SHARED_NAMES:
+    `precisions` beside `optimize/precision`, or `core/workflows` beside `runtime/workflows`, made every reader ask
+    which one."""
+    by_name: dict = {}
+    for name in all_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if name != "fluxtrt" and not name.endswith("__init__") and leaf not in ("fluxtrt",):
+            by_name.setdefault(leaf.removesuffix("s"), set()).add(name)
+    packages = {m for m, p in all_modules().items() if p.name == "__init__.py"}
+    shared = {k: sorted(v - packages) for k, v in by_name.items() if len(v - packages) > 1}
+    assert set(shared) <= set(SHARED_NAMES), {k: v for k, v in shared.items() if k not in SHARED_NAMES}
+
+
+def test_pipeline_names_one_thing():
+    """`pipeline` is fluxtrt's runtime `Pipeline` (and a diffusers pipeline object); a model's model_index.json class
+    is `model_class` and the diffusers class a workflow reproduces is `diffusers_pipeline`: no record or class
+    has a field named `pipeline`."""
+    bad = []
+    for name, path in all_modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                for stmt in node.body:
+                    targets = [stmt.target] if isinstance(stmt, ast.AnnAssign) else getattr(stmt, "targets", [])
+                    if any(isinstance(t, ast.Name) and t.id == "pipeline" for t in targets):
+                        bad.append(f"{name}.{node.name}.pipeline")
+    assert not bad, bad

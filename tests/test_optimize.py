@@ -9,8 +9,8 @@ import torch
 from fluxtrt.compare import bound_for, compare_onnx, validate_onnx
 from fluxtrt.components import specs_for
 from fluxtrt.errors import FluxtrtError
+from fluxtrt.optimize.graph import optimize_file, optimize_model, save_model
 from fluxtrt.optimize.passes import DEFAULT_PASSES, PASSES
-from fluxtrt.optimize.pipeline import optimize_file, optimize_model, save_model
 
 PASS_BOUND = 1e-5  # fp32: optimized vs unoptimized graph, both in ONNX Runtime, fresh random inputs
 COMPONENTS = ("clip", "t5", "transformer", "vae_decoder", "vae_encoder")
@@ -239,7 +239,7 @@ def test_attention_scale_is_exact_as_the_dtype_allows(dtype):
     import numpy as np
 
     from fluxtrt.core.sessions import runnable_session
-    from fluxtrt.optimize.precision import place_precision
+    from fluxtrt.optimize.placement import place_precision
 
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
     before = _sdpa_graph(tdt, 128)
@@ -279,7 +279,7 @@ def test_precision_placement_keeps_every_output_of_a_multi_output_node():
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from fluxtrt.optimize.precision import place_precision
+    from fluxtrt.optimize.placement import place_precision
 
     rng = np.random.default_rng()
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])
@@ -317,7 +317,7 @@ def test_bf16_placement_keeps_the_sinusoids_fp32(exported):
 
     from fluxtrt.components import ShapePoint, specs_for
     from fluxtrt.core.sessions import runnable_session
-    from fluxtrt.optimize.precision import place_precision
+    from fluxtrt.optimize.placement import place_precision
 
     src, folder, _ = exported("tiny")
     fp32 = onnx.load(str(folder / "transformer.onnx"))
@@ -354,7 +354,7 @@ def test_precision_placement_of_an_output_the_graph_reads_on():
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
 
-    from fluxtrt.optimize.precision import place_precision
+    from fluxtrt.optimize.placement import place_precision
 
     rng = np.random.default_rng()
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])

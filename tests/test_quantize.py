@@ -9,7 +9,7 @@ import pytest
 from onnx import numpy_helper
 
 from fluxtrt.components import ShapePoint, specs_for
-from fluxtrt.optimize.pipeline import optimize_model
+from fluxtrt.optimize.graph import optimize_model
 from fluxtrt.quantize.qdq import plan, quantize_model
 from fluxtrt.records import CalibrationSettings  # noqa: E402
 
@@ -74,7 +74,7 @@ def test_plan_keeps_the_sensitive_layers(fp32_transformer):
 def test_recipe_error_is_bounded_and_the_check_is_sensitive(fp32_transformer, recipe):
     """The recipes' error against the fp32 graph (README's quantization table; bf16 placement alone as the
     reference), and a corrupted weight scale fails the same check."""
-    from fluxtrt.optimize.precision import place_precision
+    from fluxtrt.optimize.placement import place_precision
 
     src, model = fp32_transformer
     amax, channel = _ranges(src, model)

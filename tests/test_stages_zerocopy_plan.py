@@ -373,7 +373,7 @@ def test_graph_passes_never_read_a_linked_matrix(tiny_bf16, tmp_path, monkeypatc
 
     import fluxtrt.onnxio as onnxio
     from fluxtrt.export import export_component
-    from fluxtrt.optimize.pipeline import optimize_zero_copy
+    from fluxtrt.optimize.graph import optimize_zero_copy
 
     spec = specs_for(tiny_bf16.geometry, ["transformer"])["transformer"]
     zc = export_component(tiny_bf16, spec, tmp_path / "zc", "bf16", validate=False, zero_copy=True).path

@@ -28,7 +28,7 @@ def diffusers_run(src, workflow, prompts, h, w, steps, guidance, seed, inputs, t
     """(uint8 images, latents per step, steps that ran the tail) of diffusers' pipeline with its own cache."""
     from diffusers.hooks import FirstBlockCacheConfig
 
-    pipe = src.load_pipeline(pipeline=WORKFLOWS[workflow].pipeline)
+    pipe = src.load_pipeline(diffusers_pipeline=WORKFLOWS[workflow].diffusers_pipeline)
     pipe.set_progress_bar_config(disable=True)
     pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
     tails, latents = [0], []

@@ -579,7 +579,7 @@ def test_every_onnx_reader_refuses_a_broken_file_in_one_line(tmp_path, content, 
 @pytest.mark.parametrize("edit,says", [
     (lambda m: m["model"].update(id="tiny-fill"), "names the model 'tiny-fill', whose engines are a dev FluxFillPipeline"),
     (lambda m: m["model"].update(id="tiny-schnell", variant="schnell"), "the manifest's model is a schnell FluxPipeline"),
-    (lambda m: m["model"].update(pipeline="FluxFillPipeline"), "model assets are a dev FluxPipeline"),
+    (lambda m: m["model"].update(model_class="FluxFillPipeline"), "model assets are a dev FluxPipeline"),
     (lambda m: m.update(workflows=["txt2img", "fill"]), "are not what a FluxPipeline serves"),
 ])
 def test_an_edited_model_in_the_manifest_is_caught_by_inspect_and_run(engines, tmp_path, edit, says):

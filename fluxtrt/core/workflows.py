@@ -5,7 +5,7 @@ request's flags pick among them.
 A workflow declares, for one diffusers pipeline: the model class it runs on, the flags it takes, its defaults,
 the channels and tokens it adds to the transformer's input, how it widens the engines' profiles and the same
 request's arguments for diffusers. How it starts the denoising loop (initial latents, schedule, conditioning)
-is the runtime's (runtime/workflows.py, one function per workflow); nothing else in fluxtrt knows a workflow by
+is the runtime's (runtime/prepare.py, one function per workflow); nothing else in fluxtrt knows a workflow by
 name."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class Workflow:
     """One FLUX.1 workflow; subclasses set the attributes and override what differs from text-to-image."""
 
     name = ""
-    pipeline = ""  # the diffusers pipeline class it reproduces
+    diffusers_pipeline = ""  # the diffusers pipeline class it reproduces
     model_class = ""  # model_index.json `_class_name` of the models it runs on
     model_name = ""  # what to tell a user whose model is another one
     needs_encoder = False  # runs the vae_encoder
@@ -96,7 +96,7 @@ class TextToImage(Workflow):
     """Text-to-image: diffusers' FluxPipeline (FLUX.1-dev / -schnell)."""
 
     name = "txt2img"
-    pipeline = "FluxPipeline"
+    diffusers_pipeline = "FluxPipeline"
     model_class = "FluxPipeline"
     model_name = "FLUX.1-dev or FLUX.1-schnell"
 
@@ -107,7 +107,7 @@ class ImageToImage(Workflow):
     truncated by `strength`, and the starting latents are `sigma * noise + (1 - sigma) * image latents`."""
 
     name = "img2img"
-    pipeline = "FluxImg2ImgPipeline"
+    diffusers_pipeline = "FluxImg2ImgPipeline"
     model_class = "FluxPipeline"
     model_name = "FLUX.1-dev or FLUX.1-schnell"
     needs_encoder = True
@@ -127,7 +127,7 @@ class Fill(Workflow):
     8x8 pixel block of the binarised mask as 64 channels, then 2x2 packing): in_channels 64 + 64 + 256 = 384."""
 
     name = "fill"
-    pipeline = "FluxFillPipeline"
+    diffusers_pipeline = "FluxFillPipeline"
     model_class = "FluxFillPipeline"
     model_name = "FLUX.1-Fill-dev"
     needs_encoder = True
@@ -151,7 +151,7 @@ class Control(Workflow):
     request's generator) and packed; the transformer sees it beside the latents: in_channels 64 + 64 = 128."""
 
     name = "control"
-    pipeline = "FluxControlPipeline"
+    diffusers_pipeline = "FluxControlPipeline"
     model_class = "FluxControlPipeline"
     model_name = "FLUX.1-Canny-dev or FLUX.1-Depth-dev"
     needs_encoder = True
@@ -183,7 +183,7 @@ class Kontext(Workflow):
     at `max_area` pixels (default 1024²). Engine profiles cover target + reference tokens."""
 
     name = "kontext"
-    pipeline = "FluxKontextPipeline"
+    diffusers_pipeline = "FluxKontextPipeline"
     model_class = "FluxKontextPipeline"
     model_name = "FLUX.1-Kontext-dev"
     needs_encoder = True
@@ -225,9 +225,9 @@ MODEL_CLASSES = tuple(dict.fromkeys(w.model_class for w in WORKFLOWS.values()))
 
 def for_model(geo: Geometry) -> list[Workflow]:
     """The workflows a model serves (from its model_index.json class)."""
-    found = [w for w in WORKFLOWS.values() if w.model_class == geo.pipeline]
+    found = [w for w in WORKFLOWS.values() if w.model_class == geo.model_class]
     if not found:
-        raise WorkflowError(f"the model's model_index.json names {geo.pipeline}; fluxtrt runs "
+        raise WorkflowError(f"the model's model_index.json names {geo.model_class}; fluxtrt runs "
                             f"{', '.join(MODEL_CLASSES)} models")
     return found
 
@@ -237,7 +237,7 @@ def check_model(geo: Geometry) -> None:
     wf = for_model(geo)[0]
     want = geo.packed_channels + wf.extra_channels(geo.latent_channels, geo.vae_scale_factor)
     if geo.in_channels != want or geo.out_channels != geo.packed_channels:
-        raise WorkflowError(f"a {geo.pipeline} model's transformer takes {want} channels and predicts "
+        raise WorkflowError(f"a {geo.model_class} model's transformer takes {want} channels and predicts "
                             f"{geo.packed_channels}; this one has in_channels {geo.in_channels}, out_channels "
                             f"{geo.out_channels}: check the model folder")
 

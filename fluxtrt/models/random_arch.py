@@ -62,8 +62,8 @@ def random_model_dir(name: str) -> Path:
         if name in TINY_OF:  # the workflow's conditioning channels (Fill: 64 + 64 + 256, Control: 64 + 64)
             from ..core.workflows import WORKFLOWS
 
-            pipeline = json.loads(index.read_text())["_class_name"]
-            wf = next(w for w in WORKFLOWS.values() if w.model_class == pipeline)
+            model_class = json.loads(index.read_text())["_class_name"]
+            wf = next(w for w in WORKFLOWS.values() if w.model_class == model_class)
             transformer.update(in_channels=64 + wf.extra_channels(16, 8), out_channels=64)
         configs = {"transformer": transformer, "text_encoder": CLIP,
                    "text_encoder_2": T5, "vae": VAE}

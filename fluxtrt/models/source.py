@@ -13,7 +13,7 @@ from ..components import Geometry
 from ..errors import FluxtrtError, ModelSourceError
 from .random_arch import MARKER as RANDOM_MARKER
 from .random_arch import RANDOM_NAMES, random_component, random_model_dir
-from .tiny import TINY_NAMES, TINY_PIPELINES, tiny_model_dir
+from .tiny import TINY_MODEL_CLASSES, TINY_NAMES, tiny_model_dir
 
 REQUIRED = ("transformer", "text_encoder", "text_encoder_2", "vae", "tokenizer", "tokenizer_2", "scheduler")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -99,8 +99,8 @@ class ModelSource:
         model = classes[subfolder].from_pretrained(self.path / subfolder, local_files_only=True, **kwargs)
         return model.to(device).eval()
 
-    def load_pipeline(self, dtype=None, device="cpu", pipeline: str | None = None):
-        """The reference diffusers pipeline: the model's own class (model_index.json), or `pipeline` (e.g.
+    def load_pipeline(self, dtype=None, device="cpu", diffusers_pipeline: str | None = None):
+        """The reference diffusers pipeline: the model's own class (model_index.json), or `diffusers_pipeline` (e.g.
         FluxImg2ImgPipeline on a FLUX.1-dev folder)."""
         import diffusers
         import torch
@@ -109,7 +109,7 @@ class ModelSource:
 
         dlog.disable_progress_bar()
         dtype = dtype or torch.float32
-        cls = getattr(diffusers, pipeline or self.geometry.pipeline)
+        cls = getattr(diffusers, diffusers_pipeline or self.geometry.model_class)
         if not self.random_weights:
             return cls.from_pretrained(self.path, local_files_only=True, torch_dtype=dtype).to(device)
         clip_tok, t5_tok = self.load_tokenizers()
@@ -190,22 +190,22 @@ def check_safetensors(folder: Path) -> None:
 
 
 def check_model_ref(ref, geo: Geometry, workflows) -> None:
-    """An engine folder's manifest says which model its engines are of (`model`: id, variant, pipeline) and what
+    """An engine folder's manifest says which model its engines are of (`model`: id, variant, model class) and what
     they serve (`workflows`); all of it is untrusted (a manifest is a text file anyone can edit). It must agree
     with the model assets copied beside the engines (`geo`, from model/) and, for an embedded model's name, with
     that model. One line naming the field otherwise."""
     from ..core.workflows import for_model
 
     fix = "rebuild with `fluxtrt build` or unpack the archive again"
-    if ref.pipeline != geo.pipeline or ref.variant != geo.variant:
-        raise ModelSourceError(f"the manifest's model is a {ref.variant} {ref.pipeline}, but the engines' model assets "
-                               f"are a {geo.variant} {geo.pipeline} (an edited manifest?); {fix}")
-    if ref.id in TINY_NAMES and (TINY_NAMES[ref.id], TINY_PIPELINES.get(ref.id, "FluxPipeline")) != (
-            ref.variant, ref.pipeline):
+    if ref.model_class != geo.model_class or ref.variant != geo.variant:
+        raise ModelSourceError(f"the manifest's model is a {ref.variant} {ref.model_class}, but the engines' model assets "
+                               f"are a {geo.variant} {geo.model_class} (an edited manifest?); {fix}")
+    if ref.id in TINY_NAMES and (TINY_NAMES[ref.id], TINY_MODEL_CLASSES.get(ref.id, "FluxPipeline")) != (
+            ref.variant, ref.model_class):
         raise ModelSourceError(f"the manifest names the model {ref.id!r}, whose engines are a "
-                               f"{TINY_NAMES[ref.id]} {TINY_PIPELINES.get(ref.id, 'FluxPipeline')}, but its engines "
-                               f"are a {ref.variant} {ref.pipeline} (an edited manifest?); {fix}")
+                               f"{TINY_NAMES[ref.id]} {TINY_MODEL_CLASSES.get(ref.id, 'FluxPipeline')}, but its engines "
+                               f"are a {ref.variant} {ref.model_class} (an edited manifest?); {fix}")
     served = sorted(w.name for w in for_model(geo))
     if sorted(workflows) != served:
-        raise ModelSourceError(f"the manifest's workflows {sorted(workflows)} are not what a {geo.pipeline} serves "
+        raise ModelSourceError(f"the manifest's workflows {sorted(workflows)} are not what a {geo.model_class} serves "
                                f"({', '.join(served)}); {fix}")

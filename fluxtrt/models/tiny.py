@@ -19,7 +19,7 @@ from pathlib import Path
 from .. import __version__
 
 TINY_NAMES = {"tiny": "dev", "tiny-schnell": "schnell", "tiny-fill": "dev", "tiny-control": "dev", "tiny-kontext": "dev"}
-TINY_PIPELINES = {"tiny-fill": "FluxFillPipeline", "tiny-control": "FluxControlPipeline",
+TINY_MODEL_CLASSES = {"tiny-fill": "FluxFillPipeline", "tiny-control": "FluxControlPipeline",
                   "tiny-kontext": "FluxKontextPipeline"}  # the rest: FluxPipeline
 
 # Bump when the tiny recipe changes, so caches made by older versions are not reused.
@@ -54,7 +54,7 @@ def tiny_model_dir(name: str) -> Path:
     variant = TINY_NAMES[name]
     folder = cache_root() / "models" / f"{name}-r{TINY_RECIPE}"
     if not (folder / "model_index.json").exists():
-        write_tiny_pipeline(folder, variant, TINY_PIPELINES.get(name, "FluxPipeline"))
+        write_tiny_pipeline(folder, variant, TINY_MODEL_CLASSES.get(name, "FluxPipeline"))
     return folder
 
 
@@ -70,8 +70,8 @@ def _tokenizers():
     return clip, t5
 
 
-def build_tiny_pipeline(variant: str, pipeline: str = "FluxPipeline"):
-    """Build a tiny FLUX.1 pipeline of diffusers class `pipeline` in memory (deterministic: same weights every
+def build_tiny_pipeline(variant: str, model_class: str = "FluxPipeline"):
+    """Build a tiny FLUX.1 pipeline of diffusers class `model_class` in memory (deterministic: same weights every
     call). Its transformer takes the workflow's extra channels (workflows/: Fill 16 + 16 + 256, Control 16 + 16)."""
     import diffusers
     import torch
@@ -100,7 +100,7 @@ def build_tiny_pipeline(variant: str, pipeline: str = "FluxPipeline"):
             is_encoder_decoder=False, use_cache=False, pad_token_id=t5_tok.pad_token_id, eos_token_id=t5_tok.eos_token_id,
         )
     )
-    workflow = next(w for w in WORKFLOWS.values() if w.model_class == pipeline)
+    workflow = next(w for w in WORKFLOWS.values() if w.model_class == model_class)
     extra = workflow.extra_channels(LATENT_CHANNELS, 2 ** (4 - 1))  # the VAE below: 4 blocks, scale factor 8
     torch.manual_seed(SEED + 2)
     transformer = FluxTransformer2DModel(
@@ -123,17 +123,17 @@ def build_tiny_pipeline(variant: str, pipeline: str = "FluxPipeline"):
         )
     else:
         scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False)
-    return getattr(diffusers, pipeline)(
+    return getattr(diffusers, model_class)(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=clip_tok,
         text_encoder_2=text_encoder_2, tokenizer_2=t5_tok, transformer=transformer,
     )
 
 
-def write_tiny_pipeline(folder: Path, variant: str, pipeline: str = "FluxPipeline") -> Path:
+def write_tiny_pipeline(folder: Path, variant: str, model_class: str = "FluxPipeline") -> Path:
     """Write the tiny pipeline in diffusers layout to `folder`, atomically (temp folder + rename)."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    pipe = build_tiny_pipeline(variant, pipeline)
+    pipe = build_tiny_pipeline(variant, model_class)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         pipe.save_pretrained(tmp, safe_serialization=True)

@@ -56,11 +56,11 @@ def _run_pipeline(pipe, source, prompts: list[str], sizes: list[tuple[int, int]]
     """Denoise every prompt (latents only), cycling through `sizes`; hooks on the pipeline record what they need."""
     import torch
 
-    if source.geometry.pipeline != "FluxPipeline":
+    if source.geometry.model_class != "FluxPipeline":
         from ..errors import FluxtrtError
 
         raise FluxtrtError(f"calibrated recipes collect the transformer's inputs from text-to-image prompts; "
-                           f"{source.geometry.pipeline} models (Fill, Control, Kontext) are not calibrated yet: build "
+                           f"{source.geometry.model_class} models (Fill, Control, Kontext) are not calibrated yet: build "
                            "their transformer in bf16 (`-p transformer=bf16`)")
     pipe.set_progress_bar_config(disable=True)
     for i, prompt in enumerate(prompts):
@@ -74,7 +74,7 @@ def _run_pipeline(pipe, source, prompts: list[str], sizes: list[tuple[int, int]]
 
 def collect_inputs(source, prompts: list[str], sizes: list[tuple[int, int]], steps: int) -> list[dict]:
     """Run the reference pipeline; return the transformer's keyword inputs at every step (numpy)."""
-    pipe = source.load_pipeline(pipeline="FluxPipeline")
+    pipe = source.load_pipeline(diffusers_pipeline="FluxPipeline")
     captured = []
 
     def grab(module, args, kwargs):
@@ -99,7 +99,7 @@ def linear_input_ranges(source, prompts: list[str], sizes: list[tuple[int, int]]
 
     from ..dtypes import torch_dtype
 
-    pipe = source.load_pipeline(torch_dtype(dtype), device, pipeline="FluxPipeline")
+    pipe = source.load_pipeline(torch_dtype(dtype), device, diffusers_pipeline="FluxPipeline")
     amax: dict = {}
     calls = [0]
     handles = [pipe.transformer.register_forward_pre_hook(lambda m, a: calls.__setitem__(0, calls[0] + 1))]

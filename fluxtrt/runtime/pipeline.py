@@ -24,8 +24,8 @@ from .executors import (
     WeightSource,
     check_gpu_for,
 )
+from .prepare import Context, Prepared, prepare_workflow
 from .tensorrt import SharedActivations, TensorRTExecutor
-from .workflows import Context, Prepared, prepare_workflow
 
 log = logging.getLogger("fluxtrt")
 ASSETS = "model"  # tokenizers and config files copied beside the engines at build time

@@ -205,7 +205,7 @@ def _new_manifest(source, cfg, backend, rng, gpu_dir) -> Manifest:
     return Manifest(
         fluxtrt=__version__, backend=backend.name, backend_version=backend.version, gpu=cfg.key, gpu_name=cfg.name,
         compute_capability=cfg.compute_capability, config_hash=cfg.config_hash, vram_gb=cfg.vram_gb,
-        model=ModelRef(source.id, source.content_hash, source.variant, source.geometry.pipeline),
+        model=ModelRef(source.id, source.content_hash, source.variant, source.geometry.model_class),
         workflows=[w.name for w in for_model(source.geometry)], static_shape=rng.min == rng.max,
         shape_range={k: [p.batch, p.height, p.width] for k, p in zip(("min", "opt", "max"), (rng.min, rng.opt, rng.max))},
         pixel_multiple=source.geometry.pixel_multiple, components=dict(keep))

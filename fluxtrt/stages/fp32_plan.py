@@ -46,7 +46,7 @@ def _ensure_optimized(source, component, dtype, fp32_path, out_root, *, force, o
     from ..optimize.passes import DEFAULT_PASSES
 
     folder = Path(out_root) / "onnx" / f"{source.content_hash[:12]}-{dtype}-opt"
-    from ..optimize.precision import PLACEMENT_VERSION
+    from ..optimize.placement import PLACEMENT_VERSION
 
     inputs = {"source_sha256": sha256_file(fp32_path), "passes": list(DEFAULT_PASSES), "dtype": dtype,
               "fluxtrt": __version__, "placement": PLACEMENT_VERSION}
@@ -84,11 +84,11 @@ def optimize_component(source, component, dtype, fp32_path, folder, *, out_root,
     """-> (path, optimize report, quantization record or None, seconds spent calibrating and quantizing).
     Quantized recipes: passes at fp32, calibrate (fp8, cached), insert Q/DQ, then place everything else in bf16."""
     from ..onnxio import load_onnx
-    from ..optimize.pipeline import optimize_model, save_model
-    from ..optimize.precision import place_precision
+    from ..optimize.graph import optimize_model, save_model
+    from ..optimize.placement import place_precision
 
     if not is_quantized(dtype):
-        from ..optimize.pipeline import optimize_file
+        from ..optimize.graph import optimize_file
 
         report = optimize_file(fp32_path, folder / f"{component}.onnx", component, dtype=dtype, count_layers=False)
         return report.path, report, None, 0.0
@@ -136,7 +136,7 @@ def calibrate_graph(source, model, recipe: str, out_root: Path, calib):
 def optimized_fp32_transformer(source, out_root: Path):
     """The transformer's validated fp32 export (reused if present) through the default passes, in memory."""
     from ..onnxio import load_onnx
-    from ..optimize.pipeline import optimize_model
+    from ..optimize.graph import optimize_model
 
     fp32_path, _ = _ensure_export(source, "transformer", out_root, False, lambda p: None)
     return optimize_model(load_onnx(fp32_path), None, "fp32", "transformer")[0]

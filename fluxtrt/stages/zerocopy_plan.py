@@ -78,9 +78,9 @@ def ensure_zero_copy(source, component: str, precision: str, out_root: Path, for
 
 
 def _ensure_optimized(source, component, graph, zc_path, out_root, *, force, on_phase, validate):
-    """The graph passes on the zero-copy graph (optimize.pipeline.optimize_zero_copy): fused, still linked."""
+    """The graph passes on the zero-copy graph (optimize.graph.optimize_zero_copy): fused, still linked."""
+    from ..optimize.graph import optimize_zero_copy
     from ..optimize.passes import DEFAULT_PASSES
-    from ..optimize.pipeline import optimize_zero_copy
 
     folder = Path(out_root) / "onnx" / f"{source.content_hash[:12]}-{graph}-zc-opt"
 

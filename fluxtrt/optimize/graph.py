@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import FluxtrtError
 from .passes import DEFAULT_PASSES, PASSES
-from .precision import place_precision
+from .placement import place_precision
 
 
 @dataclass
