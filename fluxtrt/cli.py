@@ -152,6 +152,17 @@ CALIBRATION = _opt(None, "--calibration", help="With --backend torch --model: th
                    "PyTorch transformer computes the fp8 recipe (E4M3 tensor cores on sm89+, emulated elsewhere). "
                    "Engines built with fp8 need none: their graph holds the scales.")
 
+GUIDANCE = _opt(None, "--guidance", help="Distilled guidance scale (dev only; default: the workflow's, as diffusers: "
+                "3.5; img2img 7; Fill 30).")
+HEIGHT = _opt(None, "--height", help="Pixels, a multiple of 16 (default: the profile's opt).")
+WIDTH = _opt(None, "--width", help="Pixels, a multiple of 16 (default: the profile's opt).")
+WS_BUDGET = _opt(None, "--weight-streaming-budget", help="MB of transformer weights kept on the GPU (engines built "
+                 "with weight streaming).")
+WEIGHTS = _opt(None, "--weights", help="Your FLUX.1 folder: weights come from it through the build's weight map "
+               "(weightless engines are refitted; ONNX Runtime fills them).")
+TRUE_CFG = _opt(1.0, "--true-cfg", help="True classifier-free guidance scale, > 1 to use --negative-prompt (diffusers' "
+                "true_cfg_scale; two transformer calls per step).")
+
 
 @app.command()
 @friendly
@@ -318,38 +329,36 @@ def run(
     model: Optional[str] = _opt(None, "--model", "-m", help="With --backend torch and no --engines: " + MODEL_HELP),
     fallback: Optional[list[str]] = _opt(None, "--fallback", help="Components to run in PyTorch, e.g. t5,transformer."),
     steps: Optional[int] = STEPS, seed: int = _opt(0, "--seed", help="Seed of the CPU generator (as diffusers)."),
-    guidance: Optional[float] = _opt(None, "--guidance", help="Distilled guidance scale (dev only; default: the "
-                                     "workflow's, as diffusers: 3.5; img2img 7; Fill 30)."),
-    height: Optional[int] = _opt(None, "--height", help="Pixels, a multiple of 16 (default: the profile's opt)."),
-    width: Optional[int] = _opt(None, "--width", help="Pixels, a multiple of 16 (default: the profile's opt)."),
+    guidance: Optional[float] = GUIDANCE, height: Optional[int] = HEIGHT, width: Optional[int] = WIDTH,
     image: Optional[Path] = IMAGE, mask: Optional[Path] = MASK, control_image: Optional[Path] = CONTROL_IMAGE,
     strength: Optional[float] = STRENGTH, max_area: Optional[int] = MAX_AREA,
     batch: int = _opt(1, "--batch", help="Images per call; one prompt is repeated, a prompts file is chunked."),
     out_path: Path = _opt(Path("fluxtrt.png"), "--out", "-o", help="PNG path; several images get -0, -1, ... suffixes."),
     low_vram: bool = _opt(False, "--low-vram", help="Load and free engines stage by stage."),
-    weight_streaming_budget: Optional[int] = _opt(None, "--weight-streaming-budget", help="MB of transformer "
-                                                  "weights kept on the GPU (engines built with weight streaming)."),
-    cuda_graph: bool = CUDA_GRAPH,
+    weight_streaming_budget: Optional[int] = WS_BUDGET, cuda_graph: bool = CUDA_GRAPH,
     allow_host_code: bool = _opt(False, "--allow-host-code", help="Let engines with embedded host code load."),
-    weights: Optional[Path] = _opt(None, "--weights", help="Your FLUX.1 folder: weights come from it through the "
-                                   "build's weight map (weightless engines are refitted; ONNX Runtime fills them)."),
+    weights: Optional[Path] = WEIGHTS,
     lora: Optional[Path] = _opt(None, "--lora", help="A transformer LoRA (diffusers/peft) merged into --weights."),
     lora_scale: float = _opt(1.0, "--lora-scale", help="Strength of --lora."),
     negative_prompt: Optional[str] = _opt(None, "--negative-prompt", help="What to steer away from (with --true-cfg)."),
-    true_cfg: float = _opt(1.0, "--true-cfg", help="True classifier-free guidance scale, > 1 to use --negative-prompt "
-                           "(diffusers' true_cfg_scale; two transformer calls per step)."),
+    true_cfg: float = TRUE_CFG,
     calibration: Optional[Path] = CALIBRATION, cache_threshold: float = CACHE_THRESHOLD,
 ):
     """Generate images from built engines, with the diffusers pipeline's semantics seed for seed: text-to-image,
     img2img (--image), Fill (--image --mask), Control (--control-image), Kontext (--image), as the engines serve."""
-    args = dict(locals())
     _quiet_libraries()
     import logging
 
     from . import api
 
-    prompts = api.read_prompts(args.pop("prompt"), args.pop("prompts_file"))
-    opts = api.RunOptions(out=args.pop("out_path"), **args)
+    prompts = api.read_prompts(prompt, prompts_file)
+    opts = api.RunOptions(
+        engines=engines, model=model, backend=backend, ort_provider=ort_provider, fallback=fallback,
+        torch_dtype=torch_dtype, compile=compile, steps=steps, guidance=guidance, height=height, width=width, seed=seed,
+        batch=batch, out=out_path, low_vram=low_vram, weight_streaming_budget=weight_streaming_budget,
+        cuda_graph=cuda_graph, allow_host_code=allow_host_code, weights=weights, lora=lora, lora_scale=lora_scale,
+        negative_prompt=negative_prompt, true_cfg=true_cfg, image=image, mask=mask, control_image=control_image,
+        strength=strength, max_area=max_area, calibration=calibration, cache_threshold=cache_threshold)
     logging.getLogger("fluxtrt").addHandler(_WarningLine())
     with r.phases(["denoise"]) as update:
         done = api.generate(prompts, opts, on_step=lambda i: update("denoise", f"step {i + 1}"), say=r.note)

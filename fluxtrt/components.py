@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
+from . import wrappers
+
 SYMBOLS = ("batch", "image_tokens", "latent_height", "latent_width", "image_height", "image_width")
 T5_LENGTH = {"dev": 512, "schnell": 256}
 CLIP_LENGTH = 77
@@ -242,183 +244,22 @@ class ComponentSpec:
         return out
 
 
-# --- torch wrappers: each exposes the component with positional inputs in spec order ---------------
-
-
-def _wrap_clip(model):
-    import torch
-
-    class ClipPooled(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids):
-            return self.model(input_ids, output_hidden_states=False).pooler_output
-
-    return ClipPooled()
-
-
-def _wrap_t5(model):
-    import torch
-
-    class T5Hidden(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids):
-            return self.model(input_ids, output_hidden_states=False)[0]
-
-    return T5Hidden()
-
-
-def _wrap_transformer(model):
-    import torch
-
-    guided = bool(model.config.guidance_embeds)
-
-    class FluxStep(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
-                    guidance=None):
-            return self.model(
-                hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
-                pooled_projections=pooled_projections, timestep=timestep, img_ids=img_ids, txt_ids=txt_ids,
-                guidance=guidance if guided else None, return_dict=False,
-            )[0]
-
-    return FluxStep()
-
-
-def _transformer_prologue(m, hidden_states, timestep, pooled_projections, guidance, *, guided):
-    """FluxTransformer2DModel.forward up to its blocks' inputs: (embedded hidden states, temb)."""
-    x = m.x_embedder(hidden_states)
-    t = timestep.to(x.dtype) * 1000
-    temb = (m.time_text_embed(t, guidance.to(x.dtype) * 1000, pooled_projections) if guided
-            else m.time_text_embed(t, pooled_projections))
-    return x, temb
-
-
-def _rotary(m, img_ids, txt_ids):
-    import torch
-
-    return m.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
-
-
-def _wrap_transformer_head(model):
-    """First-Block Cache's head (stepcache.py): the embeddings and the first block, as diffusers' forward runs
-    them; returns the block's outputs, temb, and the residual the cache decides on."""
-    import torch
-
-    guided = bool(model.config.guidance_embeds)
-
-    class FluxHead(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
-                    guidance=None):
-            m = self.model
-            x, temb = _transformer_prologue(m, hidden_states, timestep, pooled_projections, guidance, guided=guided)
-            encoder, hidden = m.transformer_blocks[0](
-                hidden_states=x, encoder_hidden_states=m.context_embedder(encoder_hidden_states), temb=temb,
-                image_rotary_emb=_rotary(m, img_ids, txt_ids))
-            return hidden, encoder, temb, hidden - x
-
-    return FluxHead()
-
-
-def _wrap_transformer_tail(model):
-    """First-Block Cache's tail: every block after the first; returns the last block's image stream."""
-    import torch
-
-    class FluxTail(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def forward(self, head_hidden, head_encoder, temb, img_ids, txt_ids):
-            m = self.model
-            rotary = _rotary(m, img_ids, txt_ids)
-            hidden, encoder = head_hidden, head_encoder
-            for block in list(m.transformer_blocks)[1:] + list(m.single_transformer_blocks):
-                encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, temb=temb,
-                                        image_rotary_emb=rotary)
-            return hidden
-
-    return FluxTail()
-
-
-def _wrap_transformer_out(model):
-    """What runs after the blocks at every step: norm_out and proj_out."""
-    import torch
-
-    class FluxOut(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def forward(self, hidden, temb):
-            return self.model.proj_out(self.model.norm_out(hidden, temb))
-
-    return FluxOut()
-
-
-def _wrap_vae_decoder(vae):
-    import torch
-
-    class VaeDecode(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.vae = vae
-
-        def forward(self, latent):
-            return self.vae.decode(latent, return_dict=False)[0]
-
-    return VaeDecode()
-
-
-def _wrap_vae_encoder(vae):
-    import torch
-
-    class VaeEncode(torch.nn.Module):
-        """Returns the latent distribution's parameters (mean and logvar stacked on channels), so the
-        runtime draws the sample with its own generator exactly as diffusers does."""
-
-        def __init__(self):
-            super().__init__()
-            self.vae = vae
-
-        def forward(self, image):
-            h = self.vae.encoder(image)
-            if self.vae.quant_conv is not None:
-                h = self.vae.quant_conv(h)
-            return h
-
-    return VaeEncode()
-
-
 _F = "float32"
 _LAT = ("batch", "geo.latent_channels", "latent_height", "latent_width")
 
 CLIP = ComponentSpec(
-    name="clip", subfolder="text_encoder", rtol_fp32=1e-4, wrap=_wrap_clip,
+    name="clip", subfolder="text_encoder", rtol_fp32=1e-4, wrap=wrappers.clip,
     inputs=(TensorSpec("input_ids", "int64", ("batch", "geo.clip_length")),),
     outputs=(TensorSpec("pooled_embeds", _F, ("batch", "geo.clip_hidden")),),
 )
 T5 = ComponentSpec(
-    name="t5", subfolder="text_encoder_2", rtol_fp32=1e-4, wrap=_wrap_t5,
+    name="t5", subfolder="text_encoder_2", rtol_fp32=1e-4, wrap=wrappers.t5,
     repeated_blocks=(("encoder.block", "num_layers"),),
     inputs=(TensorSpec("input_ids", "int64", ("batch", "geo.t5_length")),),
     outputs=(TensorSpec("text_embeds", _F, ("batch", "geo.t5_length", "geo.t5_hidden")),),
 )
 TRANSFORMER = ComponentSpec(
-    name="transformer", subfolder="transformer", rtol_fp32=1e-4, wrap=_wrap_transformer, needs_guidance=True,
+    name="transformer", subfolder="transformer", rtol_fp32=1e-4, wrap=wrappers.transformer, needs_guidance=True,
     repeated_blocks=(("transformer_blocks", "num_layers"), ("single_transformer_blocks", "num_single_layers")),
     inputs=(
         TensorSpec("hidden_states", _F, ("batch", "image_tokens", "geo.in_channels")),
@@ -432,12 +273,12 @@ TRANSFORMER = ComponentSpec(
     outputs=(TensorSpec("noise_pred", _F, ("batch", "image_tokens", "geo.out_channels")),),
 )
 VAE_DECODER = ComponentSpec(
-    name="vae_decoder", subfolder="vae", rtol_fp32=1e-4, wrap=_wrap_vae_decoder,
+    name="vae_decoder", subfolder="vae", rtol_fp32=1e-4, wrap=wrappers.vae_decoder,
     inputs=(TensorSpec("latent", _F, _LAT),),
     outputs=(TensorSpec("image", _F, ("batch", 3, "image_height", "image_width")),),
 )
 VAE_ENCODER = ComponentSpec(
-    name="vae_encoder", subfolder="vae", rtol_fp32=1e-4, wrap=_wrap_vae_encoder,
+    name="vae_encoder", subfolder="vae", rtol_fp32=1e-4, wrap=wrappers.vae_encoder,
     inputs=(TensorSpec("image", _F, ("batch", 3, "image_height", "image_width")),),
     outputs=(TensorSpec("latent_parameters", _F, ("batch", "geo.latent_channels_x2", "latent_height",
                                                   "latent_width")),),
@@ -447,20 +288,20 @@ _HIDDEN = ("batch", "image_tokens", "geo.transformer_dim")
 _TEXT = ("batch", "geo.t5_length", "geo.transformer_dim")
 _TEMB = ("batch", "geo.transformer_dim")
 TRANSFORMER_HEAD = ComponentSpec(
-    name="transformer_head", subfolder="transformer", rtol_fp32=1e-4, wrap=_wrap_transformer_head,
+    name="transformer_head", subfolder="transformer", rtol_fp32=1e-4, wrap=wrappers.transformer_head,
     needs_guidance=True, inputs=TRANSFORMER.inputs,
     outputs=(TensorSpec("head_hidden", _F, _HIDDEN), TensorSpec("head_encoder", _F, _TEXT),
              TensorSpec("temb", _F, _TEMB), TensorSpec("head_residual", _F, _HIDDEN)),
 )
 TRANSFORMER_TAIL = ComponentSpec(
-    name="transformer_tail", subfolder="transformer", rtol_fp32=1e-4, wrap=_wrap_transformer_tail,
+    name="transformer_tail", subfolder="transformer", rtol_fp32=1e-4, wrap=wrappers.transformer_tail,
     inputs=(TensorSpec("head_hidden", _F, _HIDDEN), TensorSpec("head_encoder", _F, _TEXT),
             TensorSpec("temb", _F, _TEMB), TensorSpec("img_ids", _F, ("image_tokens", 3)),
             TensorSpec("txt_ids", _F, ("geo.t5_length", 3))),
     outputs=(TensorSpec("tail_hidden", _F, _HIDDEN),),
 )
 TRANSFORMER_OUT = ComponentSpec(
-    name="transformer_out", subfolder="transformer", rtol_fp32=1e-4, wrap=_wrap_transformer_out,
+    name="transformer_out", subfolder="transformer", rtol_fp32=1e-4, wrap=wrappers.transformer_out,
     inputs=(TensorSpec("hidden", _F, _HIDDEN), TensorSpec("temb", _F, _TEMB)),
     outputs=(TensorSpec("noise_pred", _F, ("batch", "image_tokens", "geo.out_channels")),),
 )

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from fluxtrt import fp8
+from fluxtrt import fp8, fp8_layers
 from fluxtrt.bench import add_ratios, bench_diffusers, bench_fluxtrt
 from fluxtrt.components import ShapePoint, specs_for
 from fluxtrt.models.source import resolve_model
@@ -74,7 +74,7 @@ def accuracy(a) -> None:
     args16 = [feeds[t.name].to(a.device, torch.bfloat16) if feeds[t.name].is_floating_point()
               else feeds[t.name].to(a.device) for t in spec.inputs if t.name in feeds]
     scales = fp8.scales_from_calibration(b16, amax, fp8.linear_groups(spec.wrap(b16), args16, root=b16))
-    note = fp8.quantize_module(b16, scales, a.device, scaled_mm=True)
+    note = fp8_layers.quantize_module(b16, scales, a.device, scaled_mm=True)
     out_mm = run(b16, torch.bfloat16)
     del b16
     fp8.emulate(raw, scales)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from fluxtrt import fp8
+from fluxtrt import fp8, fp8_layers
 from fluxtrt.cli import app
 from fluxtrt.components import ShapePoint, specs_for
 from fluxtrt.records import read_manifest
@@ -81,7 +81,7 @@ def test_scaled_mm_layers_compute_the_emulated_recipe(fp8_build):
     for mode in ("emulated", "scaled_mm", "none"):
         raw = src.load_component("transformer", torch.float32, "cpu").eval()
         if mode != "none":
-            note = fp8.quantize_module(raw, scales, "cpu", scaled_mm=mode == "scaled_mm")
+            note = fp8_layers.quantize_module(raw, scales, "cpu", scaled_mm=mode == "scaled_mm")
             assert ("_scaled_mm" in note) == (mode == "scaled_mm")
         with torch.inference_mode():
             outs[mode] = spec.wrap(raw)(*args).float()
@@ -105,7 +105,7 @@ def test_joined_projections_equal_the_modules_they_replace(fp8_build):
     raw = src.load_component("transformer", torch.float32, "cpu").eval()
     with torch.inference_mode():
         ref = spec.wrap(raw)(*args).float()
-        joined = fp8.fuse_projections(raw)
+        joined = fp8_layers.fuse_projections(raw)
         got = spec.wrap(raw)(*args).float()
     assert joined == 2 * raw.config.num_layers + raw.config.num_single_layers
     assert not any(hasattr(m, "proj_mlp") or hasattr(m, "to_q") for m in raw.modules())

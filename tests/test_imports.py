@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1] / "fluxtrt"
 # Lower layers never import higher ones. A module not listed fails the test (place it when adding it).
 LAYERS = {
     0: ["fluxtrt", "fluxtrt.errors", "fluxtrt.fileio", "fluxtrt.dtypes"],
-    1: ["fluxtrt.precisions", "fluxtrt.nvfp4", "fluxtrt.fp8", "fluxtrt.stepcache", "fluxtrt.flux_math", "fluxtrt.components",
+    1: ["fluxtrt.precisions", "fluxtrt.nvfp4", "fluxtrt.fp8", "fluxtrt.fp8_layers", "fluxtrt.wrappers",
+        "fluxtrt.stepcache", "fluxtrt.flux_math", "fluxtrt.components",
         "fluxtrt.checkpoint", "fluxtrt.onnxio", "fluxtrt.records", "fluxtrt.gpus", "fluxtrt.data"],
     # what the build and the runtime both stand on: backends, refit, ONNX Runtime sessions, weight maps, workflows
     2: ["fluxtrt.core"],
@@ -284,4 +285,22 @@ def test_pipeline_names_one_thing():
                     targets = [stmt.target] if isinstance(stmt, ast.AnnAssign) else getattr(stmt, "targets", [])
                     if any(isinstance(t, ast.Name) and t.id == "pipeline" for t in targets):
                         bad.append(f"{name}.{node.name}.pipeline")
+    assert not bad, bad
+
+
+# The modules that define torch modules: the components' wrappers, the fp8 recipe's layers, the drop-in modules.
+TORCH_MODULE_HOMES = {"fluxtrt.wrappers", "fluxtrt.fp8_layers", "fluxtrt.dropin"}
+
+
+def test_modules_keep_one_job():
+    """Specs (components.py) and the fp8 arithmetic (fp8.py) define no torch modules: wrappers.py and fp8_layers.py
+    do. No call hands `locals()` on: a function passes what it means by name."""
+    bad = []
+    for name, path in all_modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and name not in TORCH_MODULE_HOMES and any(
+                    getattr(b, "attr", getattr(b, "id", "")) == "Module" for b in node.bases):
+                bad.append(f"{name}.{node.name} is a torch module")
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "locals":
+                bad.append(f"{name}:{node.lineno} calls locals()")
     assert not bad, bad

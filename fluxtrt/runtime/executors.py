@@ -301,7 +301,7 @@ class TorchExecutor(Executor):
             if self.fp8 is not None:
                 self.fp8_note = self._quantize(raw)  # fuses q/k/v where it runs on tensor cores
             elif self.compile and self.device.type == "cuda":
-                from ..fp8 import fuse_projections
+                from ..fp8_layers import fuse_projections
 
                 fuse_projections(raw)  # one GEMM per shared input, as the optimize stage fuses them
             self.module = self.spec.wrap(raw).eval()
@@ -316,7 +316,7 @@ class TorchExecutor(Executor):
     def _quantize(self, raw) -> str:
         """The build's fp8 recipe on the PyTorch transformer (fp8.py): scales from the fp8 graph, or from a
         calibration and the module's weights, grouped as the graph fuses its projections."""
-        from .. import fp8
+        from .. import fp8, fp8_layers
         from ..components import ShapePoint
 
         scales = self.fp8.get("scales")
@@ -327,7 +327,7 @@ class TorchExecutor(Executor):
                     else feeds[t.name].to(self.device) for t in self.spec.inputs if t.name in feeds]
             groups = fp8.linear_groups(self.spec.wrap(raw), args, root=raw)
             scales = fp8.scales_from_calibration(raw, self.fp8["amax"], groups)
-        return fp8.quantize_module(raw, scales, self.device)
+        return fp8_layers.quantize_module(raw, scales, self.device)
 
     def infer_part(self, spec, feeds: dict) -> dict:
         """One of the transformer's First-Block Cache parts (components.TRANSFORMER_PARTS) on this module:

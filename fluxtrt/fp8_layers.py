@@ -1,0 +1,153 @@
+"""The fp8 recipe (fp8.py) as PyTorch layers, for the torch executor: `quantize_module` makes a transformer compute
+it, on a GPU with FP8 tensor cores (compute capability 8.9+) as `Fp8Linear`s running `torch._scaled_mm` on E4M3
+operands, with the projections that read one activation joined into one GEMM as the graph joins them
+(`fuse_projections`); elsewhere emulated (fp8.emulate: dequantized E4M3, the same arithmetic)."""
+
+from __future__ import annotations
+
+from .fp8 import emulate, to_e4m3
+
+
+def tensor_cores(device) -> bool:
+    """Whether `device` runs E4M3 GEMMs (torch._scaled_mm): a CUDA GPU of compute capability 8.9 or newer."""
+    import torch
+
+    from .precisions import REGISTRY
+
+    dev = torch.device(device)
+    return (dev.type == "cuda" and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(dev) >= REGISTRY["fp8"].min_cc)
+
+
+def fp8_linear(lin, sx: float, sw: float):
+    """An nn.Module computing `lin` as the recipe does on FP8 tensor cores: the input quantized with the static
+    scale `sx` (fp32 divide, saturate, round to nearest even), the weight stored as E4M3 with scale `sw`,
+    torch._scaled_mm accumulating in fp32 and writing the input's dtype, the bias added there."""
+    import torch
+
+    class Fp8Linear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.in_features, self.out_features = lin.in_features, lin.out_features
+            # [out, in] row-major; passed as .t(): the column-major [in, out] operand _scaled_mm wants
+            self.register_buffer("w8", to_e4m3(lin.weight.detach(), sw).contiguous())
+            self.register_buffer("sx", torch.tensor(sx, dtype=torch.float32, device=lin.weight.device))
+            self.register_buffer("sw", torch.tensor(sw, dtype=torch.float32, device=lin.weight.device))
+            self.bias = None if lin.bias is None else torch.nn.Parameter(lin.bias.detach().clone(), requires_grad=False)
+
+        def forward(self, x):
+            shape = x.shape
+            x8 = to_e4m3(x.reshape(-1, shape[-1]), self.sx)
+            y = torch._scaled_mm(x8, self.w8.t(), scale_a=self.sx, scale_b=self.sw, bias=self.bias,
+                                 out_dtype=x.dtype)
+            return y.reshape(*shape[:-1], self.out_features)
+
+    return Fp8Linear()
+
+
+FUSED = (("to_qkv", ("to_q", "to_k", "to_v")), ("to_added_qkv", ("add_q_proj", "add_k_proj", "add_v_proj")))
+SINGLE = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")  # a single-stream block's projections of one input
+
+
+def _single_block_forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
+                          joint_attention_kwargs=None):
+    """diffusers' FluxSingleTransformerBlock.forward with q/k/v and the MLP input as one GEMM (`proj_qkv_mlp`);
+    the attention's `to_qkv` is the identity on the q/k/v part (tests compare it with the block it replaces)."""
+    import torch
+
+    text_seq_len = encoder_hidden_states.shape[1]
+    hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+    residual = hidden_states
+    norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
+    qkv, mlp = self.proj_qkv_mlp(norm_hidden_states).split([self.qkv_width, self.mlp_hidden_dim], dim=-1)
+    attn_output = self.attn(hidden_states=qkv, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
+    hidden_states = torch.cat([attn_output, self.act_mlp(mlp)], dim=2)
+    hidden_states = residual + gate.unsqueeze(1) * self.proj_out(hidden_states)
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+
+
+def _joined(parts):
+    """One nn.Linear over the concatenated output features of `parts` (same input; biases all or none)."""
+    import torch
+
+    w = torch.cat([p.weight.detach() for p in parts])
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=parts[0].bias is not None, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        if lin.bias is not None:
+            lin.bias.copy_(torch.cat([p.bias.detach() for p in parts]))
+    return lin
+
+
+def fuse_projections(module, by_module: dict | None = None) -> int:
+    """The transformer's projections that read one activation as one GEMM each, as the optimize stage's
+    fuse_projections joins them: q/k/v of every attention (diffusers' fuse_qkv_projections) and a single-stream
+    block's q/k/v with its MLP input. With `by_module` ({module: (sx, sw)}) only parts sharing their scales are
+    joined, as E4M3 GEMMs; the parts are dropped. Returns the number of joined GEMMs."""
+    import types
+
+    import torch
+
+    if not hasattr(module, "fuse_qkv_projections"):
+        return 0
+    module.fuse_qkv_projections()
+    count = 0
+
+    def linear(lin, names):
+        return fp8_linear(lin, *by_module[names[0]]) if by_module is not None else lin
+
+    def shared(names):
+        return by_module is None or (all(n in by_module for n in names) and len({by_module[n] for n in names}) == 1)
+
+    for name, sub in list(module.named_modules()):
+        prefix = f"{name}." if name else ""
+        if hasattr(sub, "proj_mlp") and getattr(getattr(sub, "attn", None), "fused_projections", False):
+            names = [prefix + p for p in SINGLE]
+            if shared(names):
+                sub.proj_qkv_mlp = linear(_joined([sub.attn.to_qkv, sub.proj_mlp]), names)
+                sub.qkv_width = sub.attn.to_qkv.out_features
+                sub.attn.to_qkv = torch.nn.Identity()
+                for part in ("to_q", "to_k", "to_v"):
+                    delattr(sub.attn, part)
+                del sub.proj_mlp
+                sub.forward = types.MethodType(_single_block_forward, sub)
+                count += 1
+                continue
+        for whole, parts in FUSED:
+            fused = getattr(sub, whole, None)
+            if not isinstance(fused, torch.nn.Linear):
+                continue
+            names = [prefix + p for p in parts]
+            if shared(names):
+                setattr(sub, whole, linear(fused, names))
+                for part in parts:
+                    delattr(sub, part)
+                count += 1
+            else:  # parts with their own scales: run them unfused
+                delattr(sub, whole)
+                sub.fused_projections = False
+    return count
+
+
+def quantize_module(module, by_module: dict, device, fuse: bool = True, scaled_mm: bool | None = None) -> str:
+    """Make the transformer `module` compute the recipe `by_module` ({module: (sx, sw)}), in place: on FP8 tensor
+    cores where `device` has them (projections of one input joined into one E4M3 GEMM where they share their
+    scales, as in the graph), else emulated. `scaled_mm` forces one or the other (tests: torch._scaled_mm also
+    runs on a CPU). Returns which, in words."""
+    import torch
+
+    if not (tensor_cores(device) if scaled_mm is None else scaled_mm):
+        emulate(module, by_module)
+        return f"fp8 recipe emulated on {device} (dequantized E4M3, same arithmetic; no speedup without FP8 tensor cores)"
+    fused = fuse_projections(module, by_module) if fuse else 0
+    done = 0
+    for name, (sx, sw) in by_module.items():
+        parent, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(parent) if parent else module
+        if isinstance(getattr(owner, leaf, None), torch.nn.Linear):  # joined parts are gone
+            setattr(owner, leaf, fp8_linear(getattr(owner, leaf), sx, sw))
+            done += 1
+    return (f"fp8 recipe on {device} through torch._scaled_mm (E4M3 GEMMs): {len(by_module)} linear layers in "
+            f"{done + fused} GEMMs ({fused} joined projections)")
