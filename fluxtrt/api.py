@@ -59,21 +59,33 @@ def export(model: str, out_dir: Path, components=None, dtype: str = "fp32", opse
     Raises: FluxtrtError (one line) for a bad model, option or output folder, or a graph that disagrees."""
     from .components import specs_for
     from .dtypes import check_float
-    from .export import export_model, zero_copy_refusal
+    from .export import write_export_info, zero_copy_refusal
     from .fileio import check_out_folder
     from .models.source import resolve_model
+    from .stages.base import export_step, run_step
 
     check_float(dtype)
     check_number("--opset", opset, MIN_OPSET, MAX_OPSET)
     check_out_folder(Path(out_dir))
     source = resolve_model(model)
     names = split_list(components) or None
-    linked, copied = False, []
+    specs = specs_for(source.geometry, names)
+    linked, copied = frozenset(), []
     if zero_copy:
-        refusals = {n: zero_copy_refusal(source, s, dtype) for n, s in specs_for(source.geometry, names).items()}
+        refusals = {n: zero_copy_refusal(source, s, dtype) for n, s in specs.items()}
         linked = frozenset(n for n, why in refusals.items() if why is None)
         copied = [why for why in refusals.values() if why is not None]
-    results = export_model(source, Path(out_dir), names, dtype, opset, validate=validate, progress=progress, zero_copy=linked)
+    results: list = []  # each component through the stage runner (export, validate), as a build exports it
+    for name in specs:
+        on_phase = (lambda p, n=name: progress(n, p)) if progress else (lambda _: None)
+        step = export_step(source, name, Path(out_dir), dtype, zero_copy=name in linked, on_phase=on_phase, opset=opset,
+                           exported=results)
+        run_step(source, name, step, force=True, on_phase=on_phase, validate=validate)
+        if progress:
+            progress(name, "done")
+    stored = {r.dtype for r in results}  # zero-copy keeps each component's stored dtype
+    write_export_info(Path(out_dir), source, stored.pop() if len(stored) == 1 else dtype, opset, results,
+                      zero_copy=all(r.zero_copy for r in results))
     return ExportSummary(source, Path(out_dir), results, copied, bool(linked))
 
 

@@ -52,14 +52,13 @@ _EXPORTS = {}
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory):
     """exported(model_name) -> (source, onnx folder, results): each tiny model exported once per session."""
-    from fluxtrt.export import export_model
-    from fluxtrt.models.source import resolve_model
+    from fluxtrt import api
 
     def get(name):
         if name not in _EXPORTS:
-            src = resolve_model(name)
             out = tmp_path_factory.mktemp(f"onnx-{name}")
-            _EXPORTS[name] = (src, out, export_model(src, out))
+            done = api.export(name, out)
+            _EXPORTS[name] = (done.source, out, done.results)
         return _EXPORTS[name]
 
     return get

@@ -1,6 +1,20 @@
 """Small builders shared by tests."""
 
+from pathlib import Path
+
 from fluxtrt.records import ComponentEntry
+
+
+def export_checked(source, spec, out_dir, dtype: str = "fp32", *, zero_copy: bool = False, **options):
+    """One component exported as `fluxtrt export` and the build export it: through the stage runner, validated
+    against PyTorch. Returns its ExportResult (max_rel_err set). `options`: export_component's own."""
+    from fluxtrt.stages.base import export_step, run_step
+
+    results: list = []
+    step = export_step(source, spec.name, Path(out_dir), dtype, zero_copy=zero_copy, on_phase=lambda _: None,
+                       exported=results, **options)
+    run_step(source, spec.name, step, force=True, on_phase=lambda _: None, validate=True)
+    return results[0]
 
 
 def entry(**fields) -> ComponentEntry:

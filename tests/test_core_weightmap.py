@@ -24,7 +24,7 @@ def optimized(source, component, out, dtype):
     key = (str(source.path), component)
     if key not in _EXPORTS:
         spec = specs_for(source.geometry, [component])[component]
-        _EXPORTS[key] = export_component(source, spec, out, validate=False).path
+        _EXPORTS[key] = export_component(source, spec, out).path
     model, _ = optimize_model(load_onnx(_EXPORTS[key]), None, dtype, component)
     return model
 

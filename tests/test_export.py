@@ -9,7 +9,7 @@ import pytest
 
 from fluxtrt.compare import graph_io, validate_onnx
 from fluxtrt.components import ShapePoint, specs_for
-from fluxtrt.export import export_component
+from tests.helpers import export_checked
 
 COMPONENTS_UNDER_TEST = ("clip", "t5", "transformer", "vae_decoder", "vae_encoder")
 FP32_BOUND = 1e-4  # max|onnx - torch| / max|torch|, fp32, on fresh random inputs
@@ -76,7 +76,7 @@ def test_validation_catches_a_corrupted_graph(exported, tmp_path):
 def test_external_data_path(tiny_dev, tmp_path):
     """Lower the threshold so the transformer's weights go to external data, as a >2 GB model's would."""
     spec = specs_for(tiny_dev.geometry)["transformer"]
-    r = export_component(tiny_dev, spec, tmp_path, external_data_bytes=1024)
+    r = export_checked(tiny_dev, spec, tmp_path, external_data_bytes=1024)
     data = tmp_path / "transformer.onnx.data"
     assert r.external_data and data.exists()
     assert data.stat().st_size > 200_000  # the weights live there...
@@ -160,7 +160,7 @@ def test_fp16_export_within_its_bound(tiny_schnell, tmp_path):
     from fluxtrt.compare import RTOL_BY_DTYPE
 
     spec = specs_for(tiny_schnell.geometry)["vae_decoder"]
-    r = export_component(tiny_schnell, spec, tmp_path, dtype="fp16")
+    r = export_checked(tiny_schnell, spec, tmp_path, "fp16")
     assert r.max_rel_err <= RTOL_BY_DTYPE["fp16"]
     model = onnx.load(str(r.path))
     assert model.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
@@ -172,7 +172,7 @@ def test_bf16_export_within_its_bound(tiny_dev, tmp_path, component):
     from fluxtrt.compare import RTOL_BY_DTYPE
 
     spec = specs_for(tiny_dev.geometry)[component]
-    r = export_component(tiny_dev, spec, tmp_path, dtype="bf16")
+    r = export_checked(tiny_dev, spec, tmp_path, "bf16")
     assert 1e-4 < r.max_rel_err <= RTOL_BY_DTYPE["bf16"]  # bf16 rounding is visible, and bounded
     model = onnx.load(str(r.path))
     assert any(t.data_type == onnx.TensorProto.BFLOAT16 for t in model.graph.initializer)

@@ -13,6 +13,7 @@ import pytest
 from fluxtrt.components import specs_for
 from fluxtrt.export import export_component
 from fluxtrt.models.source import resolve_model
+from tests.helpers import export_checked
 
 DEPTHS = {"transformer_blocks": 5, "single_transformer_blocks": 6}
 
@@ -41,7 +42,7 @@ def deep_tiny(tmp_path_factory):
 def export(src, out, cache, monkeypatch, **kw):
     monkeypatch.setenv("FLUXTRT_CACHE", str(cache))  # no graph cache shared between the two exports
     spec = specs_for(src.geometry, ["transformer"])["transformer"]
-    return export_component(src, spec, out, zero_copy=True, **kw)
+    return export_checked(src, spec, out, zero_copy=True, **kw)
 
 
 @pytest.mark.slow
@@ -113,7 +114,7 @@ def test_t5_blocks_are_replicated_too(tmp_path, monkeypatch):
     src = resolve_model(str(folder))
     spec = specs_for(src.geometry, ["t5"])["t5"]
     monkeypatch.setenv("FLUXTRT_CACHE", str(tmp_path / "c1"))
-    rep = export_component(src, spec, tmp_path / "rep", zero_copy=True)
+    rep = export_checked(src, spec, tmp_path / "rep", zero_copy=True)
     monkeypatch.setenv("FLUXTRT_CACHE", str(tmp_path / "c2"))
     full = export_component(src, spec, tmp_path / "full", zero_copy=True, replicate_blocks=False)
     assert rep.zero_copy["replicated_blocks"] == {"encoder.block": 5} and rep.max_rel_err <= 1e-4
@@ -135,9 +136,8 @@ def test_copying_export_traces_replicated_blocks_and_fills_the_weights(deep_tiny
 
     monkeypatch.setenv("FLUXTRT_CACHE", str(tmp_path / "c"))
     spec = specs_for(deep_tiny.geometry, ["transformer"])["transformer"]
-    rep = export_component(deep_tiny, spec, tmp_path / "rep", dtype=dtype)
-    full = export_component(deep_tiny, spec, tmp_path / "full", dtype=dtype, replicate_blocks=False,
-                            validate=False)
+    rep = export_checked(deep_tiny, spec, tmp_path / "rep", dtype)
+    full = export_component(deep_tiny, spec, tmp_path / "full", dtype=dtype, replicate_blocks=False)
     assert rep.zero_copy is None and not (tmp_path / "rep" / "transformer.weights").exists()
     assert rep.max_rel_err is not None  # validated against PyTorch by the export, at the dtype's bound
     a, b = load_onnx(rep.path), load_onnx(full.path)

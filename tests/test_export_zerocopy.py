@@ -16,6 +16,7 @@ from fluxtrt.errors import FluxtrtError
 from fluxtrt.export import export_component
 from fluxtrt.models.source import resolve_model
 from fluxtrt.onnxio import external_info, load_onnx, read_external
+from tests.helpers import export_checked
 
 
 def sha(path):
@@ -26,7 +27,7 @@ def sha(path):
 def zero_copy_exports(tmp_path_factory):
     src = resolve_model("tiny")
     out = tmp_path_factory.mktemp("zc")
-    results = {n: export_component(src, s, out, zero_copy=True) for n, s in specs_for(src.geometry).items()}
+    results = {n: export_checked(src, s, out, zero_copy=True) for n, s in specs_for(src.geometry).items()}
     return src, out, results
 
 
@@ -112,7 +113,7 @@ def test_bf16_checkpoint_stays_bf16(tmp_path):
         save_file({k: v.to(torch.bfloat16) for k, v in load_file(f).items()}, f)
     bf = resolve_model(str(folder))
     spec = specs_for(bf.geometry, ["transformer"])["transformer"]
-    r = export_component(bf, spec, tmp_path / "out", zero_copy=True)
+    r = export_checked(bf, spec, tmp_path / "out", "bf16", zero_copy=True)
     assert r.dtype == "bf16" and r.max_rel_err <= 1e-1
     model = onnx.load(str(r.path), load_external_data=False)
     types = {t.data_type for t in model.graph.initializer if external_info(t) is not None}
@@ -147,7 +148,7 @@ def test_moved_checkpoint_is_a_clear_error(tmp_path):
     folder = tmp_path / "tiny-copy"
     shutil.copytree(src.path, folder)
     spec = specs_for(src.geometry, ["vae_decoder"])["vae_decoder"]
-    r = export_component(resolve_model(str(folder)), spec, tmp_path / "out", zero_copy=True, validate=False)
+    r = export_component(resolve_model(str(folder)), spec, tmp_path / "out", zero_copy=True)
     shutil.rmtree(folder / "vae")
     with pytest.raises(FluxtrtError, match="was moved or deleted"):
         load_onnx(r.path)
@@ -159,12 +160,12 @@ def test_second_export_of_an_architecture_relinks_the_cached_graph(tmp_path, rew
     shards instead of tracing, and is validated against its own PyTorch module like any export."""
     src = resolve_model("tiny")
     spec = specs_for(src.geometry, ["transformer"])["transformer"]
-    first = export_component(src, spec, tmp_path / "a", zero_copy=True, validate=False)
-    again = export_component(src, spec, tmp_path / "b", zero_copy=True, validate=False)
+    first = export_component(src, spec, tmp_path / "a", zero_copy=True)
+    again = export_component(src, spec, tmp_path / "b", zero_copy=True)
     assert first.zero_copy["graph"] in ("traced", "from cache") and again.zero_copy["graph"] == "from cache"
     assert again.path.read_bytes() == first.path.read_bytes()  # same links, same offsets: the same file
     other = reweighted_copy(src, tmp_path / "finetune", seed=9)
-    r = export_component(other, spec, tmp_path / "c", zero_copy=True)
+    r = export_checked(other, spec, tmp_path / "c", zero_copy=True)
     assert r.zero_copy["graph"] == "from cache" and r.max_rel_err <= 1e-4  # ORT on the relinked graph == PyTorch
     assert all(os.path.realpath(p).startswith(str(other.path)) for p in (tmp_path / "c" / "transformer.weights").iterdir())
     # another architecture (schnell: no guidance embedder, shorter T5) never gets this graph
@@ -183,14 +184,14 @@ def test_zero_copy_export_identifies_the_model_by_layout(tmp_path):
     import json
     import time
 
-    from fluxtrt.export import export_model
+    from fluxtrt import api
 
     src = resolve_model("tiny")
     folder = tmp_path / "tiny-copy"
     shutil.copytree(src.path, folder)
     model = resolve_model(str(folder))
     before = model.layout_hash
-    export_model(model, tmp_path / "out", ["vae_decoder"], validate=False, zero_copy=True)
+    api.export(str(folder), tmp_path / "out", ["vae_decoder"], validate=False, zero_copy=True)
     info = json.loads((tmp_path / "out" / "export.json").read_text())
     assert info["model_hash"] == before and info["model_hash_kind"] == "layout"
     shard = next((folder / "vae").glob("*.safetensors"))

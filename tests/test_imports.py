@@ -304,3 +304,18 @@ def test_modules_keep_one_job():
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "locals":
                 bad.append(f"{name}:{node.lineno} calls locals()")
     assert not bad, bad
+
+
+def _callers(function: str) -> set:
+    return {name for name, path in all_modules().items() for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and function in (getattr(node.func, "id", None), getattr(node.func, "attr", None))}
+
+
+def test_one_validation_and_one_reuse_path():
+    """A stage's ONNX is checked against PyTorch in one place (stages/base.validate_against_pytorch, the only caller
+    of compare.validate_onnx), called by the one stage runner; reuse is decided by stages/base.unchanged alone,
+    the engine stage's included; `fluxtrt export` goes through the runner as the build's export does."""
+    assert _callers("validate_onnx") == {"fluxtrt.stages.base"}
+    assert _callers("validate_against_pytorch") == {"fluxtrt.stages.base"}
+    assert {"fluxtrt.stages.build", "fluxtrt.stages.base"} <= _callers("unchanged")
+    assert "fluxtrt.api" in _callers("run_step") and "fluxtrt.export" not in _callers("validate_against_pytorch")

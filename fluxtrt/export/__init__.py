@@ -1,8 +1,9 @@
 """Export stage: each FLUX.1 component from a local diffusers folder to ONNX with the dynamo exporter.
 
-Names, dynamic axes and example inputs come from `components.py`. Each file is written in a staging folder,
-validated against PyTorch with ONNX Runtime, then renamed into place (weights over the external-data
-threshold go to `<component>.onnx.data` beside it). `export.json` records what was exported from what."""
+Names, dynamic axes and example inputs come from `components.py`. Each file is written in a staging folder, then
+renamed into place (weights over the external-data threshold go to `<component>.onnx.data` beside it); the stage
+runner (stages/base.run_step: `fluxtrt export` and `fluxtrt build` alike) validates it against PyTorch and
+records it in `export.json`."""
 
 from __future__ import annotations
 
@@ -14,12 +15,11 @@ from pathlib import Path
 from typing import Callable
 
 from .. import __version__
-from ..components import ComponentSpec, specs_for
-from ..dtypes import torch_dtype
-from ..errors import FluxtrtError, ValidationError
+from ..components import ComponentSpec
+from ..errors import FluxtrtError
 from ..fileio import publish, sha256_file, staging_dir
 from ..models.source import ModelSource
-from .trace import example_point, export_patches, has_safetensors
+from .trace import example_point, has_safetensors
 
 DEFAULT_OPSET = 19
 # Protobuf cannot hold more than 2 GiB; stay clear of it. FLUXTRT_EXTERNAL_DATA_BYTES lowers it (tests).
@@ -34,17 +34,18 @@ class ExportResult:
     bytes: int
     seconds: float
     external_data: bool
-    max_rel_err: float | None
+    max_rel_err: float | None = None  # ONNX Runtime vs PyTorch, set by the stage runner's validation
     dtype: str = "fp32"
     zero_copy: dict | None = None  # zerocopy.ZeroCopyRecord.as_json()
+    module: object = None  # the fp32 module the export traced, which validation reuses (None: it loads one)
 
 
 def export_component(source: ModelSource, spec: ComponentSpec, out_dir: Path, dtype: str = "fp32",
-                     opset: int = DEFAULT_OPSET, *, validate: bool = True, external_data_bytes: int | None = None,
+                     opset: int = DEFAULT_OPSET, *, external_data_bytes: int | None = None,
                      on_phase: Callable[[str], None] = lambda _: None, zero_copy: bool = False,
                      replicate_blocks: bool = True) -> ExportResult:
-    """Export one component in its mode (modes.py) into a staging folder, validate it against PyTorch, then
-    publish it beside the others (links or external data first, the .onnx last)."""
+    """Export one component in its mode (modes.py) into a staging folder, then publish it beside the others (links
+    or external data first, the .onnx last). Not validated here: the stage runner does (stages/base.run_step)."""
     from ..onnxio import linked_dir
     from .modes import mode_for
 
@@ -58,29 +59,15 @@ def export_component(source: ModelSource, spec: ComponentSpec, out_dir: Path, dt
         onnx_file = tmp / f"{spec.name}.onnx"
         on_phase("trace")
         mode.write(onnx_file, args, opset, replicate_blocks, on_phase)
-        max_err = _validate(source, spec, mode, onnx_file, on_phase) if validate else None
         published = publish(sorted(tmp.iterdir(), key=lambda p: p.suffix == ".onnx"), out_dir)
         stale = linked_dir(out_dir / f"{spec.name}.onnx")
         if not mode.zero_copy and stale.is_dir():
             shutil.rmtree(stale)  # links of an earlier zero-copy export of this component
     size = sum(_written_bytes(p) for p in published)
     return ExportResult(component=spec.name, path=out_dir / onnx_file.name, bytes=size, seconds=time.perf_counter() - t0,
-                        external_data=mode.external, max_rel_err=max_err,
-                        dtype=mode.dtype, zero_copy=mode.record.as_json() if mode.record else None)
-
-
-def _validate(source, spec, mode, onnx_file: Path, on_phase) -> float:
-    """ONNX Runtime vs PyTorch (fp32, loaded now unless the export already loaded it in fp32)."""
-    from ..compare import validate_onnx
-
-    on_phase("validate")
-    module = mode.module if mode.module is not None and mode.dtype == "fp32" else \
-        spec.wrap(source.load_component(spec.subfolder)).eval()
-    with export_patches(module):
-        report = validate_onnx(onnx_file, module, spec, source.geometry, mode.dtype)
-    if not report.ok:
-        raise ValidationError(f"exported {spec.name} disagrees with PyTorch: " + "; ".join(report.failures()))
-    return report.max_rel_err
+                        external_data=mode.external, dtype=mode.dtype,
+                        zero_copy=mode.record.as_json() if mode.record else None,
+                        module=mode.module if mode.dtype == "fp32" else None)
 
 
 def _written_bytes(path: Path) -> int:
@@ -103,29 +90,6 @@ def zero_copy_refusal(source: ModelSource, spec: ComponentSpec, dtype: str) -> s
     except FluxtrtError as e:
         return f"{spec.name}: {e}"
     return None if stored == dtype else f"{spec.name} is stored in {stored} (--dtype {stored} exports it zero-copy)"
-
-
-def export_model(source: ModelSource, out_dir: Path, components=None, dtype: str = "fp32",
-                 opset: int = DEFAULT_OPSET, *, validate: bool = True, external_data_bytes: int | None = None,
-                 progress=None, zero_copy: bool | frozenset = False, replicate_blocks: bool = True) -> list[ExportResult]:
-    """Export the named components (default: all) and update `export.json` in `out_dir`. `zero_copy`: True/False
-    for every component, or the set of component names to export zero-copy."""
-    torch_dtype(dtype)
-    specs = specs_for(source.geometry, components)
-    out_dir = Path(out_dir)
-    results = []
-    for spec in specs.values():
-        phase = (lambda p, n=spec.name: progress(n, p)) if progress else (lambda _: None)
-        linked = zero_copy if isinstance(zero_copy, bool) else spec.name in zero_copy
-        results.append(export_component(source, spec, out_dir, dtype, opset, validate=validate,
-                                        external_data_bytes=external_data_bytes, on_phase=phase,
-                                        zero_copy=linked, replicate_blocks=replicate_blocks))
-        if progress:
-            progress(spec.name, "done")
-    stored = {r.dtype for r in results}  # zero-copy keeps each component's stored dtype
-    write_export_info(out_dir, source, stored.pop() if len(stored) == 1 else dtype, opset, results,
-                      zero_copy=all(r.zero_copy for r in results))
-    return results
 
 
 def write_export_info(out_dir: Path, source: ModelSource, dtype: str, opset: int, results: list[ExportResult],

@@ -9,7 +9,7 @@ from typing import Callable
 
 from .. import __version__
 from ..components import specs_for
-from ..errors import FluxtrtError
+from ..errors import FluxtrtError, ValidationError
 from ..export import DEFAULT_OPSET
 from ..fileio import peak_rss_mb, sha256_file
 from ..records import StageInfo, StageRecord
@@ -42,24 +42,31 @@ def files_bytes(onnx_path: Path) -> int:
     return onnx_path.stat().st_size + (data.stat().st_size if data.exists() else 0)
 
 
+def unchanged(path: Path, recorded_sha256: str | None, recorded_inputs: dict, inputs: dict) -> bool:
+    """The one reuse rule of every stage, the engine's included: the output still exists with the hash its record
+    gives, and every input that decides it is what the record says it was made from."""
+    if recorded_sha256 is None or not Path(path).exists() or sha256_file(path) != recorded_sha256:
+        return False
+    return all(recorded_inputs.get(k) == v for k, v in inputs.items())
+
+
 def recorded(folder: Path, info_name: str, component: str, inputs: dict, validate: bool = False) -> StageRecord | None:
-    """The one reuse check of every stage: the record of `component` in `folder/info_name` if the stage can be
-    reused: the inputs match (an optimize.json entry's own `inputs`, or export.json's header), its file still
-    has the recorded hash, and — when `validate` asks for it — it was validated against PyTorch."""
+    """The record of `component` in `folder/info_name` if the stage can be reused (`unchanged`: against an
+    optimize.json entry's own `inputs`, or export.json's header) and, when `validate` asks for it, it was
+    validated against PyTorch."""
     info = StageInfo.read(folder / info_name)
     entry = info.components.get(component)
-    path = folder / f"{component}.onnx"
-    if entry is None or not path.exists() or sha256_file(path) != entry.sha256:
+    if entry is None:
         return None
     depends = entry.inputs if entry.inputs is not None else info.header
-    if any(depends.get(k) != v for k, v in inputs.items()):
+    if not unchanged(folder / f"{component}.onnx", entry.sha256, depends, inputs):
         return None
     return None if validate and entry.max_rel_err is None else entry
 
 
-def export_inputs(model_hash: str) -> dict:
+def export_inputs(model_hash: str, opset: int = DEFAULT_OPSET) -> dict:
     """What an export depends on, as export.json records it (recorded() compares them)."""
-    return {"model_hash": model_hash, "fluxtrt": __version__, "opset": DEFAULT_OPSET}
+    return {"model_hash": model_hash, "fluxtrt": __version__, "opset": opset}
 
 
 def validation_text(max_err: float | None) -> str:
@@ -119,9 +126,8 @@ class Made:
     info: dict | None = None  # the StageResult's info
     extra: list = field(default_factory=list)  # more StageResults
     seconds_excluded: float = 0.0  # time of `extra`, not this stage's
-    validated: bool = False  # `make` checked its output itself (the exporter, against the module it traced)
-    max_rel_err: float | None = None  # ... and found this error (None: not validated)
     bytes: int | None = None  # bytes written, where they are not the output's files (a zero-copy graph's links)
+    module: object = None  # the fp32 PyTorch module `make` already holds (the export's): validation reuses it
 
 
 def run_step(source, component: str, step: Step, *, force: bool, on_phase, validate: bool):
@@ -137,11 +143,9 @@ def run_step(source, component: str, step: Step, *, force: bool, on_phase, valid
     on_phase(step.phase or step.stage)
     t0 = time.perf_counter()
     made = step.make()
-    if made.validated:
-        max_err = made.max_rel_err
-    else:
-        max_err = validated_or_removed(source, component, made.path, step.dtype, step.what, validate=validate,
-                                       on_phase=on_phase)
+    max_err = validated_or_removed(source, component, made.path, step.dtype, step.what, validate=validate,
+                                   on_phase=on_phase, module=made.module)
+    made.module = None  # a full-size module is not kept alive by the result
     if step.write is not None:
         step.write(made, max_err)
     else:
@@ -155,57 +159,65 @@ def run_step(source, component: str, step: Step, *, force: bool, on_phase, valid
     return made.path, None, [result, *made.extra]
 
 
-def export_step(source, component: str, folder: Path, dtype: str, *, zero_copy: bool, on_phase, validate: bool,
-                reusable: Callable = None) -> Step:
-    """Both plans' export, as a step: the component's graph at `dtype` into `folder` (zero-copy: weights linked
-    into the checkpoint, the model identified by its layout), checked by the exporter against the module it
-    traced, recorded in export.json."""
+def export_step(source, component: str, folder: Path, dtype: str, *, zero_copy: bool, on_phase,
+                reusable: Callable = None, opset: int = DEFAULT_OPSET, exported: list | None = None,
+                **export_options) -> Step:
+    """Every export (`fluxtrt export` and both plans'), as a step: the component's graph at `dtype` into `folder`
+    (zero-copy: weights linked into the checkpoint, the model identified by its layout), validated by the runner
+    against the module the export traced, recorded in export.json (or, with `exported`, the ExportResults are
+    collected there and the caller writes export.json once). `export_options`: export_component's own (tests:
+    external_data_bytes, replicate_blocks)."""
     from ..export import EXPORT_INFO, export_component, write_export_info
 
     spec = specs_for(source.geometry, [component])[component]
-    exported = []
+    results = [] if exported is None else exported
 
     def make() -> Made:
-        res = export_component(source, spec, folder, dtype, validate=validate, on_phase=on_phase, zero_copy=zero_copy)
-        exported.append(res)
-        return Made(res.path, detail="zero-copy" if zero_copy else "", validated=True, max_rel_err=res.max_rel_err,
-                    bytes=res.bytes)
+        res = export_component(source, spec, folder, dtype, opset, on_phase=on_phase, zero_copy=zero_copy,
+                               **export_options)
+        results.append(res)
+        made = Made(res.path, detail="zero-copy" if zero_copy else "", bytes=res.bytes, module=res.module)
+        res.module = None
+        return made
 
     def write(made: Made, max_err) -> None:
-        write_export_info(folder, source, dtype, DEFAULT_OPSET, exported, zero_copy=zero_copy)
+        results[-1].max_rel_err = max_err
+        if exported is None:
+            write_export_info(folder, source, dtype, opset, results, zero_copy=zero_copy)
 
     model_hash = source.layout_hash if zero_copy else source.content_hash
-    return Step(stage="export", folder=folder, inputs=export_inputs(model_hash), make=make, dtype=dtype,
+    return Step(stage="export", folder=folder, inputs=export_inputs(model_hash, opset), make=make, dtype=dtype,
                 what="exported", reused="unchanged checkpoint (zero-copy)" if zero_copy else "unchanged model and exporter",
                 reusable=reusable, info_name=EXPORT_INFO, write=write,
                 phase="export (zero-copy)" if zero_copy else "export")
 
 
 def validated_or_removed(source, component: str, onnx_path: Path, dtype: str, what: str, *, validate: bool,
-                         on_phase) -> float | None:
-    """validate_against_pytorch when `validate`; a graph that fails is deleted (never left for a later build
-    to pick up) and the error raised. None when not validated."""
+                         on_phase, module=None) -> float | None:
+    """validate_against_pytorch when `validate`; a graph that fails is deleted with its external data (never left
+    for a later build to pick up) and the error raised. None when not validated."""
     if not validate:
         return None
     on_phase("validate")
     try:
-        return validate_against_pytorch(source, component, onnx_path, dtype, what)
+        return validate_against_pytorch(source, component, onnx_path, dtype, what, module=module)
     except FluxtrtError:
-        Path(onnx_path).unlink()
+        for path in (Path(onnx_path), Path(f"{onnx_path}.data")):
+            path.unlink(missing_ok=True)
         raise
 
 
-def validate_against_pytorch(source, component: str, onnx_path: Path, dtype: str, what: str) -> float:
-    """ONNX Runtime on `onnx_path` vs the fp32 PyTorch module loaded from the checkpoint, at `dtype`'s bound;
-    returns the max relative error or raises."""
+def validate_against_pytorch(source, component: str, onnx_path: Path, dtype: str, what: str, *, module=None) -> float:
+    """The one check of a stage's ONNX: ONNX Runtime on `onnx_path` vs the fp32 PyTorch module (`module`, or loaded
+    from the checkpoint) at `dtype`'s bound; returns the max relative error or raises ValidationError."""
     from ..compare import validate_onnx
     from ..export.trace import export_patches
 
     spec = specs_for(source.geometry, [component])[component]
-    module = spec.wrap(source.load_component(spec.subfolder)).eval()
+    module = module if module is not None else spec.wrap(source.load_component(spec.subfolder)).eval()
     with export_patches(module):
         check = validate_onnx(onnx_path, module, spec, source.geometry, dtype)
     if not check.ok:
-        raise FluxtrtError(f"{what} {component} ({dtype}) disagrees with PyTorch: " + "; ".join(check.failures()))
+        raise ValidationError(f"{what} {component} ({dtype}) disagrees with PyTorch: " + "; ".join(check.failures()))
     return check.max_rel_err
 

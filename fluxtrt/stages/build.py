@@ -35,7 +35,7 @@ from ..gpus import GpuConfig
 from ..models.source import ModelSource
 from ..precisions import is_quantized
 from ..records import BuildRequest, ComponentEntry, Manifest, ModelRef, read_manifest
-from .base import StageResult
+from .base import StageResult, unchanged
 from .fp32_plan import ensure_fp32_plan
 from .zerocopy_plan import ensure_zero_copy, zero_copy_plan_refusal
 
@@ -223,8 +223,8 @@ def _engine_stage(source, cfg, request: BuildRequest, *, spec, backend, rng, onn
     key = build_key(onnx_sha, backend.name, backend.version, cfg, profile, weight_streaming=ws, weightless=request.weightless)
     engine_path = gpu_dir / f"{name}.engine"
     prev = manifest.components.get(name)
-    if (not request.force and prev is not None and prev.build_key == key and engine_path.exists()
-            and sha256_file(engine_path) == prev.sha256):
+    if not request.force and prev is not None and unchanged(engine_path, prev.sha256, {"build_key": prev.build_key},
+                                                            {"build_key": key}):
         on_phase("reused")
         return StageResult(name, "build", "reused", 0.0, "same ONNX, config and backend")
     on_phase("build")

@@ -35,7 +35,7 @@ def onnx_dir_for(out_root: Path, source, dtype: str) -> Path:
 
 def _ensure_export(source, component, out_root, force, on_phase, *, validate: bool = True):
     step = export_step(source, component, onnx_dir_for(out_root, source, "fp32"), "fp32", zero_copy=False,
-                       on_phase=on_phase, validate=validate)
+                       on_phase=on_phase)
     path, entry, made = run_step(source, component, step, force=force, on_phase=on_phase, validate=validate)
     return path, (StageResult(component, "export", "reused", 0.0, step.reused) if entry else made[0])
 

@@ -63,8 +63,7 @@ def ensure_zero_copy(source, component: str, precision: str, out_root: Path, for
     """-> (the engine's ONNX, [export, optimize(, quantize) results]) on the zero-copy path."""
     graph = graph_dtype(precision)
     base = Path(out_root) / "onnx" / f"{source.content_hash[:12]}-{graph}-zc"
-    step = export_step(source, component, base, graph, zero_copy=True, on_phase=on_phase, validate=validate,
-                       reusable=_reusable)
+    step = export_step(source, component, base, graph, zero_copy=True, on_phase=on_phase, reusable=_reusable)
     path, entry, made = run_step(source, component, step, force=force, on_phase=on_phase, validate=validate)
     export_res = StageResult(component, "export", "reused", 0.0, step.reused) if entry else made[0]
     opt_path, opt_res = _ensure_optimized(source, component, graph, path, out_root, force=force, on_phase=on_phase,
