@@ -333,7 +333,7 @@ class RunOptions:
     lora_scale: float = 1.0
     negative_prompt: str | None = None  # true CFG (diffusers' negative_prompt / true_cfg_scale)
     true_cfg: float = 1.0
-    image: Path | None = None  # the image workflows' inputs (workflows/): img2img, Fill, Kontext
+    image: Path | None = None  # the image workflows' inputs (core/workflows.py): img2img, Fill, Kontext
     mask: Path | None = None  # Fill
     control_image: Path | None = None  # Control (Canny / Depth)
     strength: float | None = None  # img2img / Fill

@@ -229,6 +229,7 @@ CROSS_CUTTING = {
     "test_reliability": "faults: concurrent and killed builds, full disks",
     "test_gpu": "the runtime's GPU discipline (skipped without a GPU)",
     "test_readme": "the README's commands and examples as written",
+    "test_docs": "the docs' citations, folders and troubleshooting table against the tree",
 }
 
 

@@ -72,7 +72,7 @@ def _tokenizers():
 
 def build_tiny_pipeline(variant: str, model_class: str = "FluxPipeline"):
     """Build a tiny FLUX.1 pipeline of diffusers class `model_class` in memory (deterministic: same weights every
-    call). Its transformer takes the workflow's extra channels (workflows/: Fill 16 + 16 + 256, Control 16 + 16)."""
+    call). Its transformer takes the workflow's extra channels (core/workflows.py: Fill 16 + 16 + 256, Control 16 + 16)."""
     import diffusers
     import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel

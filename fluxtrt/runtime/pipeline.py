@@ -1,4 +1,4 @@
-"""Every FLUX.1 workflow over built engines, with diffusers' pipeline semantics (flux_math.py, workflows/).
+"""Every FLUX.1 workflow over built engines, with diffusers' pipeline semantics (flux_math.py, core/workflows.py).
 
 The same code drives every executor and workflow: tokenize -> CLIP pooled + T5 hidden states (cached per
 prompt) -> the workflow's preparation (CPU-generator noise; for image workflows the VAE encoder's latents) ->
@@ -440,7 +440,7 @@ class Pipeline:
     def generate(self, prompts: list[str], height: int, width: int, steps: int, guidance: float = 3.5,
                  *, seed: int = 0, trace: bool = False, on_step=None, negative_prompts: list[str] | None = None,
                  true_cfg: float = 1.0, inputs: ImageInputs | None = None, cache_threshold: float = 0.0) -> Result:
-        """Images for `prompts`. `inputs`: the image workflows' images and settings (workflows/); the model and
+        """Images for `prompts`. `inputs`: the image workflows' images and settings (core/workflows.py); the model and
         these pick the workflow. True classifier-free guidance as diffusers' `true_cfg_scale`: with `true_cfg` > 1
         and `negative_prompts`, each step also runs the transformer on the negative prompts and uses
         neg + true_cfg * (pos - neg) (in the transformer's output dtype, as diffusers does). `cache_threshold` > 0:
