@@ -47,7 +47,7 @@ def test_torch_executor_modules_equal_diffusers_modules(model, pipeline, workflo
     src = resolve_model(model)
     ours = load_pipeline(model=model, backend="torch", torch_dtype="fp32", diffusers_pipeline=pipeline)
     assert type(ours).__mro__[1].__name__ == pipeline and ours.transformer.dtype == torch.float32
-    compare(ours, src.load_pipeline(diffusers_diffusers_pipeline=pipeline), src, workflow, "torch")
+    compare(ours, src.load_pipeline(diffusers_pipeline=pipeline), src, workflow, "torch")
 
 
 @pytest.mark.slow
@@ -57,7 +57,7 @@ def test_onnxruntime_engines_equal_diffusers_modules(engines, model, pipeline, w
     src, folder, manifest = engines(model)
     ours = load_pipeline(folder, backend="onnxruntime", diffusers_pipeline=pipeline)
     assert {m.executor.kind for m in (ours.transformer, ours.vae, ours.text_encoder)} == {"onnxruntime"}
-    compare(ours, src.load_pipeline(diffusers_diffusers_pipeline=pipeline), src, workflow, "onnxruntime")
+    compare(ours, src.load_pipeline(diffusers_pipeline=pipeline), src, workflow, "onnxruntime")
 
 
 @pytest.mark.slow

@@ -25,9 +25,10 @@ _BUILDS = {}
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    root = tmp_path_factory.mktemp("engines")
+    roots = {}  # one build root per model: a GPU folder holds one model's engines (another's build is refused)
 
     def get(model, gpu):
+        root = roots.setdefault(model, tmp_path_factory.mktemp(f"engines-{model}"))
         if (model, gpu) not in _BUILDS:
             src = resolve_model(model)
             _BUILDS[(model, gpu)] = (src, load_gpu(gpu), *build_gpu(src, load_gpu(gpu), root))

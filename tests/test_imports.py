@@ -233,90 +233,34 @@ CROSS_CUTTING = {
 }
 
 
-def test_every_test_file_is_named_after_what_it_tests():
-    """A reader finds a module's tests: tests/test_<a>_<b>.py tests fluxtrt/<a>/<b>.py (or fluxtrt/<a>_<b>.py,
-    or the package fluxtrt/<a>/), apart from the cross-cutting suites listed above."""
+def _tested_module(path: Path) -> str | None:
+    """The module a test file mirrors: tests/<pkg>/test_<name>.py -> fluxtrt.<pkg>.<name> (test_<pkg>.py in
+    tests/<pkg>/: the package's __init__), tests/test_<name>.py -> fluxtrt.<name>; None if there is none."""
+    rel = path.relative_to(ROOT.parent / "tests").with_suffix("")
+    *folders, stem = rel.parts
+    name = stem.removeprefix("test_")
+    if folders and name == folders[-1]:
+        return ".".join(["fluxtrt", *folders])
+    return ".".join(["fluxtrt", *folders, name])
+
+
+# Modules with no code of their own to test (a version string, re-exports, an empty package marker).
+UNTESTED = {"fluxtrt", "fluxtrt.runtime", "fluxtrt.core", "fluxtrt.models", "fluxtrt.optimize", "fluxtrt.quantize",
+            "fluxtrt.engine", "fluxtrt.stages", "fluxtrt.data"}
+
+
+def test_the_tests_tree_mirrors_the_package():
+    """A reader finds a module's tests where the module is: tests/<package>/test_<module>.py tests
+    fluxtrt/<package>/<module>.py (Polygraphy's layout); every module with code has its file; the cross-cutting
+    suites above are the only other test files, and every test folder is a package (test basenames repeat)."""
     modules = set(all_modules())
-    unplaced = []
-    for path in sorted(ROOT.parent.joinpath("tests").glob("test_*.py")):
-        stem = path.stem
-        if stem in CROSS_CUTTING:
-            continue
-        words = stem.removeprefix("test_").split("_")
-        # every way of joining the words with "." or "_" (module paths use both)
-        names = {words[0]}
-        for w in words[1:]:
-            names = {n + sep + w for n in names for sep in (".", "_")}
-        if not any(f"fluxtrt.{n}" in modules for n in names):
-            unplaced.append(stem)
-    assert not unplaced, f"name these after the module they test, or list them in CROSS_CUTTING: {unplaced}"
-    assert all(ROOT.parent.joinpath("tests", f"{s}.py").exists() for s in CROSS_CUTTING)
-
-
-# Module names that two packages share, each with the one meaning they share.
-SHARED_NAMES = {
-    "build": "building: stages/build.py builds a GPU folder (every component), engine/build.py one engine",
-    "zerocopy": "the zero-copy path (weights read in place from the checkpoint): its export and its quantization",
-}
-
-
-def test_one_meaning_per_module_name():
-    """Two modules of one name (or its plural) in different packages mean one thing, said in SHARED_NAMES:
-    `precisions` beside `optimize/precision`, or `core/workflows` beside `runtime/workflows`, made every reader ask
-    which one."""
-    by_name: dict = {}
-    for name in all_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if name != "fluxtrt" and not name.endswith("__init__") and leaf not in ("fluxtrt",):
-            by_name.setdefault(leaf.removesuffix("s"), set()).add(name)
-    packages = {m for m, p in all_modules().items() if p.name == "__init__.py"}
-    shared = {k: sorted(v - packages) for k, v in by_name.items() if len(v - packages) > 1}
-    assert set(shared) <= set(SHARED_NAMES), {k: v for k, v in shared.items() if k not in SHARED_NAMES}
-
-
-def test_pipeline_names_one_thing():
-    """`pipeline` is fluxtrt's runtime `Pipeline` (and a diffusers pipeline object); a model's model_index.json class
-    is `model_class` and the diffusers class a workflow reproduces is `diffusers_pipeline`: no record or class
-    has a field named `pipeline`."""
-    bad = []
-    for name, path in all_modules().items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ClassDef):
-                for stmt in node.body:
-                    targets = [stmt.target] if isinstance(stmt, ast.AnnAssign) else getattr(stmt, "targets", [])
-                    if any(isinstance(t, ast.Name) and t.id == "pipeline" for t in targets):
-                        bad.append(f"{name}.{node.name}.pipeline")
-    assert not bad, bad
-
-
-# The modules that define torch modules: the components' wrappers, the fp8 recipe's layers, the drop-in modules.
-TORCH_MODULE_HOMES = {"fluxtrt.wrappers", "fluxtrt.fp8_layers", "fluxtrt.dropin"}
-
-
-def test_modules_keep_one_job():
-    """Specs (components.py) and the fp8 arithmetic (fp8.py) define no torch modules: wrappers.py and fp8_layers.py
-    do. No call hands `locals()` on: a function passes what it means by name."""
-    bad = []
-    for name, path in all_modules().items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ClassDef) and name not in TORCH_MODULE_HOMES and any(
-                    getattr(b, "attr", getattr(b, "id", "")) == "Module" for b in node.bases):
-                bad.append(f"{name}.{node.name} is a torch module")
-            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "locals":
-                bad.append(f"{name}:{node.lineno} calls locals()")
-    assert not bad, bad
-
-
-def _callers(function: str) -> set:
-    return {name for name, path in all_modules().items() for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, ast.Call) and function in (getattr(node.func, "id", None), getattr(node.func, "attr", None))}
-
-
-def test_one_validation_and_one_reuse_path():
-    """A stage's ONNX is checked against PyTorch in one place (stages/base.validate_against_pytorch, the only caller
-    of compare.validate_onnx), called by the one stage runner; reuse is decided by stages/base.unchanged alone,
-    the engine stage's included; `fluxtrt export` goes through the runner as the build's export does."""
-    assert _callers("validate_onnx") == {"fluxtrt.stages.base"}
-    assert _callers("validate_against_pytorch") == {"fluxtrt.stages.base"}
-    assert {"fluxtrt.stages.build", "fluxtrt.stages.base"} <= _callers("unchanged")
-    assert "fluxtrt.api" in _callers("run_step") and "fluxtrt.export" not in _callers("validate_against_pytorch")
+    tests_root = ROOT.parent / "tests"
+    files = sorted(tests_root.rglob("test_*.py"))
+    unplaced = [str(f.relative_to(tests_root)) for f in files
+                if f.stem not in CROSS_CUTTING and _tested_module(f) not in modules]
+    assert not unplaced, f"name these after the module they mirror, or list them in CROSS_CUTTING: {unplaced}"
+    assert all(tests_root.joinpath(f"{s}.py").exists() for s in CROSS_CUTTING)
+    mirrored = {_tested_module(f) for f in files}
+    without = sorted(m for m in modules - mirrored - UNTESTED)
+    assert not without, f"modules without a test file of their own: {without}"
+    assert all((d / "__init__.py").exists() for d in tests_root.rglob("*") if d.is_dir() and d.name != "__pycache__")

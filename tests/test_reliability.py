@@ -30,7 +30,7 @@ def test_second_build_into_the_same_folder_fails_clearly(tiny_schnell, tmp_path)
 def test_sigterm_mid_build_cleans_up_then_inspect_run_and_the_rebuild_know(tiny_schnell, tmp_path):
     """SIGTERM (Kubernetes, CI) mid-build: one line, exit 143, no lock, no temp file, a build.log that says where it
     stopped; `inspect` says incomplete (exit 2), `run` names the missing engines, and the next build does only the
-    missing work. (SIGKILL's leftovers: test_untrusted's stale temp file test.)"""
+    missing work. (SIGKILL's leftovers: tests/test_fileio.py.)"""
     from typer.testing import CliRunner
 
     from fluxtrt.cli import app
