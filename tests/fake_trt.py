@@ -12,7 +12,7 @@ It enforces the documented contracts that fluxtrt relies on (TensorRT-RTX 1.7.1 
 - `IWeightsManager` saves, unloads and restores weights in order;
 - deserialization goes through an `IStreamReaderV2` read chunk by chunk.
 Enums and `Weights` are the real `tensorrt_rtx` ones; every method a fake class defines exists on
-the real class of the same name (tests/test_runtime_tensorrt.py checks it), so the fake cannot drift from it.
+the real class of the same name (tests/runtime/test_tensorrt.py checks it), so the fake cannot drift from it.
 Engines are JSON "plans" written by `write_plan`."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 @pytest.fixture(scope="module")
 def fake_engines(tmp_path_factory):
     """An engine folder whose manifest declares profiles (no engine is built: request checks need none)."""
-    from .helpers import fake_engine_folder
+    from tests.helpers import fake_engine_folder
 
     folder = tmp_path_factory.mktemp("fake") / "4090"
     fake_engine_folder("tiny-schnell", folder)
@@ -75,9 +75,8 @@ def test_host_code_engines_are_refused_unless_allowed(tmp_path):
     from fluxtrt.errors import FluxtrtError
     from fluxtrt.fileio import sha256_file
     from fluxtrt.runtime.tensorrt import TensorRTExecutor
-
-    from . import fake_trt
-    from .helpers import entry as make_entry
+    from tests import fake_trt
+    from tests.helpers import entry as make_entry
 
     engine = fake_trt.write_plan(tmp_path / "x.engine", [], [], {})
     seen = {}

@@ -12,7 +12,7 @@ def test_every_symbol_is_known_and_every_component_has_an_export_test():
             for d in t.dims:
                 assert isinstance(d, int) or d in SYMBOLS or d.startswith("geo."), (spec.name, t.name, d)
     # meta-test: the export test is parametrised over exactly the registered components
-    from tests.test_export import COMPONENTS_UNDER_TEST
+    from tests.export.test_export import COMPONENTS_UNDER_TEST
 
     assert set(COMPONENTS_UNDER_TEST) == set(ALL)
 

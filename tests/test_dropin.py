@@ -13,8 +13,8 @@ import torch
 from fluxtrt.core.workflows import ImageInputs
 from fluxtrt.dropin import DropInError, EngineTransformer, load_pipeline
 from fluxtrt.models.source import resolve_model
-from tests.test_core_workflows import diffusers_call as call
-from tests.test_core_workflows import inputs_for
+from tests.core.test_workflows import diffusers_call as call
+from tests.core.test_workflows import inputs_for
 
 MAX_UINT8_DIFF = 2  # of 255
 LATENT_BOUND = {"torch": 1e-4, "onnxruntime": 1e-3}  # max |drop-in - diffusers| of the latents after every step

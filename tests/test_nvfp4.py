@@ -289,7 +289,7 @@ def test_fp4_engines_run_on_onnx_runtime_close_to_diffusers(tmp_path):
     from fluxtrt.records import CalibrationSettings
     from fluxtrt.runtime.pipeline import Pipeline
     from fluxtrt.stages.build import build_gpu
-    from tests.test_runtime_pipeline import reference
+    from tests.runtime.test_pipeline import reference
 
     src = resolve_model("tiny")
     cfg = load_gpu("5090").with_precision({"transformer": "fp4"})

@@ -15,7 +15,7 @@ from fluxtrt.cli import app
 from fluxtrt.core.workflows import WORKFLOWS, ImageInputs
 from fluxtrt.models.source import resolve_model
 from fluxtrt.runtime.pipeline import Pipeline
-from tests.test_core_workflows import inputs_for
+from tests.core.test_workflows import inputs_for
 
 MAX_UINT8_DIFF = 2
 LATENT_BOUND = 1e-4  # torch executor (fp32, CPU) vs diffusers, max |diff| of the latents after every step
@@ -166,7 +166,7 @@ def test_split_onnx_in_onnxruntime_skips_the_steps_diffusers_skips(engines, mode
 def test_split_parts_take_weights_and_lora_from_a_checkpoint(engines, tmp_path):
     """--weights and --lora fill every part through its weight map: the cached image equals the one from the
     engines' own weights, and a LoRA changes it as it changes the uncached one."""
-    from tests.test_core_refit import write_lora
+    from tests.core.test_refit import write_lora
 
     src, folder, _ = engines("tiny")
     seed = int(np.random.default_rng().integers(0, 2**31))

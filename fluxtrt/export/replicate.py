@@ -17,7 +17,7 @@ block that feeds them. For the middle block T between the first P and the last L
 - shared: everything else T reads (computed once, by P or before the blocks) -> every copy reads it too;
 - stream out: what L reads from T -> L then reads it from the last copy.
 Any case that does not fit this pattern raises ReplicationError, and export traces the whole model instead.
-tests/test_export_replicate.py checks that a replicated graph equals a full trace node for node and output for output."""
+tests/export/test_replicate.py checks that a replicated graph equals a full trace node for node and output for output."""
 
 from __future__ import annotations
 

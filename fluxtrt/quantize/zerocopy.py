@@ -63,7 +63,7 @@ def quantize_weight_fp8(parts, transposed: bool):
     """[(bf16 bytes, dims)] of a linear weight stored [out, in] (or [in, out]), several for a fused projection
     -> (E4M3 bytes as [in, sum of outs], bf16-exact scale). One scale per fused weight: the max |w| over its
     parts, as TensorRT's FP8 GEMM takes one weight scale (the cost against a scale per part is measured in
-    tests/test_stages_zerocopy_plan.py)."""
+    tests/stages/test_zerocopy_plan.py)."""
     import torch
 
     ws = _bf16_tensors(parts)

@@ -14,9 +14,8 @@ trt_real = pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installe
 from fluxtrt.errors import FluxtrtError  # noqa: E402
 from fluxtrt.runtime.executors import ShapeError  # noqa: E402
 from fluxtrt.runtime.tensorrt import SharedActivations, TensorRTExecutor  # noqa: E402
-
-from . import fake_trt  # noqa: E402
-from .helpers import entry as make_entry  # noqa: E402
+from tests import fake_trt  # noqa: E402
+from tests.helpers import entry as make_entry  # noqa: E402
 
 PROFILE = {"hidden_states": [[1, 4, 8], [1, 16, 8], [2, 64, 8]], "timestep": [[1], [1], [2]]}
 INPUTS = [{"name": "hidden_states", "dtype": "float", "shape": [-1, -1, 8]},

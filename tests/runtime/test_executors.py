@@ -172,7 +172,6 @@ def test_gpu_provider_options_follow_the_pipeline_stream(tmp_path):
         OnnxRuntimeExecutor("toy", None, tmp_path / "toy.onnx", spec, None, provider="directml")
 
 
-
 def test_torch_executor_pads_a_batch_to_its_bucket_and_cuts_it_back():
     """A server's compiled transformer sees only its batch buckets: 3 samples run as 4 (the last repeated) and
     come back as 3, equal to the same samples run unpadded (the samples never mix); the First-Block Cache parts

@@ -276,7 +276,7 @@ def test_zero_copy_engines_run_like_diffusers(tiny_bf16, tmp_path, reweighted_co
     from fluxtrt.gpus import load_gpu
     from fluxtrt.runtime.pipeline import Pipeline
     from fluxtrt.stages.build import build_gpu
-    from tests.test_runtime_pipeline import MAX_UINT8_DIFF, reference
+    from tests.runtime.test_pipeline import MAX_UINT8_DIFF, reference
 
     cfg = load_gpu("4090").with_precision({"clip": "fp32", "t5": "bf16", "transformer": "bf16", "vae_decoder": "fp32"})
     manifest, _ = build_gpu(tiny_bf16, cfg, tmp_path, components=["clip", "t5", "transformer", "vae_decoder"])

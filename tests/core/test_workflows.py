@@ -125,14 +125,6 @@ def test_requests_a_model_cannot_serve_are_one_line(model, given, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_every_declared_workflow_has_its_runtime_preparation():
-    """core/workflows.py declares, runtime/prepare.py prepares: one function per workflow, by name."""
-    from fluxtrt.runtime.prepare import PREPARE
-
-    assert set(PREPARE) == set(WORKFLOWS) and len(WORKFLOWS) == 5
-    assert all(PREPARE[name].__name__ == name for name in WORKFLOWS)
-
-
 def test_workflow_follows_model_and_flags():
     geo = resolve_model("tiny").geometry
     assert select(geo, ImageInputs()).name == "txt2img"

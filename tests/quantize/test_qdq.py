@@ -208,18 +208,3 @@ def test_cli_calibrate_fills_the_cache_build_reads(tmp_path, tiny_schnell):
     manifest, _ = build_gpu(tiny_schnell, cfg, tmp_path, components=["transformer"],
                             calibration=CalibrationSettings(size=2, steps=1))
     assert manifest.components["transformer"].quantization["calibration_cached"] is True
-
-
-def test_weight_only_recipes_read_no_calibration_prompts(tiny_dev, tmp_path, monkeypatch):
-    """int8-wo / int4-wo need no activation ranges: their stage neither reads nor hashes a prompts file (a
-    missing one is no error for them)."""
-    from fluxtrt.stages.fp32_plan import ensure_fp32_plan
-
-    def no_prompts(calib):
-        raise AssertionError("a weight-only recipe hashed the calibration prompts")
-
-    monkeypatch.setattr("fluxtrt.stages.base.prompts_sha256", no_prompts)
-    calib = CalibrationSettings(prompts_file=tmp_path / "missing.txt")
-    path, results = ensure_fp32_plan(tiny_dev, "transformer", "int4-wo", tmp_path, False, on_phase=lambda p: None, calib=calib,
-                                     validate=False)
-    assert path.exists() and {(r.stage, r.status) for r in results} >= {("quantize", "built")}

@@ -91,8 +91,7 @@ def test_checkpoint_mismatch_is_refused(built, tmp_path):
 
 def test_weightless_engine_needs_weights():
     from fluxtrt.runtime.executors import WeightSource
-
-    from .helpers import entry
+    from tests.helpers import entry
 
     with pytest.raises(FluxtrtError, match="pass --weights"):
         WeightSource.for_component(None, None, entry(weightless=True), "transformer")
@@ -110,7 +109,7 @@ def test_refit_sets_every_engine_weight_from_the_map(built):
     """refit_engine against the strict stand-in of TensorRT's Refitter (tests/fake_trt.py): every weight the
     stripped engine lists comes from the map in the prototype's dtype (bf16 as bf16); one the map lacks is named."""
     pytest.importorskip("tensorrt_rtx")
-    from . import fake_trt
+    from tests import fake_trt
 
     src, gpu_dir, manifest = built
     e = manifest.components["transformer"]
