@@ -7,11 +7,13 @@ HTTP API (OpenAI-style images):
                                 "seed": int, "cache_threshold": float, "response_format": "b64_json"}
                                 (all but prompt optional; cache_threshold: First-Block Cache per image, 0 off)
     200 {"created": unix time, "data": [{"b64_json": PNG, "seed": int[, "cache": {...}]}], "timings": {...}}
-    400 {"error": {"message": one line}} for anything `fluxtrt run` refuses; 503 + Retry-After when the queue
-    is full; 500 when a generation fails (the server keeps serving)
+    400 {"error": {"message": one line}} for anything `fluxtrt run` refuses and for unknown fields; 503 +
+    Retry-After when the queue is full; 500 when a generation fails (the server keeps serving); a client that
+    disconnects cancels its samples at the next step. 404 / 405 / 414 (long URLs) in the same JSON shape.
   GET /health  200 {"status": "ok", ...} once the engines are loaded
   GET /metrics the answering replica's queue depth, running batch, step time and batch sizes (Prometheus text)
-Metrics (also on Ray's Prometheus exporter): fluxtrt_queue_depth, fluxtrt_running_batch, fluxtrt_step_seconds."""
+Metrics (also on Ray's Prometheus exporter): fluxtrt_queue_depth, fluxtrt_running_batch, fluxtrt_step_seconds;
+/metrics also fluxtrt_cancelled_total."""
 
 import asyncio
 import base64
