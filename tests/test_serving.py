@@ -343,6 +343,13 @@ def test_server_under_load_bad_requests_killed_replica_and_ctrl_c(tiny_engines, 
                                     ({"prompt": "a", "steps": 1.5}, 400, '"steps" must be an integer')]:
             status, payload, _ = server.post(body)
             assert status == code and message in payload["error"]["message"], payload
+        status, payload, _ = server.post({"prompt": "a", "stpes": 2, "sead": 5})
+        assert status == 400 and 'unknown field "stpes" (did you mean "steps"?)' in payload["error"]["message"]
+        try:  # a GET on the generate path: the API's JSON error shape, not FastAPI's
+            urllib.request.urlopen(server.url + "/v1/images/generations", timeout=10)
+        except urllib.error.HTTPError as e:
+            assert e.code == 405 and "use POST" in json.loads(e.read())["error"]["message"]
+        check_clients_that_give_up_are_cancelled(server)
         for body, code in [(b'{"prompt": "' + b"a" * 200_000 + b'"}', 413), (b"[" * 10_000 + b"]" * 10_000, 400),
                            ('{"prompt": "a", "size": "\uff15\uff11\uff12x512"}'.encode(), 400)]:
             status, payload, _ = server.post(body)
@@ -375,6 +382,25 @@ def test_server_under_load_bad_requests_killed_replica_and_ctrl_c(tiny_engines, 
         seconds = server.stop()
     assert server.proc.returncode == 130 and seconds < 30, \
         f"Ctrl-C took {seconds:.1f} s; the server's last words:\n" + "".join(server.output[-15:])
+
+
+def check_clients_that_give_up_are_cancelled(server):
+    """Three clients give up after 1 s on {"steps": 1000, "n": 8} (hours of work for this machine): Ray Serve cancels
+    their handlers, the replica drops their samples at the next step, the queue empties and a normal request is
+    answered at once, not after them."""
+    heavy = {"prompt": "a cat", "size": "256x256", "steps": 1000, "n": 8}
+    with ThreadPoolExecutor(3) as pool:
+        gone = [pool.submit(server.post, heavy, 1.0) for _ in range(3)]
+        for f in gone:
+            with pytest.raises((TimeoutError, urllib.error.URLError, OSError)):
+                f.result()
+    t0 = time.time()
+    assert server.post({"prompt": "a dog", "size": "256x256", "steps": 1}, timeout=60)[0] == 200
+    assert time.time() - t0 < 60
+    deadline = time.time() + 30
+    while (health := server.health())["queued"] and time.time() < deadline:
+        time.sleep(0.5)
+    assert health["queued"] == 0 and health["cancelled"] >= 3, health
 
 
 def check_readme_serve_example(server, tmp_path):
