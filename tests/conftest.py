@@ -153,3 +153,17 @@ def engines(tmp_path_factory):
         return _ENGINES[model]
 
     return get
+
+
+# Fixtures that export or build (tens of seconds to minutes each on 2 cores): a test using one is slow, so the
+# fast set (`-m "not slow"`, under 5 minutes) never pays for them. CI runs everything.
+EXPENSIVE_FIXTURES = {
+    "exported", "fp8_build", "engines", "fp32_engines", "built", "fp4_zero_copy", "deep_tiny", "zero_copy_exports",
+    "tiny_engines", "packed", "fp32_transformer", "bf16_transformer", "two_checkpoints", "tiny_fp32_engines",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if EXPENSIVE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

@@ -42,6 +42,7 @@ def compare(ours, ref, src, workflow, executor, prompts=("a red fox in the snow"
     return diff
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,pipeline,workflow", CASES, ids=IDS)
 def test_torch_executor_modules_equal_diffusers_modules(model, pipeline, workflow):
     src = resolve_model(model)

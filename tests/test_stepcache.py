@@ -80,6 +80,7 @@ def compare(model, workflow, steps, negative=None, pipe=None, bound=LATENT_BOUND
     return pipe, threshold, seed, computed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,workflow,steps", CASES, ids=[f"{m}-{w}" for m, w, _ in CASES])
 def test_torch_executor_skips_the_steps_diffusers_skips(model, workflow, steps):
     compare(model, workflow, steps)

@@ -13,7 +13,7 @@ def test_relative_errors_are_max_and_mean_in_float64():
     mx, mean = relative_errors(a.float(), b.float())
     d = (a.double() - b.double()).abs()
     assert abs(mx - float(d.max() / b.double().abs().max())) < 1e-12
-    assert abs(mean - float(d.mean() / b.double().abs().mean())) < 1e-12 and mean < mx
+    assert abs(mean - float(d.mean() / b.double().abs().mean())) < 1e-12
 
 
 def test_a_row_says_its_ratio_to_the_reference_pair():

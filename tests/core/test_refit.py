@@ -97,6 +97,7 @@ def test_weightless_engine_needs_weights():
         WeightSource.for_component(None, None, entry(weightless=True), "transformer")
 
 
+@pytest.mark.slow
 def test_weightless_build_on_cpu_is_refused_clearly(tmp_path):
     """The known obstacle, pinned: TensorRT-RTX 1.7 refuses STRIP_PLAN/REFIT builds without a GPU."""
     from fluxtrt.engine.build import BuildError

@@ -72,6 +72,7 @@ def test_weight_map_reproduces_every_weight(two_checkpoints, component, dtype, t
     assert mapped <= changed | {n for n in mapped if inits[0][n].size <= 1}
 
 
+@pytest.mark.slow
 def test_fused_projection_is_a_recorded_concat(two_checkpoints, tmp_path):
     """The transformer's q/k/v fusion appears in the map as a concat of three transposed checkpoint tensors."""
     src = two_checkpoints[0]
@@ -84,6 +85,7 @@ def test_fused_projection_is_a_recorded_concat(two_checkpoints, tmp_path):
     assert any(p["of"]["tensor"].endswith("attn.to_q.weight") for p in parts)
 
 
+@pytest.mark.slow
 def test_unknown_checkpoint_tensor_is_refused(two_checkpoints, tmp_path):
     from fluxtrt.errors import FluxtrtError
 

@@ -83,6 +83,7 @@ def compare(pipe, src, workflow, prompts, h, w, steps, executor):
     return res
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workflow", list(MODEL))
 def test_torch_executor_matches_diffusers(workflow):
     """Each workflow through the PyTorch executor (fp32, CPU), batch 2 at a non-square size, step for step."""
@@ -91,6 +92,7 @@ def test_torch_executor_matches_diffusers(workflow):
     compare(pipe, src, workflow, ["a red fox in the snow", "a bowl of ramen"], 256, 320, 3, "torch")
 
 
+@pytest.mark.slow
 def test_conditioning_changes_the_image():
     """The image inputs are used: another mask, control map or reference moves the latents far beyond the
     executor's 1e-4 agreement with diffusers (the tiny Kontext's near-uniform attention over 4000+ reference

@@ -168,6 +168,7 @@ def test_cli_build_h100_without_tensorrt_is_one_line(monkeypatch):
     assert "needs the 'tensorrt' package" in res.output and "fluxtrt[trt]" in res.output
 
 
+@pytest.mark.slow
 def test_cli_build_and_inspect(tmp_path):
     from typer.testing import CliRunner
 
@@ -268,6 +269,7 @@ def test_another_calibration_resolution_rebuilds_the_fp8_graph(path, tiny_bf16, 
     assert [quantize_status(r) for r in (256, 256, 512, 512)] == ["built", "reused", "built", "reused"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["zero-copy", "copying"])
 def test_every_stage_of_both_plans_goes_through_the_one_runner(path, tiny_bf16, tmp_path, monkeypatch):
     """Export, graph passes and (fp8) quantization are Steps that stages.base.run_step reuses, makes and records:

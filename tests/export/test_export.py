@@ -73,6 +73,7 @@ def test_validation_catches_a_corrupted_graph(exported, tmp_path):
     assert any("rel err" in f for f in report.failures())
 
 
+@pytest.mark.slow
 def test_external_data_path(tiny_dev, tmp_path):
     """Lower the threshold so the transformer's weights go to external data, as a >2 GB model's would."""
     spec = specs_for(tiny_dev.geometry)["transformer"]
@@ -87,6 +88,7 @@ def test_external_data_path(tiny_dev, tmp_path):
     assert r.max_rel_err <= FP32_BOUND
 
 
+@pytest.mark.slow
 def test_cli_export_is_standard_onnx_by_default(tmp_path):
     """`fluxtrt export` writes standard ONNX (weights in the file); --zero-copy links the weights into the
     checkpoint where it stores the graph's dtype (tiny: fp32 safetensors), copies them where it does not (--dtype
@@ -116,6 +118,7 @@ def test_cli_export_is_standard_onnx_by_default(tmp_path):
     assert "clip is stored in fp32 (--dtype fp32 exports it zero-copy)" in " ".join(res.output.split())
 
 
+@pytest.mark.slow
 def test_default_export_opens_in_stock_tools(tmp_path):
     """What `fluxtrt export` writes by default opens in stock ONNX Runtime, onnx.load and polygraphy, each given
     only the path, and runs in ONNX Runtime on fresh random inputs."""
@@ -156,6 +159,7 @@ def test_cli_hub_id_error_is_one_line():
     assert "never downloads" in res.output and "Traceback" not in res.output
 
 
+@pytest.mark.slow
 def test_fp16_export_within_its_bound(tiny_schnell, tmp_path):
     from fluxtrt.compare import RTOL_BY_DTYPE
 
@@ -166,6 +170,7 @@ def test_fp16_export_within_its_bound(tiny_schnell, tmp_path):
     assert model.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("component", ["t5", "transformer"])
 def test_bf16_export_within_its_bound(tiny_dev, tmp_path, component):
     """bf16 graphs run in ONNX Runtime widened to fp32 (no bf16 CPU kernels): weights keep their bf16 rounding."""

@@ -79,6 +79,7 @@ def test_replicated_graph_equals_full_trace(deep_tiny, tmp_path, monkeypatch):
     assert np.abs(out_a - out_b).max() <= 1e-6 * np.abs(out_b).max()
 
 
+@pytest.mark.slow
 def test_replicated_export_matches_pytorch_and_refuses_unscoped_graphs(deep_tiny, tmp_path, monkeypatch):
     """The replicated export validates against PyTorch (the export's own check on fresh random inputs); a
     graph whose blocks cannot be told apart raises ReplicationError (export then traces every block)."""
@@ -94,6 +95,7 @@ def test_replicated_export_matches_pytorch_and_refuses_unscoped_graphs(deep_tiny
         replicate(model, DEPTHS)
 
 
+@pytest.mark.slow
 def test_t5_blocks_are_replicated_too(tmp_path, monkeypatch):
     """T5's encoder blocks (24 in T5-XXL) follow the same pattern: block 0 computes the relative position bias
     the others share. A 5-block tiny T5 replicated from 3 equals its full trace and validates against PyTorch."""

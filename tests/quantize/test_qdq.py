@@ -144,6 +144,7 @@ def test_fp8_without_calibration_is_refused(fp32_transformer):
         quantize_model(copy.deepcopy(model), "fp8", {})
 
 
+@pytest.mark.slow
 def test_quantized_engines_build_and_calibration_is_cached(tiny_dev, tmp_path):
     pytest.importorskip("tensorrt_rtx")
     from fluxtrt.gpus import load_gpu
@@ -177,6 +178,7 @@ def test_quantized_engines_build_and_calibration_is_cached(tiny_dev, tmp_path):
     assert {(r.stage, r.status) for r in results} >= {("optimize", "built"), ("quantize", "built"), ("build", "built")}
 
 
+@pytest.mark.slow
 def test_cli_calibrate_caches(tmp_path):
     from typer.testing import CliRunner
 
@@ -191,6 +193,7 @@ def test_cli_calibrate_caches(tmp_path):
     assert res.exit_code == 0 and "reused the cache" in res.output
 
 
+@pytest.mark.slow
 def test_cli_calibrate_fills_the_cache_build_reads(tmp_path, tiny_schnell):
     """`fluxtrt calibrate` and `fluxtrt build --precision transformer=fp8` share one cache key."""
     pytest.importorskip("tensorrt_rtx")

@@ -116,6 +116,7 @@ def test_onnxruntime_run_matches_diffusers(fp32_engines, model, prompts, h, w):
     assert res.images.std() > 1  # not a constant image
 
 
+@pytest.mark.slow
 def test_default_precision_engines_run_on_onnxruntime(tmp_path, tiny_schnell):
     """The shipped 4090 config (fp16 CLIP, bf16 T5/transformer, fp32 VAE) runs end to end on ONNX Runtime."""
     build_gpu(tiny_schnell, load_gpu("4090"), tmp_path, components=["clip", "t5", "transformer", "vae_decoder"])

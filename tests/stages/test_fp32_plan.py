@@ -1,5 +1,7 @@
 """stages/fp32_plan.py: the copying plan (fp32 export, then optimize and quantize at the engine's precision)."""
 
+import pytest
+
 from fluxtrt.models.source import resolve_model
 from fluxtrt.records import CalibrationSettings
 from fluxtrt.stages.fp32_plan import onnx_dir_for
@@ -11,6 +13,7 @@ def test_each_model_and_dtype_has_its_own_onnx_folder(tmp_path):
     assert len(folders) == 4 and all(f.parent == tmp_path / "onnx" for f in folders)
 
 
+@pytest.mark.slow
 def test_weight_only_recipes_read_no_calibration_prompts(tiny_dev, tmp_path, monkeypatch):
     """int8-wo / int4-wo need no activation ranges: their stage neither reads nor hashes a prompts file (a
     missing one is no error for them)."""

@@ -82,6 +82,7 @@ def test_fused_weight_scale_costs_little(tiny_bf16):
         assert per_part < 0.05 and joint <= JOINT_SCALE_MAX_RATIO * per_part, (keys[0], per_part, joint)
 
 
+@pytest.mark.slow
 def test_module_ranges_match_onnx_runtime_ranges(tiny_dev, tmp_path):
     """The PyTorch hook on each nn.Linear measures the same tensor ONNX Runtime sees at the MatMul that the
     linear layer became (fused q/k/v included, found through the weight map), on the same prompts."""
@@ -228,6 +229,7 @@ def test_rebuild_reuses_every_stage_and_the_calibration(fp8_build):
         [("export", "reused"), ("optimize", "reused"), ("quantize", "reused"), ("build", "reused")]
 
 
+@pytest.mark.slow
 def test_calibrate_cli_fills_the_cache_the_build_reads(tiny_bf16, tmp_path):
     pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installed (pip install -e '.[rtx]')")
     from typer.testing import CliRunner
@@ -253,6 +255,7 @@ def test_calibrate_cli_fills_the_cache_the_build_reads(tiny_bf16, tmp_path):
         assert res.exit_code == 2 and "no CUDA GPU" in res.output and not (tmp_path / "x" / "calibration").exists()
 
 
+@pytest.mark.slow
 def test_copy_weights_takes_the_fp32_path(tiny_bf16, tmp_path):
     pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installed (pip install -e '.[rtx]')")
     from fluxtrt.gpus import load_gpu
@@ -315,6 +318,7 @@ def test_zero_copy_engines_run_like_diffusers(tiny_bf16, tmp_path, reweighted_co
     assert np.abs(image(other.path).astype(int) - normal.astype(int)).max() > 10
 
 
+@pytest.mark.slow
 def test_zero_copy_graph_is_fused_like_the_fp32_path(tiny_bf16, tmp_path):
     """The optimize stage runs on the zero-copy graph: its TensorRT network computes no more layers per
     inference than the fp32 path's (layers that read only weights fold at build time), its fusions are there,
@@ -343,6 +347,7 @@ def test_zero_copy_graph_is_fused_like_the_fp32_path(tiny_bf16, tmp_path):
     assert matrices and all(external_info(t)["location"].startswith("transformer.weights/") for t in matrices)
 
 
+@pytest.mark.slow
 def test_weights_from_memory_maps_give_the_same_engine(fp8_build, tmp_path, monkeypatch):
     """Handing the parser pointers into memory maps (whose pages are dropped while TensorRT builds) gives the
     engine that parsing the file gives, byte for byte."""
