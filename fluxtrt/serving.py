@@ -135,7 +135,7 @@ def unknown_field(key: str) -> str:
 
     near = difflib.get_close_matches(key.lower(), FIELDS, n=1, cutoff=0.5)
     hint = f' (did you mean "{near[0]}"?)' if near else ""
-    return f'unknown field "{key[:40]}"{hint}; the fields are {", ".join(FIELDS)}'
+    return f"unknown field {json.dumps(key[:40])}{hint}; the fields are {', '.join(FIELDS)}"  # escaped: one line
 
 
 def png_b64(image) -> str:
