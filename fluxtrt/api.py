@@ -614,10 +614,6 @@ class Inspection(NamedTuple):
     checks: list  # EngineCheck per component
     problems: list = []  # what makes the folder unusable beyond the files: a stopped build, a broken weight map
 
-    @property
-    def ok(self) -> bool:
-        return not self.problems and all(c.file == "ok" for c in self.checks)
-
 
 def inspect(engine_dir: Path) -> Inspection:
     """`fluxtrt inspect`: an engine folder's manifest and, per engine, whether the file on disk is the one it

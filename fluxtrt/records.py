@@ -147,16 +147,22 @@ class Manifest:
         """Which of `names` have no engine here (e.g. the build was stopped before them)."""
         return [n for n in names if n not in self.components]
 
+    def lacking(self, names, folder="these engines") -> ManifestError:
+        """The one line for engines `names` that are not here: an unfinished build (the manifest's `pending`) is
+        finished by running the same build again; others are built with --components; either runs in PyTorch."""
+        have = ", ".join(self.components) or "none"
+        stopped = any(n in self.pending for n in names)
+        what = "is an unfinished build: it has" if stopped else "has"
+        fix = ("run the same `fluxtrt build` again to finish it" if stopped
+               else f"build them with `fluxtrt build --components {','.join(names)}`")
+        return ManifestError(f"{folder} {what} no {', '.join(names)} engine(s) (it has {have}); {fix}, or pass "
+                             f"--fallback {','.join(names)} to run them in PyTorch")
+
     def component(self, name: str) -> ComponentEntry:
         try:
             return self.components[name]
         except KeyError:
-            have = ", ".join(self.components) or "none"
-            if self.pending:
-                raise ManifestError(f"the build of these engines stopped before {', '.join(self.pending)} (it has "
-                                    f"{have}); run the same `fluxtrt build` again to finish it") from None
-            raise ManifestError(f"the manifest has no {name} engine (it has {have}); "
-                                f"build it with `fluxtrt build --components {name}`") from None
+            raise self.lacking([name]) from None
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)

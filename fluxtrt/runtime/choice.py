@@ -35,10 +35,7 @@ def choose_backend(requested: str, engines: Path | None, fallback=()) -> Backend
     asked = {x.split("@")[0] for f in fallback or () for x in str(f).split(",")}
     stopped = [c for c in missing if c in manifest.pending and c not in asked]
     if stopped:
-        have = ", ".join(manifest.components) or "none"
-        raise FluxtrtError(f"{engines} is an unfinished build: it has no {', '.join(stopped)} engine(s) (it has {have}); "
-                           f"run the same `fluxtrt build` again to finish it, or pass --fallback {','.join(stopped)} "
-                           "to run them in PyTorch")
+        raise manifest.lacking(stopped, engines)
     notes = [f"no engine for {', '.join(missing)}: running PyTorch for it"] if missing else []
     if requested != "auto":
         return BackendChoice(requested, missing, notes)

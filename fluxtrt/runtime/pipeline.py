@@ -103,12 +103,7 @@ class Pipeline:
         engine_names = [n for n in names if n not in torch_names]
         missing = self.manifest.missing(engine_names) if engine_names else []
         if missing:
-            have = ", ".join(self.manifest.components) or "none"
-            stopped = [n for n in missing if n in self.manifest.pending]
-            why = (f"the build stopped before {', '.join(stopped)}: run the same `fluxtrt build` again to finish it"
-                   if stopped else f"build them with `fluxtrt build --components {','.join(missing)}`")
-            raise ManifestError(f"{self.dir} has no {', '.join(missing)} engine(s) (it has {have}); {why}, or run "
-                                "them in PyTorch with --fallback")
+            raise self.manifest.lacking(missing, self.dir)
         if "transformer" in engine_names:  # First-Block Cache's parts, where the build made them
             engine_names += [p for p in TRANSFORMER_PARTS if p in self.manifest.components]
         sources = self._weight_sources(engine_names, weights, lora, lora_scale)
