@@ -182,7 +182,7 @@ def export(
     from .models.source import resolve_model
 
     names = list(specs_for(resolve_model(model).geometry, api.split_list(components) or None))
-    with r.phases(names, with_bar=True, total=5 if validate else 4) as update:
+    with r.phases(names, with_bar=True, total=6 if validate else 5) as update:  # export, load, trace, save, [validate], done
         summary = api.export(model, out_dir, components, dtype, opset, validate=validate, zero_copy=zero_copy, progress=update)
     r.export_summary(summary)
 
