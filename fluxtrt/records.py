@@ -147,7 +147,7 @@ class Manifest:
         """Which of `names` have no engine here (e.g. the build was stopped before them)."""
         return [n for n in names if n not in self.components]
 
-    def lacking(self, names, folder="these engines") -> ManifestError:
+    def lacking(self, names, folder="the engine folder") -> ManifestError:
         """The one line for engines `names` that are not here: an unfinished build (the manifest's `pending`) is
         finished by running the same build again; others are built with --components; either runs in PyTorch."""
         have = ", ".join(self.components) or "none"

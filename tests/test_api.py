@@ -122,7 +122,7 @@ def test_manifest_round_trip_and_schema(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(ManifestError, match="rebuild"):
         read_manifest(tmp_path)
-    with pytest.raises(ManifestError, match=r"has no t5 engine \(it has clip\)"):
+    with pytest.raises(ManifestError, match=r"has no t5 engine\(s\) \(it has clip\); build them with"):
         m.component("t5")
 
 

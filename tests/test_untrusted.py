@@ -41,7 +41,7 @@ def cli(*args):
 
 # -- a fake engine folder (manifest + model assets; no engine is built: checks need none) ------------------------
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
+def fake_folder(tmp_path_factory):
     from tests.helpers import fake_engine_folder
 
     folder = tmp_path_factory.mktemp("untrusted") / "4090"
@@ -66,8 +66,8 @@ ESCAPES = ["../../../etc/passwd", "/etc/passwd", "..", "a/../../x", "/etc/shadow
 
 @pytest.mark.parametrize("field", ["engine", "onnx", "weight_map", "weightfree_onnx"])
 @pytest.mark.parametrize("path", ESCAPES)
-def test_manifest_paths_that_leave_the_folder_are_refused(engines, tmp_path, field, path):
-    folder, manifest = engines
+def test_manifest_paths_that_leave_the_folder_are_refused(fake_folder, tmp_path, field, path):
+    folder, manifest = fake_folder
     m = copy.deepcopy(manifest)
     m["components"]["transformer"][field] = path
     bad = with_manifest(folder, m, tmp_path)
@@ -79,8 +79,8 @@ def test_manifest_paths_that_leave_the_folder_are_refused(engines, tmp_path, fie
         assert not (tmp_path / "o.png").exists()
 
 
-def test_a_link_out_of_the_folder_is_refused(engines, tmp_path):
-    folder, manifest = engines
+def test_a_link_out_of_the_folder_is_refused(fake_folder, tmp_path):
+    folder, manifest = fake_folder
     bad = with_manifest(folder, manifest, tmp_path)
     (bad / "transformer.engine").unlink()
     (bad / "transformer.engine").symlink_to("/etc/passwd")
@@ -130,9 +130,9 @@ JSONISH = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | 
 
 @FUZZ
 @given(data=st.data())
-def test_fuzzed_manifests_inspect_cleanly(engines, tmp_path_factory, data):
+def test_fuzzed_manifests_inspect_cleanly(fake_folder, tmp_path_factory, data):
     """A manifest with any field replaced by any JSON value: inspect answers a table (exit 0) or one line (exit 2)."""
-    folder, manifest = engines
+    folder, manifest = fake_folder
     m = copy.deepcopy(manifest)
     where = data.draw(st.sampled_from(["top", "component"]))
     target = m if where == "top" else m["components"][data.draw(st.sampled_from(sorted(m["components"])))]
@@ -154,8 +154,8 @@ def test_fuzzed_manifests_inspect_cleanly(engines, tmp_path_factory, data):
     ("model/scheduler/scheduler_config.json", "[" * 100_000 + "]" * 100_000, "unreadable: not a model config (JSON)"),
     ("manifest.json", "[" * 100_000 + "]" * 100_000, "unreadable: not a fluxtrt manifest (JSON)"),
 ])
-def test_configs_and_tokenizers_of_an_engine_folder_are_checked(engines, tmp_path, target, text, says):
-    folder, manifest = engines
+def test_configs_and_tokenizers_of_an_engine_folder_are_checked(fake_folder, tmp_path, target, text, says):
+    folder, manifest = fake_folder
     bad = with_manifest(folder, manifest, tmp_path)
     (bad / target).write_text(text)
     res = cli("run", "--engines", bad, "--backend", "onnxruntime", "--prompt", "x", "--steps", "1",
@@ -164,8 +164,8 @@ def test_configs_and_tokenizers_of_an_engine_folder_are_checked(engines, tmp_pat
     assert says in res.output and not (tmp_path / "o.png").exists(), res.output
 
 
-def test_prompts_file_that_is_not_prompts(engines, tmp_path):
-    folder, _ = engines
+def test_prompts_file_that_is_not_prompts(fake_folder, tmp_path):
+    folder, _ = fake_folder
     for path, says in (("/dev/zero", "at most 16 MB"), (tmp_path / "none.txt", "no such file"), (tmp_path, "at most")):
         res = cli("run", "--engines", folder, "--prompts-file", path, "--out", tmp_path / "o.png")
         one_line_exit_2(res)
@@ -366,8 +366,8 @@ def test_fuzzed_images(tmp_path_factory, mode, w, h, fmt, cut):
 
 
 # -- class: outputs never replace inputs -------------------------------------------------------------------------
-def test_out_never_replaces_an_input_or_a_folder(engines, tmp_path):
-    folder, _ = engines
+def test_out_never_replaces_an_input_or_a_folder(fake_folder, tmp_path):
+    folder, _ = fake_folder
     img = tmp_path / "in.png"
     Image.new("RGB", (64, 64), (10, 20, 30)).save(img)
     before = img.read_bytes()
@@ -399,8 +399,8 @@ def test_a_failed_build_leaves_no_new_gpu_folder(tmp_path, monkeypatch):
     ["--lora-scale", "inf"], ["--strength", "nan"], ["--height", "999999"], ["--max-area", "-5"],
     ["--fallback", "t5,t5"],
 ])
-def test_run_numbers_out_of_range_are_one_line(engines, tmp_path, args):
-    folder, _ = engines
+def test_run_numbers_out_of_range_are_one_line(fake_folder, tmp_path, args):
+    folder, _ = fake_folder
     res = cli("run", "--engines", folder, "--backend", "onnxruntime", "--prompt", "x", "--out", tmp_path / "o.png",
               *args)
     one_line_exit_2(res)
@@ -424,11 +424,11 @@ def test_options_are_checked_before_any_work(tmp_path, args, says):
     assert says in res.output and not (tmp_path / "o").exists()
 
 
-def test_serve_refuses_a_port_in_use(engines):
+def test_serve_refuses_a_port_in_use(fake_folder):
     import socket
 
     pytest.importorskip("ray")
-    folder, _ = engines
+    folder, _ = fake_folder
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -491,8 +491,8 @@ def test_fuzzed_http_field_names(extra):
 @FUZZ
 @given(guidance=st.floats(allow_nan=True, allow_infinity=True), true_cfg=st.floats(allow_nan=True),
        strength=st.floats(allow_nan=True), lora_scale=st.floats(allow_nan=True))
-def test_fuzzed_run_floats(engines, tmp_path_factory, guidance, true_cfg, strength, lora_scale):
-    folder, _ = engines
+def test_fuzzed_run_floats(fake_folder, tmp_path_factory, guidance, true_cfg, strength, lora_scale):
+    folder, _ = fake_folder
     out = tmp_path_factory.mktemp("o") / "o.png"
     res = cli("run", "--engines", folder, "--backend", "onnxruntime", "--prompt", "x", "--out", out,
               "--guidance", guidance, "--true-cfg", true_cfg, "--negative-prompt", "", "--strength", strength,
@@ -516,12 +516,12 @@ def test_help_reads_cleanly_at_80_and_120_columns():
 
 
 # -- class: an output folder holding another model's engines -------------------------------------------------------
-def test_a_build_of_another_model_never_replaces_the_engines_there(engines, tmp_path):
+def test_a_build_of_another_model_never_replaces_the_engines_there(fake_folder, tmp_path):
     """`build --model tiny-schnell` into a root whose 4090/ holds tiny's engines is refused in one line before any
     work, and tiny's manifest and engines stay as they were."""
     import shutil
 
-    folder, _ = engines
+    folder, _ = fake_folder
     root = tmp_path / "root"
     shutil.copytree(folder, root / "4090", symlinks=True)
     before = snapshot(root)
@@ -568,8 +568,8 @@ def test_optimize_on_a_broken_onnx_is_one_line_and_writes_nothing(clip_export, t
     (lambda m: m["model"].update(model_class="FluxFillPipeline"), "model assets are a dev FluxPipeline"),
     (lambda m: m.update(workflows=["txt2img", "fill"]), "are not what a FluxPipeline serves"),
 ])
-def test_an_edited_model_in_the_manifest_is_caught_by_inspect_and_run(engines, tmp_path, edit, says):
-    folder, manifest = engines
+def test_an_edited_model_in_the_manifest_is_caught_by_inspect_and_run(fake_folder, tmp_path, edit, says):
+    folder, manifest = fake_folder
     changed = copy.deepcopy(manifest)
     edit(changed)
     dest = with_manifest(folder, changed, tmp_path)
@@ -582,8 +582,8 @@ def test_an_edited_model_in_the_manifest_is_caught_by_inspect_and_run(engines, t
 
 
 @pytest.mark.parametrize("damage", ["truncated", "empty", "not a map"])
-def test_inspect_reads_every_weight_map(engines, tmp_path, damage):
-    folder, manifest = engines
+def test_inspect_reads_every_weight_map(fake_folder, tmp_path, damage):
+    folder, manifest = fake_folder
     dest = with_manifest(folder, manifest, tmp_path)
     path = dest / "t5.weights.json"
     text = path.read_text()
