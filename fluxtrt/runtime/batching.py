@@ -231,10 +231,6 @@ class ContinuousBatcher:
                 if not self._incoming:
                     return
                 job = self._incoming.popleft()
-            if job.future.cancelled():
-                if self._finish(job):
-                    self.stats.cancelled += 1
-                continue
             try:
                 with self.pipe.on_stream():
                     pooled, text = self.pipe.encode_prompts([job.prompt])
