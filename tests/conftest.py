@@ -163,24 +163,7 @@ EXPENSIVE_FIXTURES = {
 }
 
 
-# Session fixtures above that export or build once per worker: the test files using one run on one worker (xdist's
-# loadgroup), so it is made once; every other file is a group of its own (what --dist loadfile did).
-SHARED_SESSION_BUILDS = {"engines", "exported", "fp8_build"}
-
-
 def pytest_collection_modifyitems(config, items):
-    files: dict = {}  # test file -> the shared builds its tests use
     for item in items:
-        used = set(getattr(item, "fixturenames", ()))
-        if EXPENSIVE_FIXTURES & used:
+        if EXPENSIVE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-        files.setdefault(item.path, set()).update(SHARED_SESSION_BUILDS & used)
-    group = {path: str(path) for path in files}  # files sharing a build join one group (union over shared builds)
-    for build in SHARED_SESSION_BUILDS:
-        members = sorted(p for p, used in files.items() if build in used)
-        names = {group[p] for p in members}
-        if names:
-            target = min(names)
-            group.update({p: target for p, g in group.items() if g in names})
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(name=str(group[item.path])))
