@@ -359,16 +359,21 @@ def check_manifest(m: Manifest, folder: Path) -> None:
         if not (shapes_ok and tensors_ok and memory_ok and _is_int(e.bytes) and _is_int(e.layers)):
             raise bad(f"component {name!r}", "its profile, tensors or sizes")
         inside(folder, e.engine, f"{name}.engine")
-        inside(Path(folder).resolve().parent, e.onnx, f"{name}.onnx")
+        inside(build_root(folder), e.onnx, f"{name}.onnx")
         for what, rel in (("weight_map", e.weight_map), ("weightfree_onnx", e.weightfree_onnx)):
             if rel is not None:
                 inside(folder, rel, f"{name}.{what}")
 
 
+def build_root(engine_dir: Path) -> Path:
+    """The build root of a GPU folder: its parent once links are followed (an engine folder reached through a
+    symbolic link still finds its build's onnx/)."""
+    return Path(engine_dir).resolve().parent
+
+
 def built_onnx(engine_dir: Path, entry: ComponentEntry) -> Path:
-    """The ONNX an engine was built from: in the build root (the GPU folder's parent, once links are followed:
-    an engine folder reached through a symbolic link still finds its build's onnx/)."""
-    return Path(engine_dir).resolve().parent / entry.onnx
+    """The ONNX an engine was built from, in the build root."""
+    return build_root(engine_dir) / entry.onnx
 
 
 def _subfolders_hint(folder: Path) -> str:
