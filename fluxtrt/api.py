@@ -108,24 +108,25 @@ class BuildSummary:
         return all(r.status in ("reused", "skipped") for r in self.results)
 
 
-def resolve_target(gpu: str | None, config: Path | None, precision=None, components=None):
+def resolve_target(gpu: str | None, config: Path | None, precision=None, components=None, backend: str | None = None):
     """The build target with `-p` applied.
 
     Args: gpu: a shipped config's name, or config: a GPU config file (one of the two); precision: `-p` values;
-        components: the components asked for (`-p fp8` spreads over those that have the recipe).
+        components: the components asked for (`-p fp8` spreads over those that have the recipe); backend: None (the
+        config's) or another (`torch`: compiled PyTorch packages for that GPU, in `<gpu>-torch/`).
     Returns: (GpuConfig, notes). A precision other than the config's gets its own folder (`4090-fp8`), so a
         build with `-p` never replaces the engines of another precision.
     Raises: ConfigError / FluxtrtError for an unknown GPU, both or neither given, a precision the target lacks."""
     import dataclasses
 
-    from .core.backends import get_backend
     from .gpus import load_gpu
     from .precisions import apply_overrides
+    from .stages.build import check_target
 
     if gpu and config is not None:
         raise FluxtrtError("pass --gpu or --config, not both (--config FILE is a custom GPU config)")
-    cfg = load_gpu(gpu, config)
-    get_backend(cfg.backend).check_target(cfg.compute_capability)  # fail before any work
+    cfg = load_gpu(gpu, config).for_backend(backend)
+    check_target(cfg)  # fail before any work
     notes: list[str] = []
     if precision:
         merged, notes = apply_overrides(cfg.precision, split_list(precision), split_list(components) or None)
@@ -145,7 +146,7 @@ def build(request: BuildRequest | None = None, *, progress: Callable[[str, str],
     Args: request: a records.BuildRequest, or **fields its fields (gpu / config: the target, see resolve_target;
         model: the checkpoint, default `tiny`, said in the notes; out_dir: the build root; components, precision:
         the CLI's -c / -p; static_shape; force; calibration: CalibrationSettings; weightless; zero_copy; validate;
-        first_block_cache); progress: (component, phase) callback.
+        first_block_cache; backend: None or `torch`, compiled PyTorch packages); progress: (component, phase) callback.
     Returns: BuildSummary (config, source, manifest, stage results, notes; gpu_dir, up_to_date).
     Raises: FluxtrtError (one line) for bad input; a failed build says what it kept for the next one."""
     import dataclasses
@@ -154,7 +155,7 @@ def build(request: BuildRequest | None = None, *, progress: Callable[[str, str],
     from .stages.build import build_gpu
 
     req = request or BuildRequest.of(**fields)
-    cfg, notes = resolve_target(req.gpu, req.config, list(req.precision), list(req.components))
+    cfg, notes = resolve_target(req.gpu, req.config, list(req.precision), list(req.components), req.backend)
     if req.model is None:
         notes.append("no --model given: built the embedded random-weight `tiny` model (its images are noise)")
     source = resolve_model(req.model or "tiny")

@@ -209,6 +209,9 @@ def build(
     validate: bool = VALIDATE,
     first_block_cache: bool = _opt(False, "--first-block-cache", help="Also build the transformer as First-Block "
                                    "Cache's parts (head, tail, out) for `run --cache-threshold`."),
+    backend: Optional[str] = _opt(None, "--backend", help="torch: compiled PyTorch engines (AOTInductor .pt2 "
+                                  "packages) for this machine's GPU (or --gpu cpu), into OUT/<gpu>-torch/; default: "
+                                  "the config's TensorRT backend."),
 ):
     """Export, optimize (and quantize), then build serialized TensorRT engines for one GPU, reusing every
     unchanged stage; each engine also gets a weight map and a weight-free ONNX for the user's own weights."""
@@ -220,7 +223,7 @@ def build(
     request = BuildRequest.of(gpu=gpu, config=config, model=model, out_dir=out_dir, components=components,
                               precision=precision, static_shape=static_shape, force=force, calibration=calib,
                               weightless=weightless, zero_copy=zero_copy, validate=validate,
-                              first_block_cache=first_block_cache)
+                              first_block_cache=first_block_cache, backend=backend)
     with r.phases([]) as update:
         summary = api.build(request, progress=update)
     r.build_summary(summary)

@@ -151,3 +151,19 @@ def quantize_module(module, by_module: dict, device, fuse: bool = True, scaled_m
             done += 1
     return (f"fp8 recipe on {device} through torch._scaled_mm (E4M3 GEMMs): {len(by_module)} linear layers in "
             f"{done + fused} GEMMs ({fused} joined projections)")
+
+
+def calibrated_scales(raw, spec, geo, module_amax: dict, device, dtype) -> dict:
+    """The recipe's scales {module: (sx, sw)} for the transformer `raw` from calibrated activation ranges by module
+    (`fluxtrt calibrate`) and its weights, projections of one input grouped as the graph fuses them (the torch
+    executor and the compiled packages both come through here)."""
+    from . import fp8
+    from .components import ShapePoint
+
+    m = geo.pixel_multiple
+    feeds = spec.sample_inputs(ShapePoint(1, 4 * m, 4 * m), geo, 0)
+    args = [feeds[t.name].to(device, dtype) if feeds[t.name].is_floating_point() else feeds[t.name].to(device)
+            for t in spec.inputs if t.name in feeds]
+    groups = fp8.linear_groups(spec.wrap(raw), args, root=raw)
+    return fp8.scales_from_calibration(raw, module_amax, groups)
+

@@ -13,7 +13,7 @@ from .components import ShapePoint, ShapeRange
 from .errors import ConfigError
 from .fileio import sha256_json
 
-BACKENDS = ("tensorrt-rtx", "tensorrt")
+BACKENDS = ("tensorrt-rtx", "tensorrt", "torch")  # torch: compiled PyTorch packages (AOTInductor, engine/aoti.py)
 # Compute capabilities TensorRT-RTX 1.7 builds for (it refuses sm90: Hopper needs full TensorRT).
 RTX_CAPABILITIES = ("8.0", "8.6", "8.9", "12.0", "12.1")
 PIXEL_MULTIPLE = 16
@@ -44,7 +44,20 @@ class GpuConfig:
 
     @property
     def sm(self) -> str:
-        return "sm" + self.compute_capability.replace(".", "")
+        return "cpu" if self.compute_capability == "cpu" else "sm" + self.compute_capability.replace(".", "")
+
+    def for_backend(self, backend: str | None) -> "GpuConfig":
+        """The config built with another backend (`build --backend torch`: compiled PyTorch packages for this GPU,
+        in their own folder `<gpu>-torch/`; weight streaming is TensorRT's)."""
+        from dataclasses import replace
+
+        if backend is None or backend == self.backend:
+            return self
+        if backend not in BACKENDS:
+            raise ConfigError(f"--backend {backend}: a build takes {', '.join(BACKENDS)}")
+        _check_precisions(self.precision, f"{self.key} with --backend {backend}", self.compute_capability, backend)
+        return replace(self, key=f"{self.key}-{backend}", backend=backend, weight_streaming=(),
+                       raw={**self.raw, "backend": backend})
 
     @property
     def config_hash(self) -> str:
@@ -102,14 +115,16 @@ def parse_config(data, key: str, where: str) -> GpuConfig:
         raise ConfigError(f"{where}: unknown field(s) {', '.join(extra)}; known fields: {', '.join(sorted(known))}")
     cc = data["compute_capability"]
     parts = cc.split(".")
-    if len(parts) != 2 or not all(p.isdigit() for p in parts):
-        raise ConfigError(f"{where}: compute_capability must look like \"8.9\", got {cc!r}")
+    if cc == "cpu" and data["backend"] != "torch":
+        raise ConfigError(f"{where}: compute_capability cpu is a target of backend: torch only (compiled PyTorch)")
+    if cc != "cpu" and (len(parts) != 2 or not all(p.isdigit() for p in parts)):
+        raise ConfigError(f"{where}: compute_capability must look like \"8.9\" (or cpu), got {cc!r}")
     if data["backend"] not in BACKENDS:
         raise ConfigError(f"{where}: backend must be one of {', '.join(BACKENDS)}, got {data['backend']!r}")
     if data["backend"] == "tensorrt-rtx" and cc not in RTX_CAPABILITIES:
         raise ConfigError(f"{where}: TensorRT-RTX cannot target compute capability {cc} (it builds for "
                           f"{', '.join(RTX_CAPABILITIES)}); use backend: tensorrt")
-    if data["vram_gb"] <= 0:
+    if data["vram_gb"] <= 0 and cc != "cpu":
         raise ConfigError(f"{where}: vram_gb must be positive")
     _check_precisions(data["precision"], where, cc, data["backend"])
     missing = [c for c in COMPONENTS if c not in data["precision"]]

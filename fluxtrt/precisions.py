@@ -21,12 +21,13 @@ class Precision:
     calibrated: bool = False  # needs activation ranges (calibration prompts)
     rest: str | None = None  # the precision of what the recipe leaves unquantized
     min_cc: tuple = (0, 0)
-    backends: tuple = ("tensorrt-rtx", "tensorrt")
+    backends: tuple = ("tensorrt-rtx", "tensorrt", "torch")  # torch: compiled PyTorch packages (AOTInductor)
     zero_copy_graph: str | None = None  # the graph dtype a checkpoint stored in it builds from without a copy
     instead: str = "int8-wo or int4-wo"  # what to use on a target below min_cc
 
 
 _T = ("transformer",)
+_TRT = ("tensorrt-rtx", "tensorrt")  # recipes only TensorRT (and ONNX Runtime, from their ONNX) computes
 REGISTRY = {p.name: p for p in (
     Precision("fp32", "float32 everywhere"),
     Precision("fp16", "float16; norms, softmax and outputs stay fp32", zero_copy_graph="fp16"),
@@ -34,20 +35,21 @@ REGISTRY = {p.name: p for p in (
     Precision(name="fp8", description="E4M3 weights and activations of the linear layers (calibrated)",
               components=_T, recipe=True, calibrated=True, rest="bf16", min_cc=(8, 9), zero_copy_graph="bf16"),
     Precision(name="fp8-attn", description="fp8, plus E4M3 on both inputs of attention's two MatMuls",
-              components=_T, recipe=True, calibrated=True, rest="bf16", min_cc=(8, 9)),
+              components=_T, recipe=True, calibrated=True, rest="bf16", min_cc=(8, 9), backends=_TRT),
     Precision(name="int8", description="W8A8 with SmoothQuant (full TensorRT only)", components=_T, recipe=True,
               calibrated=True, rest="bf16", backends=("tensorrt",)),
     Precision(name="int8-wo", description="INT8 weights, per-channel scales; activations in bf16", components=_T,
-              recipe=True, calibrated=False, rest="bf16"),
+              recipe=True, calibrated=False, rest="bf16", backends=_TRT),
     Precision(name="int4-wo", description="INT4 weights in blocks of 128; activations in bf16", components=_T,
-              recipe=True, calibrated=False, rest="bf16"),
+              recipe=True, calibrated=False, rest="bf16", backends=_TRT),
     Precision(name="fp4", description="NVFP4: E2M1 weights and activations in blocks of 16 with E4M3 block scales "
               "(calibrated global scales; RTX 50-series)", components=_T, recipe=True, calibrated=True, rest="bf16",
-              min_cc=(10, 0), zero_copy_graph="bf16", instead="fp8"),
+              min_cc=(10, 0), zero_copy_graph="bf16", instead="fp8", backends=_TRT),
 )}
 FLOATS = tuple(n for n, p in REGISTRY.items() if not p.recipe)
 RECIPES = tuple(n for n, p in REGISTRY.items() if p.recipe)
 CALIBRATED = tuple(n for n, p in REGISTRY.items() if p.calibrated)
+TORCH_PRECISIONS = tuple(n for n, p in REGISTRY.items() if "torch" in p.backends)  # what a .pt2 package computes
 
 
 
@@ -69,9 +71,12 @@ def check(component: str, name: str, where: str, compute_capability: str | None 
                           f"{component} takes {', '.join(FLOATS)} (`-p {name}` alone applies it wherever it exists, "
                           f"or name it: `-p {p.components[0]}={name}`)")
     if backend is not None and backend not in p.backends:
+        if backend == "torch":
+            raise ConfigError(f"{where}: compiled PyTorch engines compute {', '.join(TORCH_PRECISIONS)}, not {name}: "
+                              "build it with TensorRT (drop --backend torch)")
         raise ConfigError(f"{where}: {name} (W8A8) needs the full TensorRT backend; TensorRT-RTX runs INT8 only as "
                           "weight-only GEMMs: use int8-wo")
-    if compute_capability and tuple(map(int, compute_capability.split("."))) < p.min_cc:
+    if compute_capability and compute_capability != "cpu" and tuple(map(int, compute_capability.split("."))) < p.min_cc:
         family = name.split("-")[0]
         gpu = " (Blackwell: --gpu 5090)" if name == "fp4" else ""
         raise ConfigError(f"{where}: {family} needs compute capability {'.'.join(map(str, p.min_cc))} or newer"

@@ -101,6 +101,9 @@ class ComponentEntry(JsonRecord):
     weightfree_sha256: str | None = None
     memory: dict | None = None  # device memory the builder reported: activations (profile max), weights, persistent
     computed_layers: int | None = None  # layers that depend on an input (engine.build.computed_layers)
+    # the quantization recipe's numbers a runtime needs to compute it (fp8: {"name", "scales": {module: [sx, sw]}}),
+    # recorded at build time so that an unpacked archive runs on every backend that computes the recipe
+    recipe: dict | None = None
 
     def dtype_of(self, tensor: str) -> str:
         for t in self.inputs + self.outputs:
@@ -137,6 +140,7 @@ class Manifest:
     components: dict[str, ComponentEntry] = field(default_factory=dict)
     workflows: list = field(default_factory=lambda: ["txt2img", "img2img"])  # what `fluxtrt run` can do with them
     pending: list = field(default_factory=list)  # components the build was asked for and has not finished yet
+    runtime: dict | None = None  # compiled PyTorch packages: the torch, CUDA and device they need (engine/aoti.py)
     schema: int = SCHEMA
 
     @property
@@ -346,6 +350,9 @@ def check_manifest(m: Manifest, folder: Path) -> None:
         raise bad("shape_range", sr)
     if not _is_int(m.pixel_multiple, 1):
         raise bad("pixel_multiple", m.pixel_multiple)
+    if m.runtime is not None and not (set(m.runtime) == {"torch", "cuda", "target"} and all(
+            v is None or isinstance(v, str) for v in m.runtime.values())):
+        raise bad("runtime", m.runtime)
     for key in ("workflows", "pending"):
         if not all(isinstance(v, str) for v in getattr(m, key)):
             raise bad(key, getattr(m, key))
@@ -358,11 +365,24 @@ def check_manifest(m: Manifest, folder: Path) -> None:
         memory_ok = e.memory is None or all(is_number(v) for v in e.memory.values())
         if not (shapes_ok and tensors_ok and memory_ok and _is_int(e.bytes) and _is_int(e.layers)):
             raise bad(f"component {name!r}", "its profile, tensors or sizes")
+        if e.recipe is not None and not _recipe_ok(e.recipe):
+            raise bad(f"component {name!r} recipe", "not a recipe of scales")
         inside(folder, e.engine, f"{name}.engine")
-        inside(build_root(folder), e.onnx, f"{name}.onnx")
+        if e.onnx:  # compiled PyTorch packages have none
+            inside(build_root(folder), e.onnx, f"{name}.onnx")
         for what, rel in (("weight_map", e.weight_map), ("weightfree_onnx", e.weightfree_onnx)):
             if rel is not None:
                 inside(folder, rel, f"{name}.{what}")
+
+
+def _recipe_ok(recipe: dict) -> bool:
+    """A recorded recipe: its name and its scales by module, each pair finite and positive."""
+    import math
+
+    scales = recipe.get("scales")
+    return (isinstance(recipe.get("name"), str) and isinstance(scales, dict) and all(
+        isinstance(k, str) and isinstance(v, list) and len(v) == 2
+        and all(is_number(x) and math.isfinite(x) and x > 0 for x in v) for k, v in scales.items()))
 
 
 def build_root(engine_dir: Path) -> Path:
@@ -406,6 +426,7 @@ class BuildRequest:
     zero_copy: bool = True  # bf16 checkpoints built in place (False: the copying fp32 path for all)
     validate: bool = True  # every ONNX against PyTorch
     first_block_cache: bool = False  # also the transformer's First-Block Cache parts
+    backend: str | None = None  # None: the config's; "torch": compiled PyTorch packages (AOTInductor) instead
 
     @classmethod
     def of(cls, **fields) -> "BuildRequest":

@@ -105,22 +105,29 @@ STAGES = ("export", "optimize", "quantize", "build")
 
 def build_summary(b) -> None:
     m, cfg = b.manifest, b.config
+    packages = m.backend == "torch"  # compiled PyTorch engines: one stage, no layers
+    kinds = ("package",) if packages else STAGES
     by = {(r.component, r.stage): r for r in b.results}
     rows = []
     for name in dict.fromkeys(r.component for r in b.results):
         e = m.components[name]
-        stages = [by[(name, s)] for s in STAGES if (name, s) in by]
+        stages = [by[(name, s)] for s in kinds if (name, s) in by]
         cells = {r.stage: f"{r.status} {r.seconds:.1f}s" if r.status == "built" else r.status for r in stages}
-        rows.append((name, e.precision, *(cells.get(s, "-") for s in STAGES), _layers(e), human(e.bytes),
-                     f"{sum(r.seconds for r in stages):.1f}", human(sum(r.bytes_written for r in stages)),
-                     f"{max(r.peak_rss_mb for r in stages):.0f} MB"))
-    out.print(table(f"{cfg.key}: {m.backend} {m.backend_version} for {cfg.sm}, model {b.source.id} "
-                    f"({b.source.variant}) -> {b.gpu_dir}",
-                    ("component", "precision", *STAGES, "layers (computed)", "engine size", "seconds", "bytes written",
-                     "peak RSS"), rows))
+        rows.append((name, e.precision, *(cells.get(s, "-") for s in kinds), *(() if packages else (_layers(e),)),
+                     human(e.bytes), f"{sum(r.seconds for r in stages):.1f}",
+                     human(sum(r.bytes_written for r in stages)),
+                     f"{max((r.peak_rss_mb for r in stages), default=0):.0f} MB"))
+    what = (f"compiled PyTorch (AOTInductor, torch {m.backend_version}, CUDA {m.runtime['cuda']})" if packages
+            else f"{m.backend} {m.backend_version}")
+    out.print(table(f"{cfg.key}: {what} for {cfg.sm}, model {b.source.id} ({b.source.variant}) -> {b.gpu_dir}",
+                    ("component", "precision", *kinds, *(() if packages else ("layers (computed)",)),
+                     "package size" if packages else "engine size", "seconds", "bytes written", "peak RSS"), rows))
     for n in b.notes:
         note(n)
-    out.print(memory_line(m))
+    if packages:
+        out.print(f"run them with `fluxtrt run --engines {b.gpu_dir} ...` on this device with torch {m.backend_version}")
+    else:
+        out.print(memory_line(m))
     if b.up_to_date:
         out.print("Nothing to do: every engine is up to date (use --force to rebuild).")
     out.print(f"manifest: {b.gpu_dir / 'manifest.json'}; log: {b.gpu_dir / 'build.log'}")

@@ -37,6 +37,11 @@ def choose_backend(requested: str, engines: Path | None, fallback=()) -> Backend
     if stopped:
         raise manifest.lacking(stopped, engines)
     notes = [f"no engine for {', '.join(missing)}: running PyTorch for it"] if missing else []
+    if manifest.backend == "torch":  # compiled PyTorch engines: the torch executor runs them
+        if requested not in ("auto", "torch"):
+            raise FluxtrtError(f"{engines} holds compiled PyTorch engines (.pt2 packages): run them with --backend "
+                               "torch (or auto); --backend tensorrt and onnxruntime run TensorRT builds")
+        return BackendChoice("torch", missing, notes)
     if requested != "auto":
         return BackendChoice(requested, missing, notes)
     from ..core.backends import get_backend, local_gpu_capabilities

@@ -314,19 +314,14 @@ class TorchExecutor(Executor):
         self.active = True
 
     def _quantize(self, raw) -> str:
-        """The build's fp8 recipe on the PyTorch transformer (fp8.py): scales from the fp8 graph, or from a
+        """The build's fp8 recipe on the PyTorch transformer (fp8.py): scales recorded by the build, or from a
         calibration and the module's weights, grouped as the graph fuses its projections."""
-        from .. import fp8, fp8_layers
-        from ..components import ShapePoint
+        from .. import fp8_layers
 
         scales = self.fp8.get("scales")
         if scales is None:
-            m = self.source.geometry.pixel_multiple
-            feeds = self.spec.sample_inputs(ShapePoint(1, 4 * m, 4 * m), self.source.geometry, 0)
-            args = [feeds[t.name].to(self.device, self.dtype) if feeds[t.name].is_floating_point()
-                    else feeds[t.name].to(self.device) for t in self.spec.inputs if t.name in feeds]
-            groups = fp8.linear_groups(self.spec.wrap(raw), args, root=raw)
-            scales = fp8.scales_from_calibration(raw, self.fp8["amax"], groups)
+            scales = fp8_layers.calibrated_scales(raw, self.spec, self.source.geometry, self.fp8["amax"], self.device,
+                                                  self.dtype)
         return fp8_layers.quantize_module(raw, scales, self.device)
 
     def infer_part(self, spec, feeds: dict) -> dict:
@@ -393,3 +388,82 @@ class TorchExecutor(Executor):
         with torch.inference_mode():
             out = self._fn(*args)
         return {self.spec.outputs[0].name: out[:batch] if batch else out}
+
+
+class PackageExecutor(Executor):
+    """A compiled PyTorch engine: an AOTInductor package (`<component>.pt2`, `fluxtrt build --backend torch`),
+    checked before it loads (the manifest's sha256, and the torch, CUDA and device it was compiled for) and run
+    without tracing or compiling. The fp8 recipe's E4M3 weights are in the package as they were quantized: nothing
+    of higher precision is loaded."""
+
+    kind = "pt2"
+
+    def __init__(self, component: str, entry: ComponentEntry, path: Path, spec, runtime: dict | None,
+                 device: str | None = None):
+        super().__init__(component, entry)
+        self.path, self.spec, self.runtime = Path(path), spec, runtime or {}
+        target = self.runtime.get("target")
+        self._device = device or ("cpu" if target == "cpu" else "cuda")
+        self.stream = None
+        self._fn = None
+
+    @property
+    def device(self):
+        import torch
+
+        return torch.device(self._device)
+
+    def check(self) -> None:
+        """One line naming both sides and the build command for a package that cannot run here."""
+        from ..core.packages import runtime_problem
+        from ..fileio import sha256_file
+
+        problem = runtime_problem(self.runtime, self.device)
+        if problem:
+            target = self.runtime.get("target")
+            gpu = "cpu" if target == "cpu" else "<your gpu>"
+            raise FluxtrtError(f"{self.component}: {self.path.name} cannot run here: {problem}; compile packages "
+                               f"here with `fluxtrt build --gpu {gpu} --backend torch` (nothing was compiled in its "
+                               "place)")
+        if not self.path.is_file():
+            raise ManifestError(f"{self.component}: {self.path} is missing; build it again with `fluxtrt build "
+                                "--backend torch`")
+        size = self.path.stat().st_size
+        if size != self.entry.bytes or sha256_file(self.path) != self.entry.sha256:
+            raise ManifestError(f"{self.component}: {self.path} is not the package the manifest records (size or "
+                                "sha256 differ: truncated, corrupted or replaced); build it again with `fluxtrt "
+                                "build --backend torch`, or unpack the archive again")
+
+    def activate(self) -> None:
+        from ..core.packages import load_package
+
+        if self._fn is None:
+            self.check()
+            self._fn = load_package(self.path, self.component, self.device)
+        self.active = True
+
+    def infer_impl(self, feeds: dict) -> dict:
+        import contextlib
+
+        import torch
+
+        args = []
+        for t in self.spec.inputs:
+            if t.name not in feeds:
+                continue
+            v = feeds[t.name]
+            dtype = self.io_dtype(t.name)
+            args.append(v.to(self.device, dtype, non_blocking=True).contiguous())
+        on_stream = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        with on_stream, torch.inference_mode():
+            out = self._fn(*args)
+        out = out if isinstance(out, (list, tuple)) else (out,)
+        return {t.name: v for t, v in zip(self.spec.outputs, out)}
+
+    def deactivate(self) -> None:
+        import torch
+
+        self._fn = None
+        self.active = False
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

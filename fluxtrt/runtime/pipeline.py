@@ -20,6 +20,7 @@ from ..errors import FluxtrtError, NonFiniteError, RequestError  # noqa: F401 - 
 from ..records import IMAGE_COMPONENTS, RUN_COMPONENTS, ManifestError, built_onnx, is_number, read_manifest
 from .executors import (
     OnnxRuntimeExecutor,
+    PackageExecutor,
     TorchExecutor,
     WeightSource,
     check_gpu_for,
@@ -85,12 +86,19 @@ class Pipeline:
         self.executors: dict = {}
         self.manifest, self.stream = None, None
         self._open_assets(engine_dir, model, backend)
+        # compiled PyTorch engines (.pt2 packages) run on the torch backend, PyTorch modules for what they lack
+        packages = self.manifest is not None and self.manifest.backend == "torch"
+        if packages and backend != "torch":
+            raise FluxtrtError(f"{self.dir} holds compiled PyTorch engines (.pt2 packages): run them with --backend "
+                               "torch (or auto)")
         # the VAE encoder (image workflows) runs where it was built, or in PyTorch with the rest
         everything = RUN_COMPONENTS + IMAGE_COMPONENTS
-        names = [n for n in everything if backend == "torch" or n in RUN_COMPONENTS or n in self.manifest.components
+        modules = backend == "torch" and not packages  # every component a PyTorch module
+        names = [n for n in everything if modules or n in RUN_COMPONENTS or n in self.manifest.components
                  or any(f.split("@")[0] == n for f in fallback)]
         # "name@cpu" runs that component's PyTorch module on the CPU (an engine that does not fit the GPU)
-        torch_names = set(names) if backend == "torch" else {f.split("@")[0] for f in fallback}
+        torch_names = {f.split("@")[0] for f in fallback}
+        torch_names |= set(names) if modules else {n for n in names if packages and n not in self.manifest.components}
         unknown = torch_names - set(everything)
         if unknown:
             raise FluxtrtError(f"--fallback takes {', '.join(everything)}; got {', '.join(sorted(unknown))}")
@@ -107,7 +115,9 @@ class Pipeline:
         if "transformer" in engine_names:  # First-Block Cache's parts, where the build made them
             engine_names += [p for p in TRANSFORMER_PARTS if p in self.manifest.components]
         sources = self._weight_sources(engine_names, weights, lora, lora_scale)
-        if engine_names and backend == "tensorrt":
+        if engine_names and packages:
+            self._package_executors(engine_names, device)
+        elif engine_names and backend == "tensorrt":
             self._tensorrt_executors(engine_names, sources, weight_streaming_budget, cuda_graph, allow_host_code,
                                      kernel_specialization=kernel_specialization)
         elif engine_names and backend == "onnxruntime":
@@ -183,12 +193,14 @@ class Pipeline:
         if entry is not None and entry.precision == "fp8":
             if calibration is not None:
                 raise FluxtrtError("--calibration: these engines' fp8 graph already holds its scales; drop it")
+            if entry.recipe is not None:  # recorded by the build: an unpacked archive has them too
+                return {"scales": {m: tuple(v) for m, v in entry.recipe["scales"].items()}}
             from ..onnxio import load_header
 
             path = built_onnx(self.dir, entry)
             if not path.is_file():
-                raise ManifestError(f"the fp8 transformer's ONNX {path} is not here (an unpacked archive?); its scales "
-                                    "are in it: build here, or copy the build's onnx/ folder beside the engines")
+                raise ManifestError(f"the fp8 transformer's ONNX {path} is not here (an unpacked archive of a build "
+                                    "that recorded no scales in its manifest): build it again with this fluxtrt")
             return {"scales": fp8.scales_from_graph(load_header(path))}
         if calibration is not None:
             return {"amax": fp8.read_calibration(calibration, model.content_hash)}
@@ -224,6 +236,13 @@ class Pipeline:
                 name, e, self.dir / e.engine, trt_backend, None, shared_memory=shared, weight_streaming_budget=budget,
                 cuda_graph=cuda_graph and name == "transformer", allow_host_code=allow_host_code,
                 weights=sources[name], kernel_specialization=kernel_specialization, low_vram=self.low_vram)
+
+    def _package_executors(self, names, device) -> None:
+        specs = specs_for(self.geo, names)
+        for name in names:
+            e = self.manifest.component(name)
+            self.executors[name] = PackageExecutor(name, e, self.dir / e.engine, specs[name], self.manifest.runtime,
+                                                   device)
 
     def _onnxruntime_executors(self, names, sources, provider) -> None:
         specs = specs_for(self.geo, names)

@@ -101,6 +101,18 @@ def write_weight_files(onnx_path: Path, gpu_dir: Path, name: str, subfolder: str
     return out
 
 
+def recorded_recipe(onnx_path: Path, precision: str) -> dict | None:
+    """The recipe's numbers the manifest carries, so that a runtime needs no build ONNX to compute it (fp8: the
+    scales by module that the graph's Q/DQ hold, which the torch executor applies to the model's weights)."""
+    if precision != "fp8":
+        return None
+    from ..fp8 import scales_from_graph
+    from ..onnxio import load_header
+
+    scales = scales_from_graph(load_header(onnx_path))
+    return {"name": precision, "scales": {m: [float(sx), float(sw)] for m, (sx, sw) in sorted(scales.items())}}
+
+
 def build_gpu(source: ModelSource, cfg: GpuConfig, request: BuildRequest | Path, *,
               progress: Callable[[str, str], None] = lambda c, p: None, **fields) -> tuple[Manifest, list[StageResult]]:
     """Build (or reuse) every requested component's engine for one GPU config: the request's components into
@@ -111,8 +123,7 @@ def build_gpu(source: ModelSource, cfg: GpuConfig, request: BuildRequest | Path,
     the transformer's precision and profile. Returns (manifest, stage results)."""
     request = request if isinstance(request, BuildRequest) else BuildRequest.of(out_dir=request, **fields)
     out_root = request.out_dir
-    backend = get_backend(cfg.backend)
-    backend.check_target(cfg.compute_capability)
+    backend = check_target(cfg)
     names = list(request.components or specs_for(source.geometry))
     if request.first_block_cache:
         if "transformer" not in names:
@@ -131,6 +142,30 @@ def build_gpu(source: ModelSource, cfg: GpuConfig, request: BuildRequest | Path,
     except BaseException as e:
         _after_failure(e, gpu_dir, new_dir, Path(out_root))
         raise
+
+
+class CompiledTorch:
+    """The target of compiled PyTorch engines (stages/package.py): the device they are compiled on here and the
+    runtime they need, where a TensorRT backend stands for TensorRT engines."""
+
+    name = "torch"
+
+    def __init__(self, compute_capability: str):
+        from ..core.packages import package_runtime
+        from ..engine.aoti import check_target
+
+        self.device = check_target(compute_capability)
+        self.runtime = package_runtime(self.device)
+        self.version = self.runtime["torch"]
+
+
+def check_target(cfg: GpuConfig):
+    """The config's backend, checked against its target before any work."""
+    if cfg.backend == "torch":
+        return CompiledTorch(cfg.compute_capability)
+    backend = get_backend(cfg.backend)
+    backend.check_target(cfg.compute_capability)
+    return backend
 
 
 def check_same_model(gpu_dir: Path, source: ModelSource, *, force: bool) -> None:
@@ -187,6 +222,15 @@ def _build_each(source, cfg, request: BuildRequest, *, specs, backend, rng, gpu_
     out_root = request.out_dir
     for name, spec in specs.items():
         on_phase = lambda p, n=name: progress(n, p)  # noqa: E731
+        if isinstance(backend, CompiledTorch):
+            from .package import package_stage
+
+            results.append(package_stage(source, cfg, request, spec=spec, rng=rng, manifest=manifest, gpu_dir=gpu_dir,
+                                         log=log, on_phase=on_phase, calib=calib, device=backend.device,
+                                         runtime=backend.runtime))
+            manifest.pending.remove(name)
+            manifest.write(gpu_dir)
+            continue
         onnx_path, res = ensure_onnx(source, name, cfg.precision[family(name)], out_root, request.force,
                                      on_phase=on_phase, calib=calib, zero_copy=request.zero_copy,
                                      validate=request.validate)
@@ -208,7 +252,8 @@ def _new_manifest(source, cfg, backend, rng, gpu_dir) -> Manifest:
         model=ModelRef(source.id, source.content_hash, source.variant, source.geometry.model_class),
         workflows=[w.name for w in for_model(source.geometry)], static_shape=rng.min == rng.max,
         shape_range={k: [p.batch, p.height, p.width] for k, p in zip(("min", "opt", "max"), (rng.min, rng.opt, rng.max))},
-        pixel_multiple=source.geometry.pixel_multiple, components=dict(keep))
+        pixel_multiple=source.geometry.pixel_multiple, components=dict(keep),
+        runtime=getattr(backend, "runtime", None))
 
 
 def _engine_stage(source, cfg, request: BuildRequest, *, spec, backend, rng, onnx_path, res, manifest, gpu_dir, log,
@@ -245,6 +290,7 @@ def _engine_stage(source, cfg, request: BuildRequest, *, spec, backend, rng, onn
         build_seconds=round(seconds, 3), peak_rss_mb=round(peak_rss_mb(), 1),
         stages={r.stage: r.footprint() for r in [*res, result]},
         quantization=next((r.info for r in res if r.info and r.stage == "quantize"), None), weightless=request.weightless,
+        recipe=recorded_recipe(onnx_path, dtype),
         **write_weight_files(onnx_path, gpu_dir, name, spec.subfolder, is_quantized(dtype)))
     manifest.write(gpu_dir)  # after each engine: an interrupted build resumes with the rest
     log.write(f"built {name}: {built.layers} layers ({built.computed_layers} computed), {built.bytes} bytes, "

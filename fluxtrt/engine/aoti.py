@@ -1,0 +1,126 @@
+"""Compile one component's PyTorch module into a compiled PyTorch engine: an AOTInductor package (`.pt2`).
+
+`torch.export` traces the module over the spec's inputs with the profile's ranges as dynamic dimensions (a
+static profile gives static shapes), then Inductor compiles it ahead of time for this machine's device: C++ on a
+CPU, Triton kernels on a CUDA GPU. The package holds the kernels and the weights (as the module holds them: an
+fp8 recipe's E4M3 weights stay E4M3). It is tied to the torch version and the device it was compiled on
+(`core/packages.py`), which the manifest records and the runtime checks before loading it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..components import ComponentSpec, Geometry, ShapePoint, ShapeRange
+from ..errors import BuildError
+
+
+@dataclass
+class BuiltPackage:
+    bytes: int
+    sha256: str
+    inputs: list[dict]  # {"name", "dtype" (the manifest's engine I/O names: float, bf16, int64, ...), "shape"}
+    outputs: list[dict]
+    profile: dict  # input name -> {"min": [...], "opt": [...], "max": [...]}
+    export_seconds: float
+    compile_seconds: float
+
+
+def example_point(rng: ShapeRange) -> ShapePoint:
+    """The shape torch.export traces at: the profile's opt with batch 2 where the profile allows it (a traced size
+    of 1 would be specialized and lose the dynamic batch)."""
+    opt = rng.opt
+    batch = 2 if rng.min.batch <= 2 <= rng.max.batch and rng.min.batch != rng.max.batch else opt.batch
+    return ShapePoint(batch, opt.height, opt.width, opt.reference)
+
+
+def dynamic_shapes(spec: ComponentSpec, geo: Geometry, rng: ShapeRange) -> tuple:
+    """torch.export's dynamic_shapes for the spec's inputs: one Dim per symbol the profile varies, shared by every
+    input that names it (the transformer's tokens in hidden_states and img_ids)."""
+    import torch
+
+    profile = spec.profile(rng, geo)
+    dims, out = {}, []
+    for t in spec.inputs:
+        lo, _, hi = profile[t.name]
+        axes = {}
+        for i, symbol in t.symbolic_axes().items():
+            if lo[i] == hi[i]:
+                continue
+            if symbol not in dims:  # pixel sizes are latent sizes times the VAE's factor (its convolutions rely on it)
+                m = geo.vae_scale_factor if symbol in ("image_height", "image_width") else 1
+                dims[symbol] = m * torch.export.Dim(symbol, min=lo[i] // m, max=hi[i] // m) if m > 1 else \
+                    torch.export.Dim(symbol, min=lo[i], max=hi[i])
+            axes[i] = dims[symbol]
+        out.append(axes or None)
+    return tuple(out)
+
+
+def _io(spec_tensors, tensors, profile=None) -> list[dict]:
+    from ..dtypes import TABLE
+
+    names = {d.numpy: d.tensorrt for d in TABLE}
+    return [{"name": t.name, "dtype": names[str(v.dtype).removeprefix("torch.")], "shape": list(t.dims)}
+            for t, v in zip(spec_tensors, tensors)]
+
+
+def compile_package(module, spec: ComponentSpec, geo: Geometry, rng: ShapeRange, *, device, dtype,
+                    package_path: Path) -> BuiltPackage:
+    """Export `module` (the spec's wrapped module, on `device` in `dtype`) over the profile and compile it into
+    `package_path` (written under a temp name and renamed). Raises BuildError naming the component where
+    torch.export or Inductor fails."""
+    import torch
+
+    from ..fileio import check_space, sha256_file
+
+    point = example_point(rng)
+    feeds = spec.sample_inputs(point, geo, seed=0)
+    args = tuple(feeds[t.name].to(device, dtype) if feeds[t.name].is_floating_point() else feeds[t.name].to(device)
+                 for t in spec.inputs)
+    t0 = time.perf_counter()
+    try:
+        with torch.no_grad():
+            exported = torch.export.export(module, args, dynamic_shapes=dynamic_shapes(spec, geo, rng), strict=False)
+            outputs = module(*args)
+    except Exception as e:  # torch.export's errors are pages long: the first line names the problem
+        raise BuildError(f"{spec.name}: torch.export failed ({type(e).__name__}: {str(e).strip().splitlines()[0][:300]})"
+                         "; build the ONNX path instead (drop --backend torch)") from e
+    export_seconds = time.perf_counter() - t0
+    outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    package_path = Path(package_path)
+    check_space(package_path, sum(p.numel() * p.element_size() for p in module.parameters()))
+    tmp = package_path.with_name(f".tmp-{package_path.name}")  # remove_stale_staging's prefix
+    t0 = time.perf_counter()
+    try:
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp))
+        tmp.replace(package_path)
+    except Exception as e:
+        tmp.unlink(missing_ok=True)
+        raise BuildError(f"{spec.name}: AOTInductor failed to compile the package ({type(e).__name__}: "
+                         f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else ''})") from e
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    compile_seconds = time.perf_counter() - t0
+    profile = {name: {"min": list(lo), "opt": list(opt), "max": list(hi)}
+               for name, (lo, opt, hi) in spec.profile(rng, geo).items()}
+    return BuiltPackage(bytes=package_path.stat().st_size, sha256=sha256_file(package_path),
+                        inputs=_io(spec.inputs, args), outputs=_io(spec.outputs, outputs), profile=profile,
+                        export_seconds=round(export_seconds, 3), compile_seconds=round(compile_seconds, 3))
+
+
+def check_target(compute_capability: str) -> str:
+    """The device a package for `compute_capability` is compiled on here ("cpu" or "cuda"): Inductor compiles for
+    the device it runs on, so a GPU target needs that GPU in this machine. ConfigError otherwise."""
+    from ..core.backends import local_gpu_capabilities
+    from ..errors import ConfigError
+
+    if compute_capability == "cpu":
+        return "cpu"
+    have = local_gpu_capabilities()
+    if compute_capability not in have:
+        here = f"this machine has {', '.join('sm' + c.replace('.', '') for c in have)}" if have else "this machine has none"
+        raise ConfigError(f"compiled PyTorch engines for sm{compute_capability.replace('.', '')} are compiled on that "
+                          f"GPU ({here}): build on a machine with it, or --gpu cpu")
+    return "cuda"

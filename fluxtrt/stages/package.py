@@ -1,0 +1,95 @@
+"""The compiled-PyTorch engine stage (`fluxtrt build --backend torch`, or a config with `backend: torch`): each
+component's PyTorch module, at the config's precision (the fp8 recipe applied from a calibration), compiled into an
+AOTInductor package `<component>.pt2` (engine/aoti.py) beside the usual manifest. No ONNX is made: the package is
+traced from the same wrapped module (`ComponentSpec.wrap`) the ONNX export traces. Reused, like an engine, while
+its build key (model content, precision, profile, recipe, torch and device) is unchanged and the file keeps its
+sha256."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from .. import __version__
+from ..components import family
+from ..core.workflows import profile_range
+from ..fileio import peak_rss_mb, sha256_json
+from ..records import ComponentEntry
+from .base import StageResult, calibration_inputs, unchanged
+
+
+def module_dtype(precision: str, device: str) -> str:
+    """What the package computes in: the precision itself, or the fp8 recipe's other layers (bf16 on a GPU; on a
+    CPU fp32, as the torch executor emulates the recipe there)."""
+    from ..precisions import REGISTRY
+
+    p = REGISTRY[precision]
+    return (p.rest if device == "cuda" else "fp32") if p.recipe else precision
+
+
+def fp8_scales(source, calib, out_root: Path, raw, device: str, dtype: str) -> dict:
+    """The fp8 recipe's scales for the transformer (and its First-Block Cache parts alike): calibrated ranges by
+    module (OUT/calibration/, as `fluxtrt calibrate` leaves them; measured now if not there), applied to the
+    module's weights, projections grouped as the whole transformer joins them."""
+    from .. import fp8_layers
+    from ..components import specs_for
+    from .zerocopy_plan import calibrate_zero_copy
+
+    cal = calibrate_zero_copy(source, Path(out_root), calib)
+    spec = specs_for(source.geometry, ["transformer"])["transformer"]
+    return fp8_layers.calibrated_scales(raw, spec, source.geometry, cal.amax, device, _torch(dtype))
+
+
+def _torch(dtype: str):
+    from ..dtypes import torch_dtype
+
+    return torch_dtype(dtype)
+
+
+def package_stage(source, cfg, request, *, spec, rng, manifest, gpu_dir: Path, log, on_phase, calib, device: str,
+                  runtime: dict) -> StageResult:
+    """Compile (or reuse) one component's package into `gpu_dir` and record it in `manifest`."""
+    from .. import fp8_layers
+    from ..core.packages import EXTENSION
+    from ..engine.aoti import compile_package
+
+    name, geo, precision = spec.name, source.geometry, cfg.precision[family(spec.name)]
+    dtype = module_dtype(precision, device)
+    rng = profile_range(geo, family(name), rng)
+    profile = spec.profile(rng, geo)
+    recipe_inputs = calibration_inputs(calib) if precision == "fp8" else None
+    key = sha256_json({"model": source.content_hash, "precision": precision, "dtype": dtype, "profile": profile,
+                       "runtime": runtime, "calibration": recipe_inputs, "fluxtrt": __version__})
+    path = gpu_dir / f"{name}{EXTENSION}"
+    prev = manifest.components.get(name)
+    if not request.force and prev is not None and unchanged(path, prev.sha256, {"build_key": prev.build_key},
+                                                            {"build_key": key}):
+        on_phase("reused")
+        return StageResult(name, "package", "reused", 0.0, "same model, precision, profile and torch")
+    on_phase("load")
+    t0 = time.perf_counter()
+    raw = source.load_component(spec.subfolder, _torch(dtype), device)
+    recipe, note = None, ""
+    if precision == "fp8":
+        on_phase("calibrate")
+        scales = fp8_scales(source, calib, request.out_dir, raw, device, dtype)
+        note = fp8_layers.quantize_module(raw, scales, device)
+        recipe = {"name": "fp8", "scales": {m: [float(sx), float(sw)] for m, (sx, sw) in sorted(scales.items())}}
+    module = spec.wrap(raw).eval()
+    on_phase("compile")
+    built = compile_package(module, spec, geo, rng, device=device, dtype=_torch(dtype), package_path=path)
+    del module, raw
+    seconds = time.perf_counter() - t0
+    result = StageResult(component=name, stage="package", status="built", seconds=seconds,
+                         detail=f"export {built.export_seconds:.1f} s, compile {built.compile_seconds:.1f} s"
+                                + (f"; {note}" if note else ""), bytes_written=built.bytes, peak_rss_mb=peak_rss_mb())
+    manifest.components[name] = ComponentEntry(
+        engine=path.name, sha256=built.sha256, bytes=built.bytes, precision=precision, onnx="", onnx_sha256="",
+        build_key=key, layers=0, inputs=built.inputs, outputs=built.outputs, profile=built.profile,
+        build_seconds=round(seconds, 3), peak_rss_mb=round(peak_rss_mb(), 1), stages={"package": result.footprint()},
+        recipe=recipe)
+    manifest.write(gpu_dir)
+    log.write(f"compiled {name}: {built.bytes} bytes, export {built.export_seconds:.1f} s, compile "
+              f"{built.compile_seconds:.1f} s ({dtype}{', ' + note if note else ''})\n")
+    on_phase("done")
+    return result
