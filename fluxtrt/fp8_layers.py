@@ -153,7 +153,7 @@ def quantize_module(module, by_module: dict, device, fuse: bool = True, scaled_m
             f"{done + fused} GEMMs ({fused} joined projections)")
 
 
-def calibrated_scales(raw, spec, geo, module_amax: dict, device, dtype) -> dict:
+def calibrated_scales(raw, spec, geo, module_amax: dict, *, device, dtype) -> dict:
     """The recipe's scales {module: (sx, sw)} for the transformer `raw` from calibrated activation ranges by module
     (`fluxtrt calibrate`) and its weights, projections of one input grouped as the graph fuses them (the torch
     executor and the compiled packages both come through here)."""

@@ -368,7 +368,7 @@ def check_manifest(m: Manifest, folder: Path) -> None:
         if e.recipe is not None and not _recipe_ok(e.recipe):
             raise bad(f"component {name!r} recipe", "not a recipe of scales")
         inside(folder, e.engine, f"{name}.engine")
-        if e.onnx:  # compiled PyTorch packages have none
+        if e.onnx or m.backend != "torch":  # compiled PyTorch packages have none
             inside(build_root(folder), e.onnx, f"{name}.onnx")
         for what, rel in (("weight_map", e.weight_map), ("weightfree_onnx", e.weightfree_onnx)):
             if rel is not None:

@@ -128,29 +128,65 @@ def fp8_build(tiny_bf16, tmp_path_factory):
     return tiny_bf16, cfg, root, manifest, results, before, calib
 
 
-_ENGINES = {}
+def shared_folder(tmp_path_factory, name: str, make):
+    """A folder made once per test run by `make(folder)` and seen by every xdist worker (their common base temp),
+    under a file lock: the second worker to ask waits for the first and reuses its folder. Tests copy it before
+    changing anything in it."""
+    from pathlib import Path
+
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    base = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder, done = Path(base) / name, Path(base) / f"{name}.done"
+    with FileLock(str(base / f"{name}.lock")):
+        if not done.exists():
+            import shutil
+
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            make(folder)
+            done.write_text("made\n")
+    return folder
 
 
 @pytest.fixture(scope="session")
 def engines(tmp_path_factory):
     """engines(model) -> (source, GPU folder, manifest): every component of a tiny model built in fp32 for the
-    4090 (sm89), with the transformer's First-Block Cache parts (but for tiny-control), once per session, so ONNX
-    Runtime over the built ONNX can be compared with fp32 diffusers."""
+    4090 (sm89), with the transformer's First-Block Cache parts (but for tiny-control), once per test run (shared
+    by the workers), so ONNX Runtime over the built ONNX can be compared with fp32 diffusers."""
     pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installed (pip install -e '.[rtx]')")
     from fluxtrt.gpus import load_gpu
     from fluxtrt.models.source import resolve_model
+    from fluxtrt.records import read_manifest
     from fluxtrt.stages.build import build_gpu
 
     def get(model):
-        if model not in _ENGINES:
-            src = resolve_model(model)
-            root = tmp_path_factory.mktemp(f"eng-{model}")
-            cfg = load_gpu("4090")
-            cfg = cfg.with_precision({c: "fp32" for c in cfg.precision})
-            # First-Block Cache's parts where tests/test_stepcache.py runs them (not Control: its torch test covers it)
-            manifest, _ = build_gpu(src, cfg, root, first_block_cache=model != "tiny-control")
-            _ENGINES[model] = (src, root / "4090", manifest)
-        return _ENGINES[model]
+        src = resolve_model(model)
+        cfg = load_gpu("4090")
+        cfg = cfg.with_precision({c: "fp32" for c in cfg.precision})
+        # First-Block Cache's parts where tests/test_stepcache.py runs them (not Control: its torch test covers it)
+        root = shared_folder(tmp_path_factory, f"eng-{model}", lambda root: build_gpu(
+            src, cfg, root, first_block_cache=model != "tiny-control"))
+        return src, root / "4090", read_manifest(root / "4090")
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def packages(tmp_path_factory):
+    """packages(model, components) -> (source, GPU folder, manifest): compiled PyTorch engines (AOTInductor C++
+    packages) of a tiny model for this CPU (`fluxtrt build --gpu cpu`), fp32, once per test run (shared)."""
+    from fluxtrt.gpus import load_gpu
+    from fluxtrt.models.source import resolve_model
+    from fluxtrt.records import read_manifest
+    from fluxtrt.stages.build import build_gpu
+
+    def get(model, components=("clip", "t5", "transformer", "vae_decoder")):
+        src = resolve_model(model)
+        root = shared_folder(tmp_path_factory, f"pt2-{model}-{'-'.join(components)}", lambda root: build_gpu(
+            src, load_gpu("cpu"), root, components=list(components)))
+        return src, root / "cpu", read_manifest(root / "cpu")
 
     return get
 
@@ -158,8 +194,8 @@ def engines(tmp_path_factory):
 # Fixtures that export or build (tens of seconds to minutes each on 2 cores): a test using one is slow, so the
 # fast set (`-m "not slow"`, under 5 minutes) never pays for them. CI runs everything.
 EXPENSIVE_FIXTURES = {
-    "exported", "fp8_build", "engines", "fp32_engines", "built", "fp4_zero_copy", "deep_tiny", "zero_copy_exports",
-    "tiny_engines", "packed", "fp32_transformer", "bf16_transformer", "two_checkpoints", "tiny_fp32_engines",
+    "exported", "fp8_build", "engines", "built", "fp4_zero_copy", "deep_tiny", "zero_copy_exports", "packed",
+    "fp32_transformer", "bf16_transformer", "two_checkpoints", "tiny_fp32_engines", "packages",
 }
 
 

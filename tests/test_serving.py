@@ -24,7 +24,6 @@ import pytest
 from PIL import Image
 
 from fluxtrt.errors import FluxtrtError
-from fluxtrt.models.source import resolve_model
 from fluxtrt.runtime.batching import ContinuousBatcher
 from fluxtrt.runtime.pipeline import Pipeline
 from fluxtrt.serving import BadRequest, Service, parse_request
@@ -220,22 +219,10 @@ def test_compiled_service_compiles_each_batch_size_before_serving(monkeypatch):
 
 # --- fluxtrt serve on Ray Serve, over loopback -------------------------------------------------------------
 
-_ENGINES = {}
-
-
 @pytest.fixture(scope="module")
-def tiny_engines(tmp_path_factory):
-    pytest.importorskip("tensorrt_rtx")
-    from fluxtrt.gpus import load_gpu
-    from fluxtrt.stages.build import build_gpu
-
-    if "tiny" not in _ENGINES:
-        root = tmp_path_factory.mktemp("serve-engines")
-        cfg = load_gpu("4090")
-        build_gpu(resolve_model("tiny"), cfg.with_precision({c: "fp32" for c in cfg.precision}), root,
-                  components=["clip", "t5", "transformer", "vae_decoder"])
-        _ENGINES["tiny"] = root / "4090"
-    return _ENGINES["tiny"]
+def tiny_engines(engines):
+    """conftest's fp32 engines of tiny (shared with the other suites)."""
+    return engines("tiny")[1]
 
 
 def free_port() -> int:

@@ -320,8 +320,8 @@ class TorchExecutor(Executor):
 
         scales = self.fp8.get("scales")
         if scales is None:
-            scales = fp8_layers.calibrated_scales(raw, self.spec, self.source.geometry, self.fp8["amax"], self.device,
-                                                  self.dtype)
+            scales = fp8_layers.calibrated_scales(raw, self.spec, self.source.geometry, self.fp8["amax"],
+                                                  device=self.device, dtype=self.dtype)
         return fp8_layers.quantize_module(raw, scales, self.device)
 
     def infer_part(self, spec, feeds: dict) -> dict:
@@ -398,7 +398,7 @@ class PackageExecutor(Executor):
 
     kind = "pt2"
 
-    def __init__(self, component: str, entry: ComponentEntry, path: Path, spec, runtime: dict | None,
+    def __init__(self, component: str, entry: ComponentEntry, path: Path, spec, *, runtime: dict | None,
                  device: str | None = None):
         super().__init__(component, entry)
         self.path, self.spec, self.runtime = Path(path), spec, runtime or {}
@@ -406,6 +406,11 @@ class PackageExecutor(Executor):
         self._device = device or ("cpu" if target == "cpu" else "cuda")
         self.stream = None
         self._fn = None
+        has, wants = [t["name"] for t in entry.inputs], [t.name for t in spec.inputs]
+        if has != wants:
+            raise ManifestError(f"{component}: {self.path.name} was compiled for another model (its inputs are "
+                                f"{', '.join(has)}; this model's are {', '.join(wants)}): build the packages again for "
+                                "this model with `fluxtrt build --backend torch`")
 
     @property
     def device(self):
@@ -428,6 +433,7 @@ class PackageExecutor(Executor):
         if not self.path.is_file():
             raise ManifestError(f"{self.component}: {self.path} is missing; build it again with `fluxtrt build "
                                 "--backend torch`")
+
         size = self.path.stat().st_size
         if size != self.entry.bytes or sha256_file(self.path) != self.entry.sha256:
             raise ManifestError(f"{self.component}: {self.path} is not the package the manifest records (size or "

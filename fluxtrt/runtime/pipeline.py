@@ -241,8 +241,8 @@ class Pipeline:
         specs = specs_for(self.geo, names)
         for name in names:
             e = self.manifest.component(name)
-            self.executors[name] = PackageExecutor(name, e, self.dir / e.engine, specs[name], self.manifest.runtime,
-                                                   device)
+            self.executors[name] = PackageExecutor(name, e, self.dir / e.engine, specs[name],
+                                                   runtime=self.manifest.runtime, device=device)
 
     def _onnxruntime_executors(self, names, sources, provider) -> None:
         specs = specs_for(self.geo, names)

@@ -27,7 +27,7 @@ def module_dtype(precision: str, device: str) -> str:
     return (p.rest if device == "cuda" else "fp32") if p.recipe else precision
 
 
-def fp8_scales(source, calib, out_root: Path, raw, device: str, dtype: str) -> dict:
+def fp8_scales(source, calib, out_root: Path, raw, *, device: str, dtype: str) -> dict:
     """The fp8 recipe's scales for the transformer (and its First-Block Cache parts alike): calibrated ranges by
     module (OUT/calibration/, as `fluxtrt calibrate` leaves them; measured now if not there), applied to the
     module's weights, projections grouped as the whole transformer joins them."""
@@ -37,7 +37,7 @@ def fp8_scales(source, calib, out_root: Path, raw, device: str, dtype: str) -> d
 
     cal = calibrate_zero_copy(source, Path(out_root), calib)
     spec = specs_for(source.geometry, ["transformer"])["transformer"]
-    return fp8_layers.calibrated_scales(raw, spec, source.geometry, cal.amax, device, _torch(dtype))
+    return fp8_layers.calibrated_scales(raw, spec, source.geometry, cal.amax, device=device, dtype=_torch(dtype))
 
 
 def _torch(dtype: str):
@@ -72,7 +72,7 @@ def package_stage(source, cfg, request, *, spec, rng, manifest, gpu_dir: Path, l
     recipe, note = None, ""
     if precision == "fp8":
         on_phase("calibrate")
-        scales = fp8_scales(source, calib, request.out_dir, raw, device, dtype)
+        scales = fp8_scales(source, calib, request.out_dir, raw, device=device, dtype=dtype)
         note = fp8_layers.quantize_module(raw, scales, device)
         recipe = {"name": "fp8", "scales": {m: [float(sx), float(sw)] for m, (sx, sw) in sorted(scales.items())}}
     module = spec.wrap(raw).eval()

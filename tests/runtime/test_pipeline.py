@@ -19,21 +19,9 @@ _ENGINES = {}
 
 
 @pytest.fixture(scope="module")
-def fp32_engines(tmp_path_factory):
-    """Tiny engines built with every component in fp32, so ONNX Runtime can be compared with fp32 diffusers."""
-
-    def get(model):
-        if model not in _ENGINES:
-            from fluxtrt.models.source import resolve_model
-
-            src = resolve_model(model)
-            root = tmp_path_factory.mktemp(f"eng-{model}")
-            cfg = load_gpu("4090").with_precision({c: "fp32" for c in load_gpu("4090").precision})
-            build_gpu(src, cfg, root, components=["clip", "t5", "transformer", "vae_decoder"])
-            _ENGINES[model] = (src, root / "4090")
-        return _ENGINES[model]
-
-    return get
+def fp32_engines(engines):
+    """(source, GPU folder) of conftest's fp32 engines: ONNX Runtime over them compares with fp32 diffusers."""
+    return lambda model: engines(model)[:2]
 
 
 def reference(src, prompts, h, w, steps, guidance, seed, **extra):
@@ -259,7 +247,7 @@ def test_cli_prompts_file_not_utf8(fp32_engines, tmp_path):
     assert res.exit_code == 2 and "is not UTF-8" in res.output
 
 
-def test_tensorrt_executor_checks_engine_validity_before_loading(fp32_engines):
+def test_tensorrt_executor_checks_engine_validity_before_loading(fp32_engines, tmp_path):
     """TensorRT-RTX's get_engine_validity reads the engine header without a GPU: here it says INVALID, and
     the executor refuses before deserializing."""
     from fluxtrt.core.backends import TensorRTRTX
@@ -271,9 +259,10 @@ def test_tensorrt_executor_checks_engine_validity_before_loading(fp32_engines):
     ex = TensorRTExecutor("clip", entry, engines / entry.engine, TensorRTRTX())
     with pytest.raises(BackendUnavailableError, match="says clip.engine cannot run on this machine \\(INVALID"):
         ex.activate()
-    (engines / "bad.engine").write_bytes(b"x" * 100)
+    bad = tmp_path / "bad.engine"  # the engines folder is shared: nothing is written into it
+    bad.write_bytes(b"x" * 100)
     with pytest.raises(ManifestError, match="does not match the manifest's size and sha256"):
-        TensorRTExecutor("clip", entry, engines / "bad.engine", TensorRTRTX()).activate()
+        TensorRTExecutor("clip", entry, bad, TensorRTRTX()).activate()
 
 
 def test_torch_executor_on_cpu_matches_diffusers(tiny_schnell):

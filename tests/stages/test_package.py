@@ -1,0 +1,110 @@
+"""stages/package.py: `fluxtrt build --gpu cpu` (compiled PyTorch engines), run from the packages alone: images
+equal to the JIT torch executor's and ONNX Runtime's, reuse, and one line for a package that cannot run here."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from fluxtrt.cli import app
+from fluxtrt.runtime.pipeline import Pipeline
+
+MAX_UINT8_DIFF = 2  # of 255
+
+
+def _image(pipe, prompt, seed, steps=3, height=256, width=320, **kw):
+    return pipe.generate([prompt], height, width, steps, 3.5, seed=seed, **kw).images[0].astype(int)
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-schnell"])
+def test_cpu_packages_equal_the_jit_torch_executor_and_onnxruntime(packages, engines, model):
+    """tiny fully packaged, tiny-schnell's transformer alone (the rest runs in PyTorch, said in the notes): each
+    image within 2/255 of the JIT torch executor in fp32 and of ONNX Runtime on the same model's fp32 engines."""
+    components = ("clip", "t5", "transformer", "vae_decoder") if model == "tiny" else ("transformer",)
+    src, folder, manifest = packages(model, components)
+    assert manifest.backend == "torch" and manifest.runtime["target"] == "cpu" and not manifest.pending
+    assert {e.engine for e in manifest.components.values()} == {f"{c}.pt2" for c in components}
+    seed = int(np.random.default_rng().integers(1000))
+    prompt = "a lighthouse at dusk"
+    pipe = Pipeline(folder, "torch", fallback=[c for c in ("clip", "t5", "vae_decoder") if c not in components],
+                    torch_dtype="fp32")
+    assert {n: ex.kind for n, ex in pipe.executors.items() if n in components} == {c: "pt2" for c in components}
+    got = _image(pipe, prompt, seed)
+    jit = _image(Pipeline(None, "torch", model=src, torch_dtype="fp32"), prompt, seed)
+    ort = _image(Pipeline(engines(model)[1], "onnxruntime"), prompt, seed)
+    assert np.abs(got - jit).max() <= MAX_UINT8_DIFF and np.abs(got - ort).max() <= MAX_UINT8_DIFF
+    assert got.std() > 5  # an image, not a constant
+
+
+def test_fill_transformer_package_runs_the_fill_workflow(packages, tmp_path):
+    """An image workflow from a package: tiny-fill's transformer (its 384 input channels) through `fluxtrt run
+    --image --mask` equals the JIT torch executor's image within 2/255."""
+    from PIL import Image
+
+    src, folder, _ = packages("tiny-fill", ("transformer",))
+    rng = np.random.default_rng()
+    Image.fromarray(rng.integers(0, 255, (256, 256, 3), dtype=np.uint8)).save(tmp_path / "in.png")
+    mask = np.zeros((256, 256), np.uint8)
+    mask[64:192, 32:160] = 255
+    Image.fromarray(mask).save(tmp_path / "mask.png")
+    common = ["--prompt", "a door", "--image", str(tmp_path / "in.png"), "--mask", str(tmp_path / "mask.png"),
+              "--steps", "2", "--seed", str(int(rng.integers(1000))), "--torch-dtype", "fp32"]
+    images = {}
+    runs = {"pt2": ["--engines", str(folder), "--fallback", "vae_encoder"],
+            "jit": ["--model", str(src.path), "--backend", "torch"]}
+    for name, args in runs.items():
+        res = CliRunner().invoke(app, ["run", *args, *common, "--out", str(tmp_path / f"{name}.png")])
+        assert res.exit_code == 0, res.output
+        images[name] = np.asarray(Image.open(tmp_path / f"{name}.png")).astype(int)
+    assert np.abs(images["pt2"] - images["jit"]).max() <= MAX_UINT8_DIFF
+
+
+def test_a_second_build_reuses_every_package(packages, tmp_path):
+    from fluxtrt.gpus import load_gpu
+    from fluxtrt.stages.build import build_gpu
+
+    src, folder, manifest = packages("tiny-schnell", ("transformer",))
+    shutil.copytree(folder.parent, tmp_path / "root", symlinks=True)
+    again, results = build_gpu(src, load_gpu("cpu"), tmp_path / "root", components=["transformer"])
+    assert [(r.stage, r.status) for r in results] == [("package", "reused")]
+    assert again.components["transformer"].sha256 == manifest.components["transformer"].sha256
+
+
+def test_a_package_that_cannot_run_here_is_refused_in_one_line(packages, tmp_path):
+    """Another torch version, a flipped byte and another model's package: each one line naming both sides or the
+    fix, exit 2, nothing compiled in its place and no image written."""
+    _, folder, _ = packages("tiny-schnell", ("transformer",))
+    _, tiny, _ = packages("tiny")
+    base = ["run", "--prompt", "x", "--steps", "1", "--height", "256", "--width", "256", "--fallback", "clip,t5,vae_decoder"]
+
+    def run(where, *extra):
+        res = CliRunner().invoke(app, [*base, "--engines", str(where), "--out", str(tmp_path / "o.png"), *extra])
+        lines = res.output.strip().splitlines()  # the choice of backend may add its note first
+        assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+        assert [line for line in lines if not line.startswith("note: ")] == [lines[-1]], res.output
+        assert not (tmp_path / "o.png").exists()
+        return lines[-1]
+
+    other = tmp_path / "torch" / "cpu"
+    shutil.copytree(folder, other)
+    m = json.loads((other / "manifest.json").read_text())
+    m["runtime"]["torch"] = "2.4.0"
+    (other / "manifest.json").write_text(json.dumps(m))
+    out = run(other)
+    assert "compiled for torch 2.4.0, this machine has torch" in out and "fluxtrt build --gpu cpu --backend torch" in out
+    flipped = tmp_path / "flip" / "cpu"
+    shutil.copytree(folder, flipped)
+    data = bytearray((flipped / "transformer.pt2").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (flipped / "transformer.pt2").write_bytes(bytes(data))
+    assert "is not the package the manifest records" in run(flipped)
+    swapped = tmp_path / "swap" / "cpu"  # tiny-dev's folder with tiny-schnell's transformer package and entry
+    shutil.copytree(tiny, swapped)
+    shutil.copy(folder / "transformer.pt2", swapped / "transformer.pt2")
+    m = json.loads((swapped / "manifest.json").read_text())
+    m["components"]["transformer"] = json.loads((folder / "manifest.json").read_text())["components"]["transformer"]
+    (swapped / "manifest.json").write_text(json.dumps(m))
+    assert "was compiled for another model" in run(swapped)
+    assert "compiled PyTorch engines" in run(folder, "--backend", "onnxruntime")
