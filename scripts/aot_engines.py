@@ -1,0 +1,159 @@
+"""Compiled PyTorch engines (AOTInductor packages) against diffusers on one GPU (issue: engines for the GPU you have).
+
+build: `fluxtrt build --backend torch` as the product runs it (api.build), each component's build seconds and package
+  bytes recorded, the build's wall time too.
+first: a fresh process (`fluxtrt run --engines DIR`, empty Inductor cache) timed from its start to the image written:
+  what a new server replica pays before its first image.
+speed: in one process, diffusers eager bf16 (the baseline, same run) then the packages (`--cuda-graph` where asked):
+  end to end (text encoders, N steps, VAE decode), load time, peak GPU memory, ratios against the baseline.
+
+Rows go to --out as JSON after every measurement (a cut run keeps what it measured).
+Device:  python3 scripts/aot_engines.py build --gpu h200 --precision transformer=fp8 --out $OUT/build.json
+         python3 scripts/aot_engines.py first --engines aot/h200-torch-fp8 --out $OUT/first.json
+         python3 scripts/aot_engines.py speed --engines aot/h200-torch-fp8 --out $OUT/speed.json
+Rehearse here: python3 scripts/aot_engines.py build --gpu cpu --model tiny --root /tmp/aot --out /tmp/b.json
+               python3 scripts/aot_engines.py first --engines /tmp/aot/cpu --steps 2 --size 256 --out /tmp/f.json
+               python3 scripts/aot_engines.py speed --engines /tmp/aot/cpu --steps 2 --size 256 --out /tmp/s.json"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def write(path, obj) -> None:
+    Path(path).write_text(json.dumps(obj, indent=1, default=str))
+
+
+def meta(a) -> dict:
+    import torch
+
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d"),
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "argv": sys.argv[1:]}
+
+
+def build(a) -> None:
+    from fluxtrt import api
+    from fluxtrt.records import CalibrationSettings
+
+    t0 = time.perf_counter()
+    done = api.build(gpu=a.gpu, model=a.model or "random:flux.1-dev", out_dir=a.root, backend="torch", precision=a.precision or None,
+                     static_shape=a.static, components=a.components.split(",") if a.components else None,
+                     calibration=CalibrationSettings(size=a.calibration_size, steps=1))
+    wall = time.perf_counter() - t0
+    rows = [{"component": n, "precision": e.precision, "bytes": e.bytes, "build_s": e.build_seconds,
+             "peak_rss_mb": e.peak_rss_mb, "status": next((r.status for r in done.results if r.component == n), None),
+             "detail": next((r.detail for r in done.results if r.component == n), "")}
+            for n, e in done.manifest.components.items()]
+    write(a.out, {"meta": meta(a), "gpu_dir": str(done.gpu_dir), "wall_s": round(wall, 1),
+                  "runtime": done.manifest.runtime, "rows": rows})
+    print(json.dumps({"wall_s": round(wall, 1), "gpu_dir": str(done.gpu_dir)}), flush=True)
+    for r in rows:
+        print(json.dumps(r), flush=True)
+
+
+def first(a) -> None:
+    """`fluxtrt run` in a fresh process with an empty Inductor cache, timed from its start to the image written."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+        out = Path(a.out).with_suffix(".png")
+        cmd = [sys.executable, "-m", "fluxtrt.cli", "run", "--engines", a.engines, "--prompt", "a red fox in the snow",
+               "--steps", str(a.steps), "--height", str(a.size), "--width", str(a.size), "--out", str(out)]
+        cmd += ["--cuda-graph"] if a.cuda_graph else []
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+    print(proc.stdout[-3000:], proc.stderr[-3000:], flush=True)
+    write(a.out, {"meta": meta(a), "command": " ".join(cmd), "returncode": proc.returncode,
+                  "fresh_process_to_image_s": round(wall, 2), "image_written": out.is_file()})
+    print(json.dumps({"fresh_process_to_image_s": round(wall, 2), "rc": proc.returncode}), flush=True)
+
+
+def speed(a) -> None:
+    import gc
+
+    import torch
+
+    from fluxtrt.bench import add_ratios, bench_diffusers, bench_fluxtrt
+    from fluxtrt.models.source import resolve_model
+    from fluxtrt.records import read_manifest
+    from fluxtrt.runtime.pipeline import Pipeline
+
+    manifest = read_manifest(Path(a.engines))
+    src = resolve_model(a.model or manifest.model.id)
+    cuda = torch.cuda.is_available()
+    rows, table = [], []
+
+    def save():
+        write(a.out, {"meta": meta(a), "rows": rows})
+        write(Path(a.out).with_name("aot_engines_rows.json"), table)
+
+    for variant in a.variants.split(","):
+        t0 = time.perf_counter()
+        if variant == "diffusers":
+            pipe = src.load_pipeline(torch.bfloat16 if cuda else torch.float32, "cuda" if cuda else "cpu")
+            pipe.set_progress_bar_config(disable=True)
+        else:
+            pipe = Pipeline(Path(a.engines), "torch", cuda_graph=variant.endswith("graph"), torch_dtype="bf16" if cuda else "fp32")
+            for ex in pipe.executors.values():
+                ex.activate()  # the load, timed: packages read from disk
+        load_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        if variant == "diffusers":
+            row = bench_diffusers(pipe, src.geometry, a.size, a.size, 1, steps=a.steps, runs=a.runs, warmup=1,
+                                  device=torch.device("cuda" if cuda else "cpu"))
+            row.system = variant
+        else:
+            row = bench_fluxtrt(pipe, f"fluxtrt packages {variant}", a.size, a.size, 1, steps=a.steps, runs=a.runs,
+                                warmup=1)
+        first_call = time.perf_counter() - t1 - row.end_to_end_s.median * a.runs
+        rows.append({"variant": variant, "row": row, "load_s": load_s, "first_call_s": first_call})
+        base = next((r["row"] for r in rows if r["variant"] == "diffusers"), None)
+        if base is not None and base is not row:
+            add_ratios(row, base)
+        table.append({"size": a.size, "batch": 1, "steps": a.steps, "variant": variant,
+                      "e2e_s": round(row.end_to_end_s.median, 4),
+                      "baseline_s": round(base.end_to_end_s.median, 4) if base is not None else None,
+                      "ratio": round(base.end_to_end_s.median / row.end_to_end_s.median, 3) if base else None,
+                      "step_ms": round(row.transformer_step_s.median * 1000, 2), "load_s": round(load_s, 2),
+                      "first_call_s": round(first_call, 2), "peak_gb": row.peak_memory_gb,
+                      "peak_vs_baseline": round(row.peak_memory_gb / base.peak_memory_gb, 3)
+                      if base is not None and row.peak_memory_gb and base.peak_memory_gb else None})
+        print(json.dumps(table[-1]), flush=True)
+        save()
+        del pipe
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("phase", choices=["build", "first", "speed"])
+    ap.add_argument("--gpu", default="h200")
+    ap.add_argument("--model", default="", help="build: default random:flux.1-dev; speed: default the manifest's")
+    ap.add_argument("--root", default="aot", help="build: the build root")
+    ap.add_argument("--precision", action="append", default=[], help="build: -p values")
+    ap.add_argument("--components", default="", help="build: comma-separated (default: the four run components)")
+    ap.add_argument("--static", action=argparse.BooleanOptionalAction, default=True,
+                    help="build: pin the profile to the config's opt size (static shapes)")
+    ap.add_argument("--calibration-size", type=int, default=2)
+    ap.add_argument("--engines", default="")
+    ap.add_argument("--steps", type=int, default=28)
+    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--variants", default="diffusers,packages-graph")
+    ap.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True, help="first: --cuda-graph")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    if a.phase == "build" and not a.components:
+        a.components = "clip,t5,transformer,vae_decoder"
+    {"build": build, "first": first, "speed": speed}[a.phase](a)
+
+
+if __name__ == "__main__":
+    main()
