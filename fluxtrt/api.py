@@ -159,7 +159,7 @@ def build(request: BuildRequest | None = None, *, progress: Callable[[str, str],
     if req.model is None:
         notes.append("no --model given: built the embedded random-weight `tiny` model (its images are noise)")
     source = resolve_model(req.model or "tiny")
-    if source.embedded:
+    if source.embedded and cfg.backend != "torch":  # compiled packages carry their weights
         notes.append(f"the embedded model {source.id} is a diffusers folder at {source.path}: pass it to `run --weights` "
                      "(or make a LoRA for it) to try your own weights on these engines")
     req = dataclasses.replace(req, components=tuple(split_list(list(req.components))),

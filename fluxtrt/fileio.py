@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 
-def _umask_mode() -> int:
+def umask_mode() -> int:
     """The mode a plain open() would give a new file (mkstemp makes 0600 files)."""
     mask = os.umask(0)
     os.umask(mask)
@@ -77,7 +77,7 @@ def atomic_file(path: Path):
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, _umask_mode())
+        os.chmod(tmp, umask_mode())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

@@ -104,6 +104,7 @@ class ComponentEntry(JsonRecord):
     # the quantization recipe's numbers a runtime needs to compute it (fp8: {"name", "scales": {module: [sx, sw]}}),
     # recorded at build time so that an unpacked archive runs on every backend that computes the recipe
     recipe: dict | None = None
+    constants: dict | None = None  # a compiled package's weights file: {"file", "sha256", "bytes"}
 
     def dtype_of(self, tensor: str) -> str:
         for t in self.inputs + self.outputs:
@@ -145,7 +146,7 @@ class Manifest:
 
     @property
     def sm(self) -> str:
-        return "sm" + self.compute_capability.replace(".", "")
+        return "cpu" if self.compute_capability == "cpu" else "sm" + self.compute_capability.replace(".", "")
 
     def missing(self, names) -> list:
         """Which of `names` have no engine here (e.g. the build was stopped before them)."""
@@ -367,6 +368,11 @@ def check_manifest(m: Manifest, folder: Path) -> None:
             raise bad(f"component {name!r}", "its profile, tensors or sizes")
         if e.recipe is not None and not _recipe_ok(e.recipe):
             raise bad(f"component {name!r} recipe", "not a recipe of scales")
+        if e.constants is not None:
+            c = e.constants
+            if not (isinstance(c.get("file"), str) and isinstance(c.get("sha256"), str) and _is_int(c.get("bytes"))):
+                raise bad(f"component {name!r} constants", c)
+            inside(folder, c["file"], f"{name}.constants")
         inside(folder, e.engine, f"{name}.engine")
         if e.onnx or m.backend != "torch":  # compiled PyTorch packages have none
             inside(build_root(folder), e.onnx, f"{name}.onnx")

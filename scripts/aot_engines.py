@@ -41,8 +41,9 @@ def build(a) -> None:
     from fluxtrt.records import CalibrationSettings
 
     t0 = time.perf_counter()
-    done = api.build(gpu=a.gpu, model=a.model or "random:flux.1-dev", out_dir=a.root, backend="torch", precision=a.precision or None,
-                     static_shape=a.static, components=a.components.split(",") if a.components else None,
+    done = api.build(gpu=a.gpu, model=a.model or "random:flux.1-dev", out_dir=a.root, backend="torch",
+                     precision=a.precision or None, static_shape=a.static,
+                     components=a.components.split(",") if a.components else None,
                      calibration=CalibrationSettings(size=a.calibration_size, steps=1))
     wall = time.perf_counter() - t0
     rows = [{"component": n, "precision": e.precision, "bytes": e.bytes, "build_s": e.build_seconds,
@@ -98,7 +99,8 @@ def speed(a) -> None:
             pipe = src.load_pipeline(torch.bfloat16 if cuda else torch.float32, "cuda" if cuda else "cpu")
             pipe.set_progress_bar_config(disable=True)
         else:
-            pipe = Pipeline(Path(a.engines), "torch", cuda_graph=variant.endswith("graph"), torch_dtype="bf16" if cuda else "fp32")
+            pipe = Pipeline(Path(a.engines), "torch", cuda_graph=variant.endswith("graph"),
+                            torch_dtype="bf16" if cuda else "fp32")
             for ex in pipe.executors.values():
                 ex.activate()  # the load, timed: packages read from disk
         load_s = time.perf_counter() - t0

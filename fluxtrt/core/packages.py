@@ -1,5 +1,9 @@
 """Compiled PyTorch engines (AOTInductor `.pt2` packages) as the build and the runtime both see them: what a
-package needs to run (the torch and CUDA versions and the device it was compiled for) and how it is opened.
+package needs to run (the torch and CUDA versions and the device it was compiled for), how it is opened, and its
+weights. A package holds the kernels only; its weights (the module's constants, as the build left them: an fp8
+recipe's E4M3 weights in E4M3) are a safetensors file beside it, read once, straight to the device, and handed to
+the package at load (AOTInductor's user-managed constants). With the weights inside, torch extracts a second copy
+of them to a temporary folder on every load (docs/bench/aot_engines.json).
 engine/aoti.py compiles them; runtime/executors.PackageExecutor runs them."""
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from pathlib import Path
 from ..errors import FluxtrtError
 
 EXTENSION = ".pt2"
+CONSTANTS = ".constants.safetensors"  # <component>.constants.safetensors beside <component>.pt2
 
 
 def device_target(device) -> str:
@@ -57,3 +62,75 @@ def _index(device) -> int:
 
     device = torch.device(device)
     return -1 if device.type == "cpu" else (device.index if device.index is not None else torch.cuda.current_device())
+
+
+def save_constants(tensors: dict, path: Path) -> dict:
+    """The package's constants {name: tensor} as one safetensors file (temp name, renamed): {"file", "sha256",
+    "bytes"} for the manifest."""
+    import torch
+    from safetensors.torch import save_file
+
+    from ..fileio import sha256_file, umask_mode
+
+    path = Path(path)
+    host = {k: (v.detach().cpu() if v.device.type != "cpu" else v.detach().clone()).contiguous()
+            for k, v in tensors.items() if isinstance(v, torch.Tensor)}
+    tmp = path.with_name(f".tmp-{path.name}")  # remove_stale_staging's prefix
+    try:
+        save_file(host, str(tmp))
+        tmp.chmod(umask_mode())
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return {"file": path.name, "sha256": sha256_file(path), "bytes": path.stat().st_size}
+
+
+def read_constants(path: Path, recorded: dict, device, component: str) -> dict:
+    """The constants file read once, in file order, each tensor's bytes hashed on the way and copied to `device`;
+    the size and sha256 must be the manifest's (a truncated or changed file is one line, nothing kept)."""
+    import hashlib
+
+    import torch
+
+    from ..checkpoint import read_header
+    from ..dtypes import BY_SAFETENSORS
+
+    path = Path(path)
+    fix = "build the packages again with `fluxtrt build --backend torch`, or unpack the archive again"
+    if not path.is_file() or path.stat().st_size != recorded.get("bytes"):
+        raise FluxtrtError(f"{component}: {path} is missing or not the size the manifest records; {fix}")
+    stored = sorted(read_header(path).items(), key=lambda kv: kv[1].offset)
+    digest, out, pos = hashlib.sha256(), {}, 0
+    with open(path, "rb") as f:
+        for key, t in stored:
+            digest.update(f.read(t.offset - pos))
+            buf = bytearray(t.length)
+            if f.readinto(buf) != t.length:
+                raise FluxtrtError(f"{component}: {path} is truncated; {fix}")
+            digest.update(buf)
+            pos = t.offset + t.length
+            dtype = getattr(torch, BY_SAFETENSORS[t.dtype].numpy)
+            host = torch.frombuffer(buf, dtype=torch.uint8) if t.length else torch.empty(0, dtype=torch.uint8)
+            out[key] = host.view(dtype).reshape(t.shape).to(device)
+        digest.update(f.read())
+    if digest.hexdigest() != recorded.get("sha256"):
+        raise FluxtrtError(f"{component}: {path} is not the file the manifest records (sha256 differs: corrupted or "
+                           f"replaced); {fix}")
+    return out
+
+
+def open_package(path: Path, constants: Path, recorded: dict, device, component: str):
+    """A package ready to run: its kernels loaded and its weights file (`recorded`: the manifest's {"file", "sha256",
+    "bytes"}) read to `device` and handed over as user-managed constants. Returns (compiled module, weights): the
+    module reads the weights in place, so the caller keeps both alive together."""
+    weights = read_constants(constants, recorded, device, component)
+    fn = load_package(path, component, device)
+    wanted = fn.get_constant_fqns()
+    missing = sorted(set(wanted) - set(weights))
+    if missing:
+        raise FluxtrtError(f"{component}: its weights file lacks {len(missing)} of the package's constants "
+                           f"({', '.join(missing[:3])}): build it again with `fluxtrt build --backend torch`")
+    fn.load_constants({k: weights[k] for k in wanted}, check_full_update=True, user_managed=True)
+    return fn, weights
+

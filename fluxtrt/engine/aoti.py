@@ -23,6 +23,7 @@ class BuiltPackage:
     inputs: list[dict]  # {"name", "dtype" (the manifest's engine I/O names: float, bf16, int64, ...), "shape"}
     outputs: list[dict]
     profile: dict  # input name -> {"min": [...], "opt": [...], "max": [...]}
+    constants: dict  # the weights file beside the package: {"file", "sha256", "bytes"} (core/packages.py)
     export_seconds: float
     compile_seconds: float
 
@@ -68,10 +69,12 @@ def _io(spec_tensors, tensors, profile=None) -> list[dict]:
 def compile_package(module, spec: ComponentSpec, geo: Geometry, rng: ShapeRange, *, device, dtype,
                     package_path: Path) -> BuiltPackage:
     """Export `module` (the spec's wrapped module, on `device` in `dtype`) over the profile and compile it into
-    `package_path` (written under a temp name and renamed). Raises BuildError naming the component where
-    torch.export or Inductor fails."""
+    `package_path` (the kernels, written under a temp name and renamed) and its weights into
+    `<component>.constants.safetensors` beside it. Raises BuildError naming the component where torch.export or
+    Inductor fails."""
     import torch
 
+    from ..core.packages import CONSTANTS, save_constants
     from ..fileio import check_space, sha256_file
 
     point = example_point(rng)
@@ -89,11 +92,12 @@ def compile_package(module, spec: ComponentSpec, geo: Geometry, rng: ShapeRange,
     export_seconds = time.perf_counter() - t0
     outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
     package_path = Path(package_path)
-    check_space(package_path, sum(p.numel() * p.element_size() for p in module.parameters()))
+    check_space(package_path, sum(p.numel() * p.element_size() for p in module.state_dict().values()))
     tmp = package_path.with_name(f".tmp-{package_path.name}")  # remove_stale_staging's prefix
     t0 = time.perf_counter()
     try:
-        torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp))
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp),
+                                                 inductor_configs={"aot_inductor.package_constants_in_so": False})
         tmp.replace(package_path)
     except Exception as e:
         tmp.unlink(missing_ok=True)
@@ -103,10 +107,13 @@ def compile_package(module, spec: ComponentSpec, geo: Geometry, rng: ShapeRange,
         tmp.unlink(missing_ok=True)
         raise
     compile_seconds = time.perf_counter() - t0
+    constants = save_constants({**exported.state_dict, **exported.constants},
+                               package_path.with_name(spec.name + CONSTANTS))
     profile = {name: {"min": list(lo), "opt": list(opt), "max": list(hi)}
                for name, (lo, opt, hi) in spec.profile(rng, geo).items()}
     return BuiltPackage(bytes=package_path.stat().st_size, sha256=sha256_file(package_path),
                         inputs=_io(spec.inputs, args), outputs=_io(spec.outputs, outputs), profile=profile,
+                        constants=constants,
                         export_seconds=round(export_seconds, 3), compile_seconds=round(compile_seconds, 3))
 
 

@@ -405,7 +405,7 @@ class PackageExecutor(Executor):
         target = self.runtime.get("target")
         self._device = device or ("cpu" if target == "cpu" else "cuda")
         self.stream = None
-        self._fn = None
+        self._fn = self._weights = None
         has, wants = [t["name"] for t in entry.inputs], [t.name for t in spec.inputs]
         if has != wants:
             raise ManifestError(f"{component}: {self.path.name} was compiled for another model (its inputs are "
@@ -441,11 +441,17 @@ class PackageExecutor(Executor):
                                 "build --backend torch`, or unpack the archive again")
 
     def activate(self) -> None:
-        from ..core.packages import load_package
+        from ..core.packages import open_package
+        from ..fileio import inside
 
         if self._fn is None:
             self.check()
-            self._fn = load_package(self.path, self.component, self.device)
+            if not self.entry.constants:
+                raise ManifestError(f"{self.component}: the manifest names no weights file for {self.path.name}; build "
+                                    "it again with `fluxtrt build --backend torch`")
+            weights = inside(self.path.parent, self.entry.constants["file"], f"{self.component}.constants")
+            self._fn, self._weights = open_package(self.path, weights, self.entry.constants, self.device,
+                                                   self.component)
         self.active = True
 
     def infer_impl(self, feeds: dict) -> dict:
@@ -469,7 +475,7 @@ class PackageExecutor(Executor):
     def deactivate(self) -> None:
         import torch
 
-        self._fn = None
+        self._fn = self._weights = None
         self.active = False
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -636,8 +636,8 @@ class Pipeline:
 
 def captures_step_itself(ex) -> bool:
     """--cuda-graph: the pipeline captures the transformer step (CudaGraphStep, after warm-up calls) for the
-    PyTorch module, a compiled package and for full TensorRT, whose runtime config has no graph strategy; TensorRT-RTX captures the
-    whole graph itself (cuda_graph_strategy = WHOLE_GRAPH_CAPTURE)."""
+    PyTorch module, a compiled package and for full TensorRT, whose runtime config has no graph strategy;
+    TensorRT-RTX captures the whole graph itself (cuda_graph_strategy = WHOLE_GRAPH_CAPTURE)."""
     if isinstance(ex, (TorchExecutor, PackageExecutor)):
         return True
     return isinstance(ex, TensorRTExecutor) and not ex.native_cuda_graph

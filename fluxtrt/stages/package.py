@@ -62,8 +62,9 @@ def package_stage(source, cfg, request, *, spec, rng, manifest, gpu_dir: Path, l
                        "runtime": runtime, "calibration": recipe_inputs, "fluxtrt": __version__})
     path = gpu_dir / f"{name}{EXTENSION}"
     prev = manifest.components.get(name)
-    if not request.force and prev is not None and unchanged(path, prev.sha256, {"build_key": prev.build_key},
-                                                            {"build_key": key}):
+    if not request.force and prev is not None and prev.constants and unchanged(
+            path, prev.sha256, {"build_key": prev.build_key}, {"build_key": key}) and unchanged(
+            gpu_dir / prev.constants["file"], prev.constants["sha256"], {}, {}):
         on_phase("reused")
         return StageResult(name, "package", "reused", 0.0, "same model, precision, profile and torch")
     on_phase("load")
@@ -87,9 +88,9 @@ def package_stage(source, cfg, request, *, spec, rng, manifest, gpu_dir: Path, l
         engine=path.name, sha256=built.sha256, bytes=built.bytes, precision=precision, onnx="", onnx_sha256="",
         build_key=key, layers=0, inputs=built.inputs, outputs=built.outputs, profile=built.profile,
         build_seconds=round(seconds, 3), peak_rss_mb=round(peak_rss_mb(), 1), stages={"package": result.footprint()},
-        recipe=recipe)
+        recipe=recipe, constants=built.constants)
     manifest.write(gpu_dir)
-    log.write(f"compiled {name}: {built.bytes} bytes, export {built.export_seconds:.1f} s, compile "
-              f"{built.compile_seconds:.1f} s ({dtype}{', ' + note if note else ''})\n")
+    log.write(f"compiled {name}: {built.bytes} bytes (weights {built.constants['bytes']}), export "
+              f"{built.export_seconds:.1f} s, compile {built.compile_seconds:.1f} s ({dtype}{', ' + note if note else ''})\n")
     on_phase("done")
     return result

@@ -32,7 +32,7 @@ def test_dynamic_dims_are_the_profiles_ranges_shared_by_every_input_that_names_t
 def test_a_clip_package_equals_its_module_across_the_profile(tmp_path):
     """CLIP of tiny compiled for this CPU (the smallest module: one C++ compile of ~15 s) equals the module at batch 1
     and 3, inputs fresh each time, within 1e-5 of the output's range."""
-    from fluxtrt.core.packages import load_package
+    from fluxtrt.core.packages import open_package
 
     src = resolve_model("tiny")
     spec = specs_for(src.geometry, ["clip"])["clip"]
@@ -42,7 +42,9 @@ def test_a_clip_package_equals_its_module_across_the_profile(tmp_path):
     assert built.bytes == (tmp_path / "clip.pt2").stat().st_size and not list(tmp_path.glob(".tmp-*"))
     assert built.inputs == [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "geo.clip_length"]}]
     assert built.outputs[0]["dtype"] == "float" and built.profile["input_ids"]["max"][0] == 4
-    package = load_package(tmp_path / "clip.pt2", "clip", "cpu")
+    assert built.constants["file"] == "clip.constants.safetensors"
+    package, _weights = open_package(tmp_path / "clip.pt2", tmp_path / built.constants["file"], built.constants, "cpu",
+                                     "clip")
     seed = int(torch.randint(0, 1000, ()))
     for batch in (1, 3):
         feeds = spec.sample_inputs(ShapePoint(batch, 64, 64), src.geometry, seed + batch)

@@ -26,6 +26,8 @@ def test_cpu_packages_equal_the_jit_torch_executor_and_onnxruntime(packages, eng
     src, folder, manifest = packages(model, components)
     assert manifest.backend == "torch" and manifest.runtime["target"] == "cpu" and not manifest.pending
     assert {e.engine for e in manifest.components.values()} == {f"{c}.pt2" for c in components}
+    # the kernels in the package, the weights beside it (read once at load, handed to the package)
+    assert all((folder / e.constants["file"]).stat().st_size == e.constants["bytes"] for e in manifest.components.values())
     seed = int(np.random.default_rng().integers(1000))
     prompt = "a lighthouse at dusk"
     pipe = Pipeline(folder, "torch", fallback=[c for c in ("clip", "t5", "vae_decoder") if c not in components],
@@ -100,6 +102,11 @@ def test_a_package_that_cannot_run_here_is_refused_in_one_line(packages, tmp_pat
     data[len(data) // 2] ^= 0xFF
     (flipped / "transformer.pt2").write_bytes(bytes(data))
     assert "is not the package the manifest records" in run(flipped)
+    shutil.copy(folder / "transformer.pt2", flipped / "transformer.pt2")  # now its weights
+    data = bytearray((flipped / "transformer.constants.safetensors").read_bytes())
+    data[-8] ^= 0xFF
+    (flipped / "transformer.constants.safetensors").write_bytes(bytes(data))
+    assert "is not the file the manifest records (sha256 differs" in run(flipped)
     swapped = tmp_path / "swap" / "cpu"  # tiny-dev's folder with tiny-schnell's transformer package and entry
     shutil.copytree(tiny, swapped)
     shutil.copy(folder / "transformer.pt2", swapped / "transformer.pt2")
