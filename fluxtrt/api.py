@@ -625,11 +625,12 @@ def inspect(engine_dir: Path) -> Inspection:
     Raises: ManifestError for a missing or malformed manifest (untrusted input, checked)."""
     from .core.backends import get_backend
     from .errors import BackendUnavailableError
-    from .fileio import sha256_file
     from .records import read_manifest
     from .runtime.executors import check_gpu_for
 
     m = read_manifest(engine_dir)
+    if m.backend == "torch":
+        return Inspection(m, _package_checks(engine_dir, m), _folder_problems(engine_dir, m))
     backend = get_backend(m.backend)
     try:
         check_gpu_for(m, backend)
@@ -639,14 +640,7 @@ def inspect(engine_dir: Path) -> Inspection:
     rows = []
     for name, e in m.components.items():
         path = Path(engine_dir) / e.engine
-        if not path.exists():
-            state = "MISSING"
-        elif path.stat().st_size != e.bytes:
-            state = f"WRONG SIZE ({path.stat().st_size} bytes, manifest {e.bytes}): rebuild or unpack again"
-        elif sha256_file(path) != e.sha256:
-            state = "SHA256 MISMATCH (corrupt or replaced): rebuild or unpack again"
-        else:
-            state = "ok"
+        state = _file_state(path, e.bytes, e.sha256)
         try:
             validity = backend.runtime_validity(path) or "unknown" if state == "ok" else "-"
         except BackendUnavailableError as err:
@@ -655,6 +649,41 @@ def inspect(engine_dir: Path) -> Inspection:
             validity = f"{validity.split(' (')[0]}: {why_not}"
         rows.append(EngineCheck(name, e, state, validity))
     return Inspection(m, rows, _folder_problems(engine_dir, m))
+
+
+def _file_state(path: Path, size: int, sha256: str) -> str:
+    """An engine folder's file against its manifest: ok, or what is wrong and the fix."""
+    from .fileio import sha256_file
+
+    if not path.exists():
+        return "MISSING"
+    if path.stat().st_size != size:
+        return f"WRONG SIZE ({path.stat().st_size} bytes, manifest {size}): rebuild or unpack again"
+    if sha256_file(path) != sha256:
+        return "SHA256 MISMATCH (corrupt or replaced): rebuild or unpack again"
+    return "ok"
+
+
+def _package_checks(engine_dir: Path, m: Manifest) -> list:
+    """Compiled PyTorch packages: each package and its weights file against the manifest, and whether this
+    machine's torch, CUDA and device are the ones they were compiled for."""
+    from .core.packages import runtime_problem
+    from .fileio import inside
+
+    rows = []
+    for name, e in m.components.items():
+        state = _file_state(Path(engine_dir) / e.engine, e.bytes, e.sha256)
+        if state == "ok" and e.constants:
+            weights = _file_state(inside(engine_dir, e.constants["file"], f"{name}.constants"), e.constants["bytes"],
+                                  e.constants["sha256"])
+            state = "ok" if weights == "ok" else f"weights {e.constants['file']}: {weights}"
+        device = "cpu" if (m.runtime or {}).get("target") == "cpu" else "cuda"
+        try:
+            problem = runtime_problem(m.runtime or {}, device)
+        except Exception as err:  # no CUDA device here for a GPU package
+            problem = f"this machine cannot run {device} packages ({type(err).__name__})"
+        rows.append(EngineCheck(name, e, state, f"CANNOT RUN: {problem}" if problem else "VALID (this torch and device)"))
+    return rows
 
 
 def _folder_problems(engine_dir: Path, m: Manifest) -> list:

@@ -203,7 +203,12 @@ def inspection(m, checks) -> None:
                      c.runtime))
     out.print(table("", ("component", "precision", "size", "layers (computed)", "inputs (min..max)", "file", "this machine"),
                     rows))
-    out.print(memory_line(m))
+    if m.backend == "torch":  # compiled PyTorch packages: kernels in the .pt2, weights beside them
+        weights = sum((e.constants or {}).get("bytes", 0) for e in m.components.values())
+        out.print(f"compiled PyTorch packages for {m.runtime['target']} (torch {m.runtime['torch']}, CUDA "
+                  f"{m.runtime['cuda']}); their weights: {human(weights)}, read to the device at load")
+    else:
+        out.print(memory_line(m))
     if any(c.file != "ok" for c in checks):
         warning("some engine files do not match the manifest (see the file column)")
 

@@ -115,3 +115,25 @@ def test_a_package_that_cannot_run_here_is_refused_in_one_line(packages, tmp_pat
     (swapped / "manifest.json").write_text(json.dumps(m))
     assert "was compiled for another model" in run(swapped)
     assert "compiled PyTorch engines" in run(folder, "--backend", "onnxruntime")
+    from fluxtrt import api  # `inspect` says the same of each folder, without loading anything
+
+    state = lambda f: {c.component: (c.file, c.runtime) for c in api.inspect(f).checks}["transformer"]  # noqa: E731
+    assert state(folder) == ("ok", "VALID (this torch and device)")
+    assert state(other)[1].startswith("CANNOT RUN: it was compiled for torch 2.4.0")
+    assert state(flipped)[0].startswith("weights transformer.constants.safetensors: SHA256 MISMATCH")
+
+
+def test_an_archive_of_packages_unpacks_and_runs_the_same(packages, tmp_path):
+    """`artifacts`' pack and `unpack` carry the packages and their weights: the unpacked folder's image is the packed
+    folder's, bit for bit."""
+    from fluxtrt.artifacts import pack, unpack
+
+    _, folder, _ = packages("tiny-schnell", ("transformer",))
+    archive, sha = pack(folder, tmp_path / "dist")
+    assert archive.name.endswith("-cpu-cpu.tar.gz")
+    unpacked = unpack(archive, tmp_path / "engines", sha)
+    assert (unpacked / "transformer.constants.safetensors").is_file()
+    seed = int(np.random.default_rng().integers(1000))
+    images = [_image(Pipeline(f, "torch", fallback=["clip", "t5", "vae_decoder"], torch_dtype="fp32"), "a kite", seed,
+                     steps=2) for f in (folder, unpacked)]
+    assert np.array_equal(images[0], images[1])
