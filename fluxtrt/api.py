@@ -667,7 +667,7 @@ def _file_state(path: Path, size: int, sha256: str) -> str:
 def _package_checks(engine_dir: Path, m: Manifest) -> list:
     """Compiled PyTorch packages: each package and its weights file against the manifest, and whether this
     machine's torch, CUDA and device are the ones they were compiled for."""
-    from .core.packages import runtime_problem
+    from .core.packages import run_device, runtime_problem
     from .fileio import inside
 
     rows = []
@@ -677,7 +677,7 @@ def _package_checks(engine_dir: Path, m: Manifest) -> list:
             weights = _file_state(inside(engine_dir, e.constants["file"], f"{name}.constants"), e.constants["bytes"],
                                   e.constants["sha256"])
             state = "ok" if weights == "ok" else f"weights {e.constants['file']}: {weights}"
-        device = "cpu" if (m.runtime or {}).get("target") == "cpu" else "cuda"
+        device = run_device(m.runtime)
         try:
             problem = runtime_problem(m.runtime or {}, device)
         except Exception as err:  # no CUDA device here for a GPU package

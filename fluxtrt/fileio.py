@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 
-def umask_mode() -> int:
+def _umask_mode() -> int:
     """The mode a plain open() would give a new file (mkstemp makes 0600 files)."""
     mask = os.umask(0)
     os.umask(mask)
@@ -66,23 +66,30 @@ def write_json_atomic(path: Path, obj) -> None:
 
 
 @contextlib.contextmanager
-def atomic_file(path: Path):
-    """A binary file open on a temp name beside `path`; on a clean exit it is fsynced and renamed to `path`
-    (readers see the old file or the new one), on an error removed."""
+def atomic_path(path: Path):
+    """A temp name beside `path` (its suffix kept) for a writer that takes a path; on a clean exit it is renamed to
+    `path` (readers see the old file or the new one), on an error removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)  # remove_stale_staging's prefix
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", suffix=path.suffix, dir=path.parent)  # remove_stale_staging's prefix
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, umask_mode())
+        yield Path(tmp)
+        os.chmod(tmp, _umask_mode())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path):
+    """A binary file open on a temp name beside `path` (atomic_path); on a clean exit it is fsynced and renamed."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_bytes_atomic(path: Path, data: bytes, check_free: bool = True) -> None:

@@ -187,3 +187,14 @@ def read_calibration(path, model_hash: str) -> dict:
         raise FluxtrtError(f"--calibration {path} was made for another model; run `fluxtrt calibrate --model ...` "
                            "for this one")
     return amax
+
+
+def recipe_record(scales: dict) -> dict:
+    """The fp8 recipe as a manifest records it (`ComponentEntry.recipe`): {"name", "scales": {module: [sx, sw]}}."""
+    return {"name": "fp8", "scales": {m: [float(sx), float(sw)] for m, (sx, sw) in sorted(scales.items())}}
+
+
+def scales_from_record(recipe: dict) -> dict:
+    """recipe_record's inverse: {module: (sx, sw)}."""
+    return {m: tuple(v) for m, v in recipe["scales"].items()}
+

@@ -35,6 +35,11 @@ def package_runtime(device) -> dict:
     return {"torch": torch.__version__, "cuda": torch.version.cuda if target != "cpu" else None, "target": target}
 
 
+def run_device(recorded: dict | None) -> str:
+    """The torch device a package of this recorded runtime runs on: "cpu" or "cuda"."""
+    return "cpu" if (recorded or {}).get("target") == "cpu" else "cuda"
+
+
 def runtime_problem(recorded: dict, device) -> str | None:
     """Why a package built for `recorded` (package_runtime's dict) cannot load on `device` here, or None."""
     here = package_runtime(device)
@@ -70,19 +75,13 @@ def save_constants(tensors: dict, path: Path) -> dict:
     import torch
     from safetensors.torch import save_file
 
-    from ..fileio import sha256_file, umask_mode
+    from ..fileio import atomic_path, sha256_file
 
     path = Path(path)
     host = {k: (v.detach().cpu() if v.device.type != "cpu" else v.detach().clone()).contiguous()
             for k, v in tensors.items() if isinstance(v, torch.Tensor)}
-    tmp = path.with_name(f".tmp-{path.name}")  # remove_stale_staging's prefix
-    try:
+    with atomic_path(path) as tmp:
         save_file(host, str(tmp))
-        tmp.chmod(umask_mode())
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return {"file": path.name, "sha256": sha256_file(path), "bytes": path.stat().st_size}
 
 

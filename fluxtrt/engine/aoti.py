@@ -2,9 +2,10 @@
 
 `torch.export` traces the module over the spec's inputs with the profile's ranges as dynamic dimensions (a
 static profile gives static shapes), then Inductor compiles it ahead of time for this machine's device: C++ on a
-CPU, Triton kernels on a CUDA GPU. The package holds the kernels and the weights (as the module holds them: an
-fp8 recipe's E4M3 weights stay E4M3). It is tied to the torch version and the device it was compiled on
-(`core/packages.py`), which the manifest records and the runtime checks before loading it."""
+CPU, Triton kernels on a CUDA GPU. The package holds the kernels; the weights (as the module holds them: an fp8
+recipe's E4M3 weights stay E4M3) go to a safetensors file beside it. It is tied to the torch version and the
+device it was compiled on (`core/packages.py`), which the manifest records and the runtime checks before loading
+it."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def dynamic_shapes(spec: ComponentSpec, geo: Geometry, rng: ShapeRange) -> tuple
     return tuple(out)
 
 
-def _io(spec_tensors, tensors, profile=None) -> list[dict]:
+def _io(spec_tensors, tensors) -> list[dict]:
     from ..dtypes import TABLE
 
     names = {d.numpy: d.tensorrt for d in TABLE}
@@ -75,7 +76,7 @@ def compile_package(module, spec: ComponentSpec, geo: Geometry, rng: ShapeRange,
     import torch
 
     from ..core.packages import CONSTANTS, save_constants
-    from ..fileio import check_space, sha256_file
+    from ..fileio import atomic_path, check_space, sha256_file
 
     point = example_point(rng)
     feeds = spec.sample_inputs(point, geo, seed=0)
@@ -93,19 +94,14 @@ def compile_package(module, spec: ComponentSpec, geo: Geometry, rng: ShapeRange,
     outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
     package_path = Path(package_path)
     check_space(package_path, sum(p.numel() * p.element_size() for p in module.state_dict().values()))
-    tmp = package_path.with_name(f".tmp-{package_path.name}")  # remove_stale_staging's prefix
     t0 = time.perf_counter()
     try:
-        torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp),
-                                                 inductor_configs={"aot_inductor.package_constants_in_so": False})
-        tmp.replace(package_path)
+        with atomic_path(package_path) as tmp:
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp),
+                                                     inductor_configs={"aot_inductor.package_constants_in_so": False})
     except Exception as e:
-        tmp.unlink(missing_ok=True)
         raise BuildError(f"{spec.name}: AOTInductor failed to compile the package ({type(e).__name__}: "
                          f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else ''})") from e
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     compile_seconds = time.perf_counter() - t0
     constants = save_constants({**exported.state_dict, **exported.constants},
                                package_path.with_name(spec.name + CONSTANTS))

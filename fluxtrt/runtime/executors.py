@@ -393,8 +393,8 @@ class TorchExecutor(Executor):
 class PackageExecutor(Executor):
     """A compiled PyTorch engine: an AOTInductor package (`<component>.pt2`, `fluxtrt build --backend torch`),
     checked before it loads (the manifest's sha256, and the torch, CUDA and device it was compiled for) and run
-    without tracing or compiling. The fp8 recipe's E4M3 weights are in the package as they were quantized: nothing
-    of higher precision is loaded."""
+    without tracing or compiling. Its weights file beside it holds the fp8 recipe's E4M3 weights as they were
+    quantized: nothing of higher precision is loaded."""
 
     kind = "pt2"
 
@@ -402,8 +402,9 @@ class PackageExecutor(Executor):
                  device: str | None = None):
         super().__init__(component, entry)
         self.path, self.spec, self.runtime = Path(path), spec, runtime or {}
-        target = self.runtime.get("target")
-        self._device = device or ("cpu" if target == "cpu" else "cuda")
+        from ..core.packages import run_device
+
+        self._device = device or run_device(self.runtime)
         self.stream = None
         self._fn = self._weights = None
         has, wants = [t["name"] for t in entry.inputs], [t.name for t in spec.inputs]

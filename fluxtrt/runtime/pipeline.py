@@ -194,7 +194,7 @@ class Pipeline:
             if calibration is not None:
                 raise FluxtrtError("--calibration: these engines' fp8 graph already holds its scales; drop it")
             if entry.recipe is not None:  # recorded by the build: an unpacked archive has them too
-                return {"scales": {m: tuple(v) for m, v in entry.recipe["scales"].items()}}
+                return {"scales": fp8.scales_from_record(entry.recipe)}
             from ..onnxio import load_header
 
             path = built_onnx(self.dir, entry)

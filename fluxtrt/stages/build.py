@@ -106,11 +106,10 @@ def recorded_recipe(onnx_path: Path, precision: str) -> dict | None:
     scales by module that the graph's Q/DQ hold, which the torch executor applies to the model's weights)."""
     if precision != "fp8":
         return None
-    from ..fp8 import scales_from_graph
+    from ..fp8 import recipe_record, scales_from_graph
     from ..onnxio import load_header
 
-    scales = scales_from_graph(load_header(onnx_path))
-    return {"name": precision, "scales": {m: [float(sx), float(sw)] for m, (sx, sw) in sorted(scales.items())}}
+    return recipe_record(scales_from_graph(load_header(onnx_path)))
 
 
 def build_gpu(source: ModelSource, cfg: GpuConfig, request: BuildRequest | Path, *,

@@ -13,6 +13,7 @@ from pathlib import Path
 from .. import __version__
 from ..components import family
 from ..core.workflows import profile_range
+from ..dtypes import torch_dtype
 from ..fileio import peak_rss_mb, sha256_json
 from ..records import ComponentEntry
 from .base import StageResult, calibration_inputs, unchanged
@@ -37,19 +38,13 @@ def fp8_scales(source, calib, out_root: Path, raw, *, device: str, dtype: str) -
 
     cal = calibrate_zero_copy(source, Path(out_root), calib)
     spec = specs_for(source.geometry, ["transformer"])["transformer"]
-    return fp8_layers.calibrated_scales(raw, spec, source.geometry, cal.amax, device=device, dtype=_torch(dtype))
-
-
-def _torch(dtype: str):
-    from ..dtypes import torch_dtype
-
-    return torch_dtype(dtype)
+    return fp8_layers.calibrated_scales(raw, spec, source.geometry, cal.amax, device=device, dtype=torch_dtype(dtype))
 
 
 def package_stage(source, cfg, request, *, spec, rng, manifest, gpu_dir: Path, log, on_phase, calib, device: str,
                   runtime: dict) -> StageResult:
     """Compile (or reuse) one component's package into `gpu_dir` and record it in `manifest`."""
-    from .. import fp8_layers
+    from .. import fp8, fp8_layers
     from ..core.packages import EXTENSION
     from ..engine.aoti import compile_package
 
@@ -69,16 +64,16 @@ def package_stage(source, cfg, request, *, spec, rng, manifest, gpu_dir: Path, l
         return StageResult(name, "package", "reused", 0.0, "same model, precision, profile and torch")
     on_phase("load")
     t0 = time.perf_counter()
-    raw = source.load_component(spec.subfolder, _torch(dtype), device)
+    raw = source.load_component(spec.subfolder, torch_dtype(dtype), device)
     recipe, note = None, ""
     if precision == "fp8":
         on_phase("calibrate")
         scales = fp8_scales(source, calib, request.out_dir, raw, device=device, dtype=dtype)
         note = fp8_layers.quantize_module(raw, scales, device)
-        recipe = {"name": "fp8", "scales": {m: [float(sx), float(sw)] for m, (sx, sw) in sorted(scales.items())}}
+        recipe = fp8.recipe_record(scales)
     module = spec.wrap(raw).eval()
     on_phase("compile")
-    built = compile_package(module, spec, geo, rng, device=device, dtype=_torch(dtype), package_path=path)
+    built = compile_package(module, spec, geo, rng, device=device, dtype=torch_dtype(dtype), package_path=path)
     del module, raw
     seconds = time.perf_counter() - t0
     result = StageResult(component=name, stage="package", status="built", seconds=seconds,
