@@ -9,6 +9,7 @@ speed: in one process, diffusers eager bf16 (the baseline, same run) then the pa
 
 Rows go to --out as JSON after every measurement (a cut run keeps what it measured).
 Device:  python3 scripts/aot_engines.py build --gpu h200 --precision transformer=fp8 --out $OUT/build.json
+         python3 scripts/aot_engines.py load --engines aot/h200-torch-fp8 --out $OUT/load.json
          python3 scripts/aot_engines.py first --engines aot/h200-torch-fp8 --out $OUT/first.json
          python3 scripts/aot_engines.py speed --engines aot/h200-torch-fp8 --out $OUT/speed.json
 Rehearse here: python3 scripts/aot_engines.py build --gpu cpu --model tiny --root /tmp/aot --out /tmp/b.json
@@ -74,6 +75,72 @@ def first(a) -> None:
     print(json.dumps({"fresh_process_to_image_s": round(wall, 2), "rc": proc.returncode}), flush=True)
 
 
+def load(a) -> None:
+    """Each package of the folder opened on its own, its phases timed: the package's sha256, its weights read (and
+    hashed) to the device, the kernels loaded, the weights handed over, one call at the profile's opt size.
+    Host RSS and the device's peak after each (a load that dies shows how far it got: rows are written as it goes)."""
+    import faulthandler
+    import resource
+
+    import torch
+
+    from fluxtrt.core import packages
+    from fluxtrt.dtypes import torch_dtype_of_engine
+    from fluxtrt.fileio import sha256_file
+    from fluxtrt.records import read_manifest
+
+    faulthandler.enable()
+    folder = Path(a.engines)
+    manifest = read_manifest(folder)
+    device = packages.run_device(manifest.runtime)
+    rows = []
+    for name, e in manifest.components.items():
+        if not (e.engine or "").endswith(packages.EXTENSION):
+            continue
+        row = {"component": name, "pt2_bytes": e.bytes, "constants_bytes": (e.constants or {}).get("bytes")}
+        rows.append(row)
+
+        def mark(key, t0, row=row, name=name):
+            row[key] = round(time.perf_counter() - t0, 2)
+            row["rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+            if device == "cuda":
+                torch.cuda.synchronize()
+                row["peak_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+            write(a.out, {"meta": meta(a), "rows": rows})
+            print(name, key, row[key], flush=True)
+
+        t = time.perf_counter()
+        sha256_file(folder / e.engine)
+        mark("pt2_sha256_s", t)
+        t = time.perf_counter()
+        weights = packages.read_constants(folder / e.constants["file"], e.constants, device, name)
+        mark("weights_read_s", t)
+        if row["constants_bytes"]:
+            row["weights_gb_per_s"] = round(row["constants_bytes"] / 1e9 / max(row["weights_read_s"], 1e-3), 2)
+        t = time.perf_counter()
+        fn = packages.load_package(folder / e.engine, name, device)
+        mark("kernels_load_s", t)
+        t = time.perf_counter()
+        wanted = fn.get_constant_fqns()
+        row["constants"], row["missing"] = len(wanted), sorted(set(wanted) - set(weights))[:5]
+        fn.load_constants({k: weights[k] for k in wanted}, check_full_update=True, user_managed=True)
+        mark("constants_handover_s", t)
+        args = []  # random inputs at the profile's opt shape, in the recorded dtypes (timing only)
+        for t in e.inputs:
+            shape, dtype = e.profile[t["name"]]["opt"], torch_dtype_of_engine(t["dtype"])
+            args.append(torch.randint(0, 100, shape, device=device, dtype=dtype) if not dtype.is_floating_point
+                        else torch.randn(shape, device=device).to(dtype))
+        if args:
+            for key in ("first_call_s", "second_call_s"):
+                t = time.perf_counter()
+                with torch.inference_mode():
+                    fn(*args)
+                mark(key, t)
+        del fn, weights
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
 def speed(a) -> None:
     import gc
 
@@ -135,7 +202,7 @@ def speed(a) -> None:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("phase", choices=["build", "first", "speed"])
+    ap.add_argument("phase", choices=["build", "load", "first", "speed"])
     ap.add_argument("--gpu", default="h200")
     ap.add_argument("--model", default="", help="build: default random:flux.1-dev; speed: default the manifest's")
     ap.add_argument("--root", default="aot", help="build: the build root")
@@ -154,7 +221,7 @@ def main():
     a = ap.parse_args()
     if a.phase == "build" and not a.components:
         a.components = "clip,t5,transformer,vae_decoder"
-    {"build": build, "first": first, "speed": speed}[a.phase](a)
+    {"build": build, "load": load, "first": first, "speed": speed}[a.phase](a)
 
 
 if __name__ == "__main__":
