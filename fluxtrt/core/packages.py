@@ -62,6 +62,38 @@ def load_package(path: Path, component: str, device):
                            "`fluxtrt build --backend torch`") from None
 
 
+# what the child process of probe_load runs: the package's kernels loaded (a CUDA package needs no weights for that)
+_PROBE = "import sys, torch; torch._inductor.aoti_load_package(sys.argv[1], device_index=int(sys.argv[2]))"
+
+
+def probe_load(path: Path, component: str, device) -> None:
+    """Load the package's kernels once in a child process: a torch whose packages crash the process on load (every
+    CUDA package SIGSEGVs in aoti_load_package with torch 2.11.0+cu130 on the H200, docs/bench/aot_engines.json)
+    is one line here, not a dead `fluxtrt run` or server replica. The caller remembers a package that loaded."""
+    import signal
+    import subprocess
+    import sys
+
+    import torch
+
+    try:
+        p = subprocess.run([sys.executable, "-c", _PROBE, str(path), str(_index(device))], capture_output=True,
+                           text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        raise FluxtrtError(f"{component}: loading {path.name} did not finish in 15 minutes; check the GPU with "
+                           "nvidia-smi") from None
+    if p.returncode < 0:
+        sig = signal.Signals(-p.returncode).name
+        raise FluxtrtError(f"{component}: this torch {torch.__version__} crashes loading {path.name} ({sig} inside "
+                           "torch._inductor.aoti_load_package; nothing of fluxtrt runs there); run the JIT path "
+                           "instead (`fluxtrt run --backend torch --model MODEL --compile`) or use a torch whose "
+                           "AOTInductor packages load")
+    if p.returncode != 0:
+        last = (p.stderr.strip().splitlines() or [f"exit status {p.returncode}"])[-1][:200]
+        raise FluxtrtError(f"{component}: {path} is not a package this torch can load ({last}); rebuild it with "
+                           "`fluxtrt build --backend torch`")
+
+
 def _index(device) -> int:
     import torch
 

@@ -451,9 +451,26 @@ class PackageExecutor(Executor):
                 raise ManifestError(f"{self.component}: the manifest names no weights file for {self.path.name}; build "
                                     "it again with `fluxtrt build --backend torch`")
             weights = inside(self.path.parent, self.entry.constants["file"], f"{self.component}.constants")
+            self._probe()
             self._fn, self._weights = open_package(self.path, weights, self.entry.constants, self.device,
                                                    self.component)
         self.active = True
+
+    def _probe(self) -> None:
+        """A CUDA package is first loaded in a child process (core/packages.probe_load), once per package and
+        torch build: some torch builds crash the process there."""
+        if self.device.type == "cpu":
+            return
+        import torch
+
+        from ..core.packages import probe_load
+        from ..models.tiny import cache_root
+
+        marker = cache_root() / "pt2-loads" / f"{self.entry.sha256[:24]}-{torch.__version__}"
+        if not marker.exists():
+            probe_load(self.path, self.component, self.device)
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
 
     def infer_impl(self, feeds: dict) -> dict:
         import contextlib

@@ -42,3 +42,25 @@ def test_constants_round_trip_in_their_dtypes_and_a_damaged_file_is_one_line(tmp
     (tmp_path / rec["file"]).write_bytes(bytes(data[:-100]))
     with pytest.raises(FluxtrtError, match="missing or not the size the manifest records"):
         read_constants(tmp_path / rec["file"], rec, "cpu", "transformer")
+
+
+def test_a_torch_that_crashes_loading_a_package_is_one_line_and_a_good_package_loads(packages, monkeypatch):
+    """probe_load: the package's kernels loaded in a child process. A real tiny package loads there; a child that
+    dies of a signal (as every CUDA package's load did with torch 2.11.0+cu130 on the H200) is one line naming
+    the torch and the JIT path, and this process lives on."""
+    import re
+
+    import pytest
+
+    from fluxtrt.core import packages as pk
+    from fluxtrt.errors import FluxtrtError
+
+    _, folder, _ = packages("tiny-schnell", ("transformer",))
+    pk.probe_load(folder / "transformer.pt2", "transformer", "cpu")
+    monkeypatch.setattr(pk, "_PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    with pytest.raises(FluxtrtError, match=rf"^transformer: this torch {re.escape(torch.__version__)} crashes loading "
+                                           r"transformer\.pt2 \(SIGSEGV .*--backend torch --model MODEL --compile"):
+        pk.probe_load(folder / "transformer.pt2", "transformer", "cpu")
+    monkeypatch.setattr(pk, "_PROBE", "raise SystemExit('bad archive')")
+    with pytest.raises(FluxtrtError, match=r"is not a package this torch can load \(bad archive\)"):
+        pk.probe_load(folder / "transformer.pt2", "transformer", "cpu")
