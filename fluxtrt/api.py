@@ -17,6 +17,7 @@ from typing import Callable, NamedTuple
 from .core.limits import MAX_CACHE_THRESHOLD, MAX_GUIDANCE, MAX_SIDE, MAX_STEPS, check_number
 from .errors import FluxtrtError
 from .records import BuildRequest, CalibrationSettings, Manifest
+from .runtime.options import PipelineOptions
 
 
 def split_list(values, unique: bool = True) -> list[str]:
@@ -309,15 +310,11 @@ def read_prompts(prompt: str | None, prompts_file: Path | None) -> list[str]:
 
 @dataclass
 class RunOptions:
-    """What `fluxtrt run` takes besides the prompts (defaults as the CLI's)."""
+    """What `fluxtrt run` takes besides the prompts: how the pipeline opens (`pipeline`: runtime.options.
+    PipelineOptions) and the request's settings (defaults as the CLI's). `RunOptions.of(**flat)` takes both kinds
+    of field by name."""
 
-    engines: Path | None = None
-    model: str | None = None
-    backend: str = "auto"
-    ort_provider: str = "auto"  # ONNX Runtime's execution provider (--backend onnxruntime): auto, cpu, cuda, ...
-    fallback: list = field(default_factory=list)
-    torch_dtype: str = "bf16"
-    compile: bool = False
+    pipeline: PipelineOptions = field(default_factory=PipelineOptions)
     steps: int | None = None
     guidance: float | None = None  # None: the workflow's default (diffusers')
     height: int | None = None
@@ -325,13 +322,6 @@ class RunOptions:
     seed: int = 0
     batch: int = 1
     out: Path = Path("fluxtrt.png")
-    low_vram: bool = False
-    weight_streaming_budget: int | None = None  # MB
-    cuda_graph: bool = False
-    allow_host_code: bool = False
-    weights: Path | None = None
-    lora: Path | None = None
-    lora_scale: float = 1.0
     negative_prompt: str | None = None  # true CFG (diffusers' negative_prompt / true_cfg_scale)
     true_cfg: float = 1.0
     image: Path | None = None  # the image workflows' inputs (core/workflows.py): img2img, Fill, Kontext
@@ -339,16 +329,24 @@ class RunOptions:
     control_image: Path | None = None  # Control (Canny / Depth)
     strength: float | None = None  # img2img / Fill
     max_area: int | None = None  # Kontext
-    calibration: Path | None = None  # --backend torch --model M: a `fluxtrt calibrate` file gives the fp8 recipe
     cache_threshold: float = 0.0  # First-Block Cache (stepcache.py): 0 off
+
+    @classmethod
+    def of(cls, **options) -> "RunOptions":
+        """RunOptions from flat keywords: the pipeline's fields (PipelineOptions) and the request's."""
+        from .runtime.options import FIELDS
+
+        return cls(pipeline=PipelineOptions(**{k: v for k, v in options.items() if k in FIELDS}),
+                   **{k: v for k, v in options.items() if k not in FIELDS})
 
     def inputs(self) -> dict:
         """The request's input files by flag (an output may replace none of them)."""
-        return {"--image": self.image, "--mask": self.mask, "--control-image": self.control_image, "--lora": self.lora}
+        return {"--image": self.image, "--mask": self.mask, "--control-image": self.control_image,
+                "--lora": self.pipeline.lora}
 
     def input_folders(self) -> dict:
         """The request's input folders by flag (no output is written inside them)."""
-        return {"--engines": self.engines, "--weights": self.weights}
+        return {"--engines": self.pipeline.engines, "--weights": self.pipeline.weights}
 
     def image_inputs(self):
         return image_inputs(self.image, self.mask, self.control_image, self.strength, self.max_area)
@@ -356,18 +354,15 @@ class RunOptions:
     def check(self) -> "RunOptions":
         import math
 
-        from .dtypes import check_float
-
         for flag, value, lo, hi in (("--guidance", self.guidance, 0.0, MAX_GUIDANCE),
                                     ("--true-cfg", self.true_cfg, 1.0, MAX_GUIDANCE),
                                     ("--strength", self.strength, -math.inf, math.inf),  # (0, 1]: the workflow says
-                                    ("--lora-scale", self.lora_scale, -10.0, 10.0),
                                     ("--cache-threshold", self.cache_threshold, 0.0, MAX_CACHE_THRESHOLD),
                                     ("--height", self.height, 1, MAX_SIDE), ("--width", self.width, 1, MAX_SIDE),
                                     ("--max-area", self.max_area, 1, MAX_SIDE * MAX_SIDE)):
             check_number(flag, value, lo, hi)
         self.out = Path(self.out)
-        self.engines = Path(self.engines) if self.engines is not None else None
+        self.pipeline = self.pipeline.check()
         if self.batch < 1:
             raise FluxtrtError(f"--batch must be at least 1, got {self.batch}")
         if self.seed < 0 or self.seed >= 2**63:
@@ -376,11 +371,6 @@ class RunOptions:
             raise FluxtrtError(f"--steps must be at least 1, got {self.steps}")
         if self.steps is not None and self.steps > MAX_STEPS:
             raise FluxtrtError(f"--steps {self.steps} is more than {MAX_STEPS}; FLUX.1-dev uses 28-50, schnell 4")
-        if self.weight_streaming_budget is not None and self.weight_streaming_budget < 0:
-            raise FluxtrtError(f"--weight-streaming-budget is MB of weights kept on the GPU, at least 0; got "
-                               f"{self.weight_streaming_budget}")
-        check_float(self.torch_dtype, "--torch-dtype")
-        self.fallback = split_list(self.fallback)
         if self.true_cfg < 1:
             raise FluxtrtError(f"--true-cfg is a scale of at least 1 (1: off), got {self.true_cfg}")
         if self.true_cfg > 1 and self.negative_prompt is None:
@@ -404,68 +394,6 @@ def image_inputs(image=None, mask=None, control_image=None, strength=None, max_a
                        max_area)
 
 
-def _gpu_only_flags(opts: RunOptions, backend: str, ort_provider: str = "cpu") -> list[str]:
-    """GPU flags that have no effect with this backend: said, not silently dropped. (--low-vram frees ONNX
-    Runtime's sessions stage by stage: it counts on a GPU provider.)"""
-    flags = [f for f, on in (("--cuda-graph", opts.cuda_graph),
-                             ("--low-vram", opts.low_vram and (backend != "onnxruntime" or ort_provider == "cpu")),
-                             ("--weight-streaming-budget", opts.weight_streaming_budget is not None),
-                             ("--allow-host-code", opts.allow_host_code)) if on]
-    if backend == "onnxruntime":
-        flags += ["--compile"] if opts.compile else []
-        return [f"{', '.join(flags)} ha{'s' if len(flags) == 1 else 've'} no effect with ONNX Runtime "
-                f"({ort_provider.upper()})"] if flags else []
-    if backend == "torch":  # --cuda-graph captures the PyTorch step too (compiled or not)
-        ignored = [f for f in flags if f in ("--weight-streaming-budget", "--allow-host-code")]
-        return [f"{', '.join(ignored)}: TensorRT engine options, unused by the PyTorch modules"] if ignored else []
-    return []
-
-
-def _ort_provider(requested: str, choice) -> str:
-    """ONNX Runtime's provider when it runs (said once), else the request is only checked for a valid name."""
-    from .runtime.choice import known_ort_provider, ort_provider
-
-    if choice.backend != "onnxruntime":
-        if known_ort_provider(requested) != "auto":
-            choice.notes.append(f"--ort-provider has no effect with the {choice.backend} backend")
-        return "cpu"
-    provider = ort_provider(requested)
-    choice.notes.append(f"ONNX Runtime runs on the {provider.upper()} execution provider")
-    return provider
-
-
-def open_pipeline(opts: RunOptions):
-    """The pipeline for these options: the executor `auto` picks, PyTorch where engines lack.
-
-    Args: opts: RunOptions (engines or model, backend, provider, fallbacks, weights, LoRA, calibration).
-    Returns: (runtime.pipeline.Pipeline, runtime.choice.Choice with the notes to say).
-    Raises: FluxtrtError / ManifestError / BackendUnavailableError (one line) for what cannot run here."""
-    from .runtime.choice import choose_backend
-    from .runtime.pipeline import Pipeline
-
-    engines = opts.engines
-    if engines is None and opts.model is None:
-        engines = Path("engines/4090")
-    source = None
-    if engines is None:
-        from .models.source import resolve_model
-
-        source = resolve_model(opts.model)
-    choice = choose_backend(opts.backend, engines, opts.fallback)
-    provider = _ort_provider(opts.ort_provider, choice)
-    choice.notes += _gpu_only_flags(opts, choice.backend, provider)
-    if opts.cache_threshold > 0 and opts.cuda_graph:
-        choice.notes.append("--cuda-graph has no effect with --cache-threshold: the cache decides on the host every step")
-    if opts.negative_prompt is not None and opts.true_cfg <= 1:
-        choice.notes.append("--negative-prompt has no effect without --true-cfg > 1 (as in diffusers' FluxPipeline)")
-    budget = opts.weight_streaming_budget << 20 if opts.weight_streaming_budget is not None else None
-    pipe = Pipeline(engines, choice.backend, opts.low_vram, budget, opts.cuda_graph, ort_provider=provider, model=source,
-                       fallback=sorted(set(opts.fallback) | set(choice.fallback)), torch_dtype=opts.torch_dtype,
-                       compile=opts.compile, allow_host_code=opts.allow_host_code, weights=opts.weights,
-                       lora=opts.lora, lora_scale=opts.lora_scale, calibration=opts.calibration)
-    return pipe, choice
-
-
 def generate(prompts: list[str], opts: RunOptions | None = None, on_step=None, say=lambda line: None,
              **options) -> Generated:
     """`fluxtrt run`: images for `prompts` (diffusers' FluxPipeline semantics, seed for seed) written as PNGs with
@@ -477,12 +405,18 @@ def generate(prompts: list[str], opts: RunOptions | None = None, on_step=None, s
         any image is written."""
     from .runtime.images import check_output_path, save_png
 
-    opts = (opts or RunOptions(**options)).check()
+    opts = (opts or RunOptions.of(**options)).check()
     n_images = opts.batch if len(prompts) == 1 else len(prompts)
     for dest in _destinations(opts.out, n_images):  # before any work: a read-only folder fails now, not after
         check_output_path(dest, opts.inputs(), opts.input_folders())
-    pipe, choice = open_pipeline(opts)
-    for note in choice.notes:
+    from .runtime.assembly import open_pipeline
+
+    pipe = open_pipeline(options=opts.pipeline)
+    if opts.cache_threshold > 0 and opts.pipeline.cuda_graph:
+        pipe.notes.append("--cuda-graph has no effect with --cache-threshold: the cache decides on the host every step")
+    if opts.negative_prompt is not None and opts.true_cfg <= 1:
+        pipe.notes.append("--negative-prompt has no effect without --true-cfg > 1 (as in diffusers' FluxPipeline)")
+    for note in pipe.notes:
         say(note)
     opt = pipe.manifest.shape_range["opt"] if pipe.manifest is not None else [1, 1024, 1024]
     inputs = opts.image_inputs()
@@ -504,7 +438,7 @@ def generate(prompts: list[str], opts: RunOptions | None = None, on_step=None, s
             idx = sum(len(c) for c in chunks[:k]) + j
             dest = dests[idx]
             meta = _png_metadata(pipe, chunk[j], opts.seed + k, steps, guidance, height=height, width=width,
-                                 backend=choice.backend)
+                                 backend=pipe.backend_name)
             meta.update(_workflow_metadata(wf, opts))
             if opts.true_cfg > 1:
                 meta.update(negative_prompt=opts.negative_prompt, true_cfg=opts.true_cfg)
@@ -516,7 +450,7 @@ def generate(prompts: list[str], opts: RunOptions | None = None, on_step=None, s
         timings.append(res.timings)
     for note in fp8_notes(pipe):
         say(note)
-    return Generated(paths, timings, choice.backend, choice.notes)
+    return Generated(paths, timings, pipe.backend_name, pipe.notes)
 
 
 def fp8_notes(pipe) -> list[str]:
@@ -569,8 +503,7 @@ def bench(engines: Path | None, model: str | None, backend: str, opts, say=lambd
     from .bench import plot, run_bench, to_json
     from .fileio import write_json_atomic
     from .models.source import resolve_model
-    from .runtime.choice import choose_backend
-    from .runtime.pipeline import Pipeline
+    from .runtime.assembly import open_pipeline
 
     opts.check()
     if plot_out is not None:
@@ -586,13 +519,10 @@ def bench(engines: Path | None, model: str | None, backend: str, opts, say=lambd
     if engines is None and model is None:
         raise FluxtrtError("pass --engines DIR, or --backend torch --model MODEL")
     source = resolve_model(model) if engines is None else None
-    choice = choose_backend(backend, engines)
-    provider = _ort_provider(opts.ort_provider, choice)
-    for note in choice.notes:
+    pipe = open_pipeline(engines, opts.pipeline, model=source, backend=backend, calibration=calibration)
+    for note in pipe.notes:
         say(note)
-    pipe = Pipeline(engines, choice.backend, model=source, fallback=choice.fallback, torch_dtype=opts.torch_dtype,
-                       compile=opts.compile, cuda_graph=opts.cuda_graph, ort_provider=provider, calibration=calibration)
-    rows, meta = run_bench(pipe, source, choice.backend, opts, say)
+    rows, meta = run_bench(pipe, source, pipe.backend_name, opts, say)
     meta["fp8"] = fp8_notes(pipe)
     if json_out is not None:
         write_json_atomic(Path(json_out), to_json(rows, meta))

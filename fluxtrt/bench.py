@@ -9,6 +9,8 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
+from .runtime.options import PipelineOptions
+
 PROMPT = "a photo of a red fox sitting in fresh snow, morning light, 85mm"
 
 
@@ -194,11 +196,8 @@ class BenchOptions:
     runs: int = 3
     warmup: int = 1
     baseline: str = "none"  # or "diffusers"
-    torch_dtype: str = "bf16"
-    compile: bool = False
-    cuda_graph: bool = False
+    pipeline: PipelineOptions = field(default_factory=PipelineOptions)  # how fluxtrt's pipeline opens
     inputs: object = None  # workflows.ImageInputs: img2img, Fill, Control or Kontext instead of text-to-image
-    ort_provider: str = "auto"  # --backend onnxruntime: its execution provider
     cache_threshold: float = 0.0  # First-Block Cache on fluxtrt's rows (diffusers' baseline stays uncached)
 
     def check(self) -> "BenchOptions":
@@ -231,12 +230,12 @@ def run_bench(pipe, source, backend: str, opts: BenchOptions, say=lambda line: N
 
         src = source or resolve_model(pipe.manifest.model.id)
         on_gpu = pipe.device.type == "cuda"
-        dpipe = src.load_pipeline(torch_dtype(opts.torch_dtype) if on_gpu else torch.float32, pipe.device.type,
+        dpipe = src.load_pipeline(torch_dtype(opts.pipeline.torch_dtype) if on_gpu else torch.float32, pipe.device.type,
                                   diffusers_pipeline=wf.diffusers_pipeline)
         dpipe.set_progress_bar_config(disable=True)
         # diffusers eager is the baseline of the ratios; with --compile diffusers compiled is measured too
         baselines = [("diffusers", dpipe.transformer)]
-        if opts.compile:
+        if opts.pipeline.compile:
             baselines.append(("diffusers (compiled)", torch.compile(dpipe.transformer, fullgraph=False, dynamic=False)))
     rows = []
     for size in opts.sizes:
@@ -260,8 +259,8 @@ def run_bench(pipe, source, backend: str, opts: BenchOptions, say=lambda line: N
                 rows.append(base)
     meta = {"fluxtrt": __version__, "torch": torch.__version__, "device": torch.cuda.get_device_name() if
             pipe.device.type == "cuda" else "cpu", "backend": backend, "steps": steps, "runs": opts.runs,
-            "warmup": opts.warmup, "compile": opts.compile, "cuda_graph": opts.cuda_graph,
-            "torch_dtype": opts.torch_dtype, "model": source.id if source else pipe.manifest.model.id,
+            "warmup": opts.warmup, "compile": opts.pipeline.compile, "cuda_graph": opts.pipeline.cuda_graph,
+            "torch_dtype": opts.pipeline.torch_dtype, "model": source.id if source else pipe.manifest.model.id,
             "cache_threshold": opts.cache_threshold,
             "date": time.strftime("%Y-%m-%d"), "variant": pipe.geo.variant, "workflow": wf.name}
     return rows, meta

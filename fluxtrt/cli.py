@@ -355,8 +355,8 @@ def run(
     from . import api
 
     prompts = api.read_prompts(prompt, prompts_file)
-    opts = api.RunOptions(
-        engines=engines, model=model, backend=backend, ort_provider=ort_provider, fallback=fallback,
+    opts = api.RunOptions.of(
+        engines=engines, model=model, backend=backend, ort_provider=ort_provider, fallback=tuple(fallback or ()),
         torch_dtype=torch_dtype, compile=compile, steps=steps, guidance=guidance, height=height, width=width, seed=seed,
         batch=batch, out=out_path, low_vram=low_vram, weight_streaming_budget=weight_streaming_budget,
         cuda_graph=cuda_graph, allow_host_code=allow_host_code, weights=weights, lora=lora, lora_scale=lora_scale,
@@ -391,12 +391,14 @@ def bench(
     _quiet_libraries()
     from . import api
     from .bench import BenchOptions
+    from .runtime.options import PipelineOptions
 
     try:
         size_list, batch_list = ([int(v) for v in api.split_list([x])] for x in (sizes, batches))
         opts = BenchOptions(sizes=size_list, batches=batch_list, steps=steps, runs=runs, warmup=warmup,
-                            baseline=baseline, torch_dtype=torch_dtype, compile=compile, cuda_graph=cuda_graph,
-                            inputs=api.image_inputs(image, mask, control_image), ort_provider=ort_provider,
+                            baseline=baseline, inputs=api.image_inputs(image, mask, control_image),
+                            pipeline=PipelineOptions(torch_dtype=torch_dtype, compile=compile, cuda_graph=cuda_graph,
+                                                     ort_provider=ort_provider),
                             cache_threshold=cache_threshold)
     except ValueError:
         raise FluxtrtError(f"--sizes and --batch take comma-separated integers, got {sizes!r} / {batches!r}") from None

@@ -245,24 +245,19 @@ class EngineVAE(EngineModule):
     set_attn_processor = _refuse(FIXED.format(what="its attention"))
 
 
-OPEN_OPTIONS = ("model", "backend", "ort_provider", "fallback", "torch_dtype", "compile", "cuda_graph", "low_vram",
-                "weight_streaming_budget", "allow_host_code", "weights", "lora", "lora_scale", "calibration")
-
-
 def open_engines(engines=None, **options):
     """A Pipeline over the engines folder `engines` (or, with backend="torch", model=M and no engines, the
-    model's PyTorch modules) with `fluxtrt run`'s options (api.RunOptions fields: backend, ort_provider, low_vram,
-    cuda_graph, compile, weights, lora, lora_scale, fallback, calibration, model, torch_dtype); the notes
-    `fluxtrt run` prints are logged."""
-    from . import api
+    model's PyTorch modules) with `fluxtrt run`'s options (runtime.options.PipelineOptions' fields: backend,
+    ort_provider, low_vram, cuda_graph, compile, weights, lora, lora_scale, fallback, calibration, model,
+    torch_dtype, ...); the notes `fluxtrt run` prints are logged."""
+    from .runtime.assembly import open_pipeline
+    from .runtime.options import FIELDS
 
-    unknown = sorted(set(options) - set(OPEN_OPTIONS))
+    unknown = sorted(set(options) - set(FIELDS))
     if unknown:  # the request's own settings (steps, size, seed, images) are the diffusers pipeline's arguments
-        raise DropInError(f"unknown option {', '.join(unknown)}; the engines take {', '.join(OPEN_OPTIONS)}")
-    opts = api.RunOptions(engines=Path(engines) if engines is not None else None, **options)
-    opts.check()
-    pipe, choice = api.open_pipeline(opts)
-    for note in choice.notes:
+        raise DropInError(f"unknown option {', '.join(unknown)}; the engines take {', '.join(FIELDS)}")
+    pipe = open_pipeline(Path(engines) if engines is not None else None, **options)
+    for note in pipe.notes:
         log.warning(note)
     return pipe
 

@@ -152,22 +152,15 @@ class Service:
     def __init__(self, engines: str | None, model: str | None, backend: str, max_batch: int | None, max_queue: int,
                  *, metrics=None, torch_dtype: str = "bf16", calibration: str | None = None,
                  cache_threshold: float = 0.0, compile: bool = False, size: str | None = None):
+        from .runtime.assembly import open_pipeline
         from .runtime.batching import ContinuousBatcher, batch_buckets
-        from .runtime.choice import choose_backend
-        from .runtime.pipeline import Pipeline
 
         check_servable(Path(engines) if engines else None, model, backend)
-        source = None
-        if engines is None:
-            from .models.source import resolve_model
-
-            source = resolve_model(model)
-        choice = choose_backend(backend, Path(engines) if engines else None)
         # LAZY kernel specialization: a server must not stall on the first request of a new shape
-        self.pipe = Pipeline(Path(engines) if engines else None, choice.backend, model=source,
-                                fallback=choice.fallback, torch_dtype=torch_dtype, kernel_specialization="lazy",
-                                calibration=Path(calibration) if calibration else None, compile=compile)
-        self.backend = choice.backend
+        self.pipe = open_pipeline(Path(engines) if engines else None, model=None if engines else model,
+                                  backend=backend, torch_dtype=torch_dtype, kernel_specialization="lazy",
+                                  calibration=Path(calibration) if calibration else None, compile=compile)
+        self.backend = self.pipe.backend_name
         self.metrics = metrics
         self.batcher = ContinuousBatcher(self.pipe, max_batch, max_queue, on_step=self._record)
         opt = self.pipe.manifest.shape_range["opt"] if self.pipe.manifest is not None else [1, 1024, 1024]

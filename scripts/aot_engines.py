@@ -149,7 +149,7 @@ def speed(a) -> None:
     from fluxtrt.bench import add_ratios, bench_diffusers, bench_fluxtrt
     from fluxtrt.models.source import resolve_model
     from fluxtrt.records import read_manifest
-    from fluxtrt.runtime.pipeline import Pipeline
+    from fluxtrt.runtime.assembly import open_pipeline
 
     manifest = read_manifest(Path(a.engines))
     src = resolve_model(a.model or manifest.model.id)
@@ -166,7 +166,7 @@ def speed(a) -> None:
             pipe = src.load_pipeline(torch.bfloat16 if cuda else torch.float32, "cuda" if cuda else "cpu")
             pipe.set_progress_bar_config(disable=True)
         else:
-            pipe = Pipeline(Path(a.engines), "torch", cuda_graph=variant.endswith("graph"),
+            pipe = open_pipeline(Path(a.engines), backend="torch", cuda_graph=variant.endswith("graph"),
                             torch_dtype="bf16" if cuda else "fp32")
             for ex in pipe.executors.values():
                 ex.activate()  # the load, timed: packages read from disk

@@ -54,7 +54,7 @@ def sequential(model, sizes, counts, steps, baseline="pipeline"):
     import torch
 
     from fluxtrt.models.source import resolve_model
-    from fluxtrt.runtime.pipeline import Pipeline
+    from fluxtrt.runtime.assembly import open_pipeline
 
     src = resolve_model(model)
     if baseline == "diffusers":
@@ -67,7 +67,7 @@ def sequential(model, sizes, counts, steps, baseline="pipeline"):
             torch.cuda.synchronize()
         kind = "sequential (diffusers eager bf16)"
     else:
-        pipe = Pipeline(None, "torch", model=src)
+        pipe = open_pipeline(None, backend="torch", model=src)
 
         def generate(prompt, size, seed):
             pipe.generate([prompt], size, size, steps, seed=seed)

@@ -93,7 +93,7 @@ def accuracy(a) -> None:
 def speed(a) -> None:
     from fluxtrt import api
     from fluxtrt.quantize.calibration import calibrate_modules
-    from fluxtrt.runtime.pipeline import Pipeline
+    from fluxtrt.runtime.assembly import open_pipeline
 
     src = resolve_model(a.model)
     dev = torch.device(a.device)
@@ -136,7 +136,7 @@ def speed(a) -> None:
             if kind == "diffusers-compiled":
                 pipe.transformer = torch.compile(pipe.transformer, fullgraph=False, dynamic=False)
         else:
-            pipe = Pipeline(None, "torch", model=src, torch_dtype="bf16" if a.device == "cuda" else "fp32",
+            pipe = open_pipeline(None, backend="torch", model=src, torch_dtype="bf16" if a.device == "cuda" else "fp32",
                                compile=a.compile, calibration=cal.path if kind.startswith("fp8") else None,
                                cuda_graph=kind.endswith("-graph"))
         load_s = time.perf_counter() - t_load

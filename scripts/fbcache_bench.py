@@ -24,7 +24,7 @@ import torch
 
 from fluxtrt.components import transformer_parts
 from fluxtrt.models.source import resolve_model
-from fluxtrt.runtime.pipeline import Pipeline
+from fluxtrt.runtime.assembly import open_pipeline
 
 PROMPT = "a photo of a lighthouse on a rocky coast at dusk"
 
@@ -128,7 +128,7 @@ def main():
         print(json.dumps({key: value}), flush=True)
         Path(a.out).write_text(json.dumps(rows, indent=1))
 
-    pipe = Pipeline(None, "torch", model=src, device=a.device, torch_dtype=dtype)
+    pipe = open_pipeline(None, backend="torch", model=src, device=a.device, torch_dtype=dtype)
     e2e(pipe, a, 0.0, 1)  # warm-up
     save("bf16 eager, uncached", e2e(pipe, a, 0.0, a.runs))
     for t in (float(v) for v in a.thresholds.split(",")):
@@ -139,7 +139,7 @@ def main():
     gc.collect()
     if a.device == "cuda":
         torch.cuda.empty_cache()
-    fast = Pipeline(None, "torch", model=src, device=a.device, torch_dtype=dtype, compile=a.compile,
+    fast = open_pipeline(None, backend="torch", model=src, device=a.device, torch_dtype=dtype, compile=a.compile,
                        calibration=cal)
     t0 = time.perf_counter()
     e2e(fast, a, 1e-9, 1)  # compiles the three parts

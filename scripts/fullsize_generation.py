@@ -66,7 +66,7 @@ def main() -> None:
 
     from fluxtrt.dtypes import torch_dtype
     from fluxtrt.models.source import resolve_model
-    from fluxtrt.runtime.pipeline import Pipeline
+    from fluxtrt.runtime.assembly import open_pipeline
     from fluxtrt.validate import relative_errors
 
     src = resolve_model(args.model)
@@ -75,9 +75,9 @@ def main() -> None:
     alt, alt_lat, alt_s = diffusers_run(src, args.prompt, args.size, args.steps, args.seed, dtype, args.device, True)
     t0 = time.perf_counter()
     if args.backend == "torch":
-        pipe = Pipeline(None, "torch", model=src, torch_dtype=args.dtype, device=args.device)
+        pipe = open_pipeline(None, backend="torch", model=src, torch_dtype=args.dtype, device=args.device)
     else:
-        pipe = Pipeline(args.engines, "onnxruntime", ort_provider=args.provider, torch_dtype=args.dtype,
+        pipe = open_pipeline(args.engines, backend="onnxruntime", ort_provider=args.provider, torch_dtype=args.dtype,
                            device=args.device)
     load_s = time.perf_counter() - t0
     res = pipe.generate([args.prompt], args.size, args.size, args.steps, 3.5, seed=args.seed, trace=True)

@@ -70,21 +70,8 @@ def test_resolve_target_spreads_fp8_and_refuses_gpu_with_config(tmp_path):
 ])
 def test_run_options_refuse_what_would_be_silent(change, message):
     with pytest.raises(FluxtrtError, match=message):
-        api.RunOptions(**change).check()
-    api.RunOptions(height=256, width=512, steps=1000).check()  # the edges are accepted
-
-
-def test_gpu_only_flags_are_said_on_onnx_runtime():
-    opts = api.RunOptions(cuda_graph=True, weight_streaming_budget=100, compile=True)
-    (line,) = api._gpu_only_flags(opts, "onnxruntime")
-    assert "--cuda-graph" in line and "--weight-streaming-budget" in line and "--compile" in line
-    assert api._gpu_only_flags(api.RunOptions(), "onnxruntime") == []
-    assert api._gpu_only_flags(opts, "tensorrt") == []
-    assert api._gpu_only_flags(opts, "torch") == [  # the PyTorch step is captured too
-        "--weight-streaming-budget: TensorRT engine options, unused by the PyTorch modules"]
-    low = api.RunOptions(low_vram=True)
-    assert "--low-vram" in api._gpu_only_flags(low, "onnxruntime", "cpu")[0]  # nothing to free on the CPU
-    assert api._gpu_only_flags(low, "onnxruntime", "cuda") == []  # sessions leave the GPU stage by stage
+        api.RunOptions.of(**change).check()
+    api.RunOptions.of(height=256, width=512, steps=1000).check()  # the edges are accepted
 
 
 def test_size_suggestions_stay_inside_the_engines_range():

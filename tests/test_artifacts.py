@@ -126,12 +126,12 @@ def test_run_on_unpacked_archive_without_onnx_names_the_working_path(packed, tmp
     """An unpacked archive carries no ONNX of the build machine: ONNX Runtime needs the user's weights, and the
     error says so instead of 'rebuild'."""
     from fluxtrt.errors import FluxtrtError
-    from fluxtrt.runtime.pipeline import Pipeline
+    from fluxtrt.runtime.assembly import open_pipeline
 
     _, archive, _ = packed
     folder = unpack(archive, tmp_path)
     with pytest.raises(FluxtrtError, match="--weights YOUR_FLUX_FOLDER"):
-        Pipeline(folder, "onnxruntime").generate(["a cat"], 256, 256, 1)
+        open_pipeline(folder, backend="onnxruntime").generate(["a cat"], 256, 256, 1)
 
 
 def test_unpacked_archive_runs_with_the_users_weights(packed, tmp_path, tiny_schnell):
@@ -140,13 +140,13 @@ def test_unpacked_archive_runs_with_the_users_weights(packed, tmp_path, tiny_sch
     machine needed). Same image as the build machine's own ONNX."""
     import numpy as np
 
-    from fluxtrt.runtime.pipeline import Pipeline
+    from fluxtrt.runtime.assembly import open_pipeline
 
     root, archive, _ = packed
     folder = unpack(archive, tmp_path)
     for e in read_manifest(folder).components.values():
         assert (folder / e.weight_map).is_file() and (folder / e.weightfree_onnx).is_file()
     args = (["a lighthouse at dusk"], 256, 256, 2, 0.0)
-    mine = Pipeline(folder, "onnxruntime", weights=tiny_schnell.path).generate(*args, seed=4).images
-    theirs = Pipeline(root / "engines" / "4090", "onnxruntime").generate(*args, seed=4).images
+    mine = open_pipeline(folder, backend="onnxruntime", weights=tiny_schnell.path).generate(*args, seed=4).images
+    theirs = open_pipeline(root / "engines" / "4090", backend="onnxruntime").generate(*args, seed=4).images
     assert mine.std() > 1 and np.array_equal(mine, theirs)

@@ -25,9 +25,10 @@ def _valid(batch, h, w, steps):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(batch=st.integers(-2, 8), h=st.integers(-64, 2048), w=st.integers(-64, 2048), steps=st.integers(-3, 60))
 def test_request_validation_property(fake_engines, batch, h, w, steps):
-    from fluxtrt.runtime.pipeline import Pipeline, RequestError
+    from fluxtrt.runtime.assembly import open_pipeline
+    from fluxtrt.runtime.pipeline import RequestError
 
-    pipe = Pipeline(fake_engines, "onnxruntime")
+    pipe = open_pipeline(fake_engines, backend="onnxruntime")
     if _valid(batch, h, w, steps):
         pipe.check_request(batch, h, w, steps)
     else:
@@ -106,9 +107,9 @@ def test_very_long_prompt_is_truncated_with_a_warning(caplog):
     import logging
 
     from fluxtrt.models.source import resolve_model
-    from fluxtrt.runtime.pipeline import Pipeline
+    from fluxtrt.runtime.assembly import open_pipeline
 
-    pipe = Pipeline(None, "torch", model=resolve_model("tiny-schnell"), torch_dtype="fp32", device="cpu")
+    pipe = open_pipeline(None, backend="torch", model=resolve_model("tiny-schnell"), torch_dtype="fp32", device="cpu")
     long_prompt = " ".join(["a red fox jumping over a sleepy dog in the snow"] * 120)
     with caplog.at_level(logging.WARNING, logger="fluxtrt"):
         res = pipe.generate([long_prompt], 256, 256, 1, seed=0)

@@ -20,9 +20,9 @@ def tiny_gpu():
 
 
 def _pipe(src, **kw):
-    from fluxtrt.runtime.pipeline import Pipeline
+    from fluxtrt.runtime.assembly import open_pipeline
 
-    return Pipeline(None, "torch", model=src, device="cuda", **kw)
+    return open_pipeline(None, backend="torch", model=src, device="cuda", **kw)
 
 
 @pytest.mark.parametrize("h,w,batch", [(256, 256, 1), (256, 384, 2)])
@@ -160,11 +160,11 @@ def tiny_fp32_engines(tmp_path_factory):
 @pytest.mark.parametrize("h,w,batch", [(256, 256, 1), (256, 384, 2)])
 def test_tiny_on_onnx_runtime_cuda_matches_diffusers(tiny_fp32_engines, h, w, batch):
     """fp32 on both sides, TF32 off on both (ONNX Runtime: use_tf32=0; PyTorch: matmul and cuDNN)."""
-    from fluxtrt.runtime.pipeline import Pipeline
+    from fluxtrt.runtime.assembly import open_pipeline
 
     src, engines = tiny_fp32_engines
     prompts = ["a red fox in the snow", "a lighthouse at night"][:batch]
-    pipe = Pipeline(engines, "onnxruntime", ort_provider="cuda")
+    pipe = open_pipeline(engines, backend="onnxruntime", ort_provider="cuda")
     assert {str(ex.device) for ex in pipe.executors.values()} == {"cuda:0"}
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, False
     ours = pipe.generate(prompts, h, w, 6, 3.5, seed=11)
@@ -181,10 +181,10 @@ def test_onnx_runtime_cuda_queues_the_step_without_waiting(tiny_fp32_engines):
     import time
 
     from fluxtrt.components import ShapePoint, specs_for
-    from fluxtrt.runtime.pipeline import Pipeline
+    from fluxtrt.runtime.assembly import open_pipeline
 
     _, engines = tiny_fp32_engines
-    pipe = Pipeline(engines, "onnxruntime", ort_provider="cuda")
+    pipe = open_pipeline(engines, backend="onnxruntime", ort_provider="cuda")
     pipe.generate(["warm up"], 256, 256, 2, seed=0)
     ex = pipe.executors["transformer"]
     spec = specs_for(pipe.geo, ["transformer"])["transformer"]

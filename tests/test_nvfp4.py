@@ -287,7 +287,7 @@ def test_fp4_engines_run_on_onnx_runtime_close_to_diffusers(tmp_path):
     from fluxtrt.gpus import load_gpu
     from fluxtrt.models.source import resolve_model
     from fluxtrt.records import CalibrationSettings
-    from fluxtrt.runtime.pipeline import Pipeline
+    from fluxtrt.runtime.assembly import open_pipeline
     from fluxtrt.stages.build import build_gpu
     from tests.runtime.test_pipeline import reference
 
@@ -297,8 +297,8 @@ def test_fp4_engines_run_on_onnx_runtime_close_to_diffusers(tmp_path):
               calibration=CalibrationSettings(size=3, steps=2))
     seed = int(np.random.default_rng().integers(0, 2**31))
     ref, ref_latents = reference(src, ["a red fox in the snow"], 256, 320, 3, 3.5, seed)
-    res = Pipeline(tmp_path / cfg.key, "onnxruntime").generate(["a red fox in the snow"], 256, 320, 3, 3.5, seed=seed,
-                                                                 trace=True)
+    pipe = open_pipeline(tmp_path / cfg.key, backend="onnxruntime")
+    res = pipe.generate(["a red fox in the snow"], 256, 320, 3, 3.5, seed=seed, trace=True)
     errs = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(res.latents_per_step, ref_latents)]
     mean = float(np.abs(res.images.astype(int) - ref.astype(int)).mean())
     print(f"fp4 latents rel err per step {['%.1e' % e for e in errs]}, image mean |diff| {mean:.2f}/255")

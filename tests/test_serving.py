@@ -24,8 +24,8 @@ import pytest
 from PIL import Image
 
 from fluxtrt.errors import FluxtrtError
+from fluxtrt.runtime.assembly import open_pipeline
 from fluxtrt.runtime.batching import ContinuousBatcher
-from fluxtrt.runtime.pipeline import Pipeline
 from fluxtrt.serving import BadRequest, Service, parse_request
 from tests.runtime.test_batching import MAX_UINT8_DIFF, check_batched_equals_single, diff, random_requests
 
@@ -292,7 +292,7 @@ def decode(item) -> np.ndarray:
 
 @pytest.mark.slow
 def test_batcher_matches_single_runs_onnxruntime(tiny_engines):
-    check_batched_equals_single(Pipeline(tiny_engines, "onnxruntime"), lambda p: ContinuousBatcher(p))
+    check_batched_equals_single(open_pipeline(tiny_engines, backend="onnxruntime"), lambda p: ContinuousBatcher(p))
 
 
 def test_stop_deadline_ends_the_process():
@@ -318,7 +318,7 @@ def test_server_under_load_bad_requests_killed_replica_and_ctrl_c(tiny_engines, 
             batches = [int(ln.split('batch="')[1].split('"')[0]) for ln in r.read().decode().splitlines()
                        if ln.startswith("fluxtrt_batch_steps_total")]
         assert max(batches) > 1  # requests shared transformer calls
-        pipe = Pipeline(tiny_engines, "onnxruntime")
+        pipe = open_pipeline(tiny_engines, backend="onnxruntime")
         for (prompt, h, w, steps, g, seed, n), (_, payload, _) in zip(reqs, answers):
             assert [d["seed"] for d in payload["data"]] == list(range(seed, seed + n))  # none lost or duplicated
             for d in payload["data"]:
@@ -514,7 +514,7 @@ def test_serve_run_with_the_config_file_serves(tiny_engines, tmp_path):
             except (urllib.error.URLError, OSError, ValueError):
                 time.sleep(2)
         assert status == 200, (proc.poll(), proc.stdout.read() if proc.poll() is not None else "")
-        alone = Pipeline(tiny_engines, "onnxruntime").generate(["a cat"], 256, 256, 2, 3.5, seed=3).images[0]
+        alone = open_pipeline(tiny_engines, backend="onnxruntime").generate(["a cat"], 256, 256, 2, 3.5, seed=3).images[0]
         assert diff(np.asarray(Image.open(io.BytesIO(base64.b64decode(payload["data"][0]["b64_json"])))), alone) \
             <= MAX_UINT8_DIFF
     finally:

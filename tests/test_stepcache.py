@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from fluxtrt.cli import app
 from fluxtrt.core.workflows import WORKFLOWS, ImageInputs
 from fluxtrt.models.source import resolve_model
-from fluxtrt.runtime.pipeline import Pipeline
+from fluxtrt.runtime.assembly import open_pipeline
 from tests.core.test_workflows import inputs_for
 
 MAX_UINT8_DIFF = 2
@@ -53,7 +53,7 @@ def compare(model, workflow, steps, negative=None, pipe=None, bound=LATENT_BOUND
     """`pipe` (default: the torch executor, fp32) with First-Block Cache against diffusers' own, at the first
     threshold where diffusers skips some steps but not all."""
     src = resolve_model(model)
-    pipe = pipe or Pipeline(None, "torch", model=src, device="cpu", torch_dtype="fp32")
+    pipe = pipe or open_pipeline(None, backend="torch", model=src, device="cpu", torch_dtype="fp32")
     rng = np.random.default_rng()
     prompts, h, w = ["a red fox in the snow", "a bowl of ramen"], 256, 320
     seed, guidance = int(rng.integers(0, 2**31)), float(rng.uniform(2.0, 8.0))
@@ -91,7 +91,7 @@ def test_true_cfg_branches_keep_their_own_cache():
 
 
 def test_zero_threshold_is_the_uncached_run_bit_for_bit():
-    pipe = Pipeline(None, "torch", model=resolve_model("tiny"), device="cpu", torch_dtype="fp32")
+    pipe = open_pipeline(None, backend="torch", model=resolve_model("tiny"), device="cpu", torch_dtype="fp32")
     seed = int(np.random.default_rng().integers(0, 2**31))
     a = pipe.generate(["a lighthouse"], 256, 256, 4, 3.5, seed=seed, cache_threshold=0.0)
     b = pipe.generate(["a lighthouse"], 256, 256, 4, 3.5, seed=seed)
@@ -103,7 +103,7 @@ def test_served_images_equal_run_with_the_same_threshold():
     batch 1 with the same threshold and seed: same steps skipped, images within 2/255."""
     from fluxtrt.runtime.batching import ContinuousBatcher
 
-    pipe = Pipeline(None, "torch", model=resolve_model("tiny"), device="cpu", torch_dtype="fp32")
+    pipe = open_pipeline(None, backend="torch", model=resolve_model("tiny"), device="cpu", torch_dtype="fp32")
     batcher = ContinuousBatcher(pipe, max_batch=4)
     seeds = [int(s) for s in np.random.default_rng().integers(0, 2**31, 3)]
     asks = [(0.5, seeds[0]), (0.0, seeds[1]), (1.2, seeds[2])]
@@ -158,7 +158,7 @@ def test_a_request_threshold_is_checked(value, message):
 def test_split_onnx_in_onnxruntime_skips_the_steps_diffusers_skips(engines, model, workflow, steps):
     """ONNX Runtime over the parts' ONNX of a real fp32 build (`fluxtrt build --first-block-cache`)."""
     src, folder, manifest = engines(model)
-    pipe = Pipeline(folder, "onnxruntime")
+    pipe = open_pipeline(folder, backend="onnxruntime")
     assert {"transformer_head", "transformer_tail", "transformer_out"} <= set(pipe.executors)
     compare(model, workflow, steps, pipe=pipe, bound=1e-3)
 
@@ -175,12 +175,12 @@ def test_split_parts_take_weights_and_lora_from_a_checkpoint(engines, tmp_path):
     def image(pipe, t):
         return pipe.generate(["a red fox"], 256, 256, 6, 3.5, seed=seed, cache_threshold=t)
 
-    own = image(Pipeline(folder, "onnxruntime"), 0.5)
-    from_ckpt = image(Pipeline(folder, "onnxruntime", weights=src.path), 0.5)
+    own = image(open_pipeline(folder, backend="onnxruntime"), 0.5)
+    from_ckpt = image(open_pipeline(folder, backend="onnxruntime", weights=src.path), 0.5)
     assert own.timings.cache == from_ckpt.timings.cache and own.timings.cache["skipped"] > 0
     assert np.abs(own.images.astype(int) - from_ckpt.images.astype(int)).max() <= 1
     write_lora(src, tmp_path / "lora.safetensors")
-    lora = Pipeline(folder, "onnxruntime", weights=src.path, lora=tmp_path / "lora.safetensors")
+    lora = open_pipeline(folder, backend="onnxruntime", weights=src.path, lora=tmp_path / "lora.safetensors")
     assert np.abs(image(lora, 0.5).images.astype(int) - own.images.astype(int)).max() > 10
 
 
@@ -213,7 +213,7 @@ def test_split_engines_build_and_inspect(gpu, checkpoint, tiny_bf16, tmp_path):
 def test_cache_threshold_on_engines_without_parts_is_one_line(tmp_path):
     from fluxtrt.runtime.pipeline import RequestError
 
-    pipe = Pipeline(None, "torch", model=resolve_model("tiny"), device="cpu", torch_dtype="fp32")
+    pipe = open_pipeline(None, backend="torch", model=resolve_model("tiny"), device="cpu", torch_dtype="fp32")
     import types
 
     pipe.executors["transformer"] = types.SimpleNamespace(kind="tensorrt")  # an engine without the parts beside it

@@ -17,7 +17,7 @@ from fluxtrt.errors import FluxtrtError
 from fluxtrt.gpus import load_gpu
 from fluxtrt.models.source import resolve_model
 from fluxtrt.onnxio import external_info
-from fluxtrt.runtime.pipeline import Pipeline
+from fluxtrt.runtime.assembly import open_pipeline
 from fluxtrt.stages.build import build_gpu
 
 RUN = ("clip", "t5", "transformer", "vae_decoder")
@@ -56,13 +56,13 @@ def generate(pipe):
 
 def test_weights_from_checkpoint_give_the_same_image(built, tmp_path, reweighted_copy):
     src, gpu_dir, _ = built
-    normal = generate(Pipeline(gpu_dir, "onnxruntime"))
-    from_ckpt = generate(Pipeline(gpu_dir, "onnxruntime", weights=src.path))
+    normal = generate(open_pipeline(gpu_dir, backend="onnxruntime"))
+    from_ckpt = generate(open_pipeline(gpu_dir, backend="onnxruntime", weights=src.path))
     assert normal.std() > 1
     assert np.array_equal(normal, from_ckpt)  # the same bits: every weight re-attached exactly
     # and the weights really come from the checkpoint: other weights, other image
     other = reweighted_copy(src, tmp_path / "other", seed=5)
-    changed = generate(Pipeline(gpu_dir, "onnxruntime", weights=other.path))
+    changed = generate(open_pipeline(gpu_dir, backend="onnxruntime", weights=other.path))
     assert np.abs(changed.astype(int) - normal.astype(int)).max() > 10
 
 
@@ -71,20 +71,20 @@ def test_checkpoint_mismatch_is_refused(built, tmp_path):
 
     src, gpu_dir, _ = built
     with pytest.raises(FluxtrtError, match="FLUX.1-schnell, the engines were built for FLUX.1-dev"):
-        Pipeline(gpu_dir, "onnxruntime", weights=resolve_model("tiny-schnell").path)
+        open_pipeline(gpu_dir, backend="onnxruntime", weights=resolve_model("tiny-schnell").path)
     broken = tmp_path / "broken"
     shutil.copytree(src.path, broken)
     f = next((broken / "transformer").glob("*.safetensors"))
     tensors = load_file(f)
     tensors.pop("proj_out.weight")
     save_file(tensors, f)
-    pipe = Pipeline(gpu_dir, "onnxruntime", weights=broken)
+    pipe = open_pipeline(gpu_dir, backend="onnxruntime", weights=broken)
     with pytest.raises(FluxtrtError, match="has no tensor 'proj_out.weight'"):
         generate(pipe)
     # a tensor of another shape (another architecture's checkpoint)
     tensors["proj_out.weight"] = tensors["proj_out.bias"].new_zeros(3, 5) + 0.1
     save_file(tensors, f)
-    pipe = Pipeline(gpu_dir, "onnxruntime", weights=broken)
+    pipe = open_pipeline(gpu_dir, backend="onnxruntime", weights=broken)
     with pytest.raises(FluxtrtError, match="the checkpoint's architecture differs"):
         generate(pipe)
 
@@ -169,10 +169,10 @@ def test_lora_is_applied_like_a_merged_checkpoint(built, tmp_path):
         a, b = lora[f"transformer.{m}.lora_A.weight"], lora[f"transformer.{m}.lora_B.weight"]
         stored[f"{m}.weight"] = stored[f"{m}.weight"] + scale * (4.0 / 2) * (b @ a)
     save_file({k: v.contiguous() for k, v in stored.items()}, merged / "transformer" / "diffusion_pytorch_model.safetensors")
-    with_lora = generate(Pipeline(gpu_dir, "onnxruntime", weights=src.path, lora=tmp_path / "lora.safetensors",
+    with_lora = generate(open_pipeline(gpu_dir, backend="onnxruntime", weights=src.path, lora=tmp_path / "lora.safetensors",
                                      lora_scale=scale))
-    premerged = generate(Pipeline(gpu_dir, "onnxruntime", weights=merged))
-    plain = generate(Pipeline(gpu_dir, "onnxruntime", weights=src.path))
+    premerged = generate(open_pipeline(gpu_dir, backend="onnxruntime", weights=merged))
+    plain = generate(open_pipeline(gpu_dir, backend="onnxruntime", weights=src.path))
     assert np.abs(with_lora.astype(int) - premerged.astype(int)).max() <= 1
     assert np.abs(with_lora.astype(int) - plain.astype(int)).max() > 10
 
@@ -184,13 +184,13 @@ def test_lora_for_another_model_is_refused(built, tmp_path):
     src, gpu_dir, _ = built
     save_file({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.randn(2, 7),
                "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.randn(5, 2)}, tmp_path / "bad.safetensors")
-    pipe = Pipeline(gpu_dir, "onnxruntime", weights=src.path, lora=tmp_path / "bad.safetensors")
+    pipe = open_pipeline(gpu_dir, backend="onnxruntime", weights=src.path, lora=tmp_path / "bad.safetensors")
     with pytest.raises(FluxtrtError, match="the LoRA is for another model"):
         generate(pipe)
     save_file({"transformer.no_such_block.lora_A.weight": torch.randn(2, 7),
                "transformer.no_such_block.lora_B.weight": torch.randn(5, 2)}, tmp_path / "other.safetensors")
-    pipe = Pipeline(gpu_dir, "onnxruntime", weights=src.path, lora=tmp_path / "other.safetensors")
+    pipe = open_pipeline(gpu_dir, backend="onnxruntime", weights=src.path, lora=tmp_path / "other.safetensors")
     with pytest.raises(FluxtrtError, match="targets weights the transformer does not have: no_such_block.weight"):
         generate(pipe)
     with pytest.raises(FluxtrtError, match="--lora needs --weights"):
-        Pipeline(gpu_dir, "onnxruntime", lora=tmp_path / "other.safetensors")
+        open_pipeline(gpu_dir, backend="onnxruntime", lora=tmp_path / "other.safetensors")

@@ -13,7 +13,7 @@ from PIL import Image
 from fluxtrt.components import ShapePoint, ShapeRange
 from fluxtrt.core.workflows import WORKFLOWS, ImageInputs, WorkflowError, profile_range, select
 from fluxtrt.models.source import resolve_model
-from fluxtrt.runtime.pipeline import Pipeline
+from fluxtrt.runtime.assembly import open_pipeline
 
 MAX_UINT8_DIFF = 2  # of 255, image vs diffusers
 LATENT_BOUND = {"torch": 1e-4, "onnxruntime": 1e-3}  # max |ours - diffusers| of the latents after every step
@@ -88,7 +88,7 @@ def compare(pipe, src, workflow, prompts, h, w, steps, executor):
 def test_torch_executor_matches_diffusers(workflow):
     """Each workflow through the PyTorch executor (fp32, CPU), batch 2 at a non-square size, step for step."""
     src = resolve_model(MODEL[workflow])
-    pipe = Pipeline(None, "torch", model=src, device="cpu", torch_dtype="fp32")
+    pipe = open_pipeline(None, backend="torch", model=src, device="cpu", torch_dtype="fp32")
     compare(pipe, src, workflow, ["a red fox in the snow", "a bowl of ramen"], 256, 320, 3, "torch")
 
 
@@ -100,7 +100,7 @@ def test_conditioning_changes_the_image():
     rng = np.random.default_rng()
     for workflow in ("fill", "control", "kontext"):
         src = resolve_model(MODEL[workflow])
-        pipe = Pipeline(None, "torch", model=src, device="cpu", torch_dtype="fp32")
+        pipe = open_pipeline(None, backend="torch", model=src, device="cpu", torch_dtype="fp32")
         a, b = (pipe.generate(["a cat"], 256, 256, 2, seed=1, trace=True, inputs=inputs_for(workflow, rng, 256, 256))
                 .latents_per_step[-1] for _ in range(2))
         assert float((a - b).abs().max()) > 1e-3, workflow
@@ -179,7 +179,7 @@ def test_model_class_and_channels_must_agree(tmp_path):
 def test_mask_of_another_size_is_resized_and_said(caplog):
     rng = np.random.default_rng()
     src = resolve_model("tiny-fill")
-    pipe = Pipeline(None, "torch", model=src, device="cpu", torch_dtype="fp32")
+    pipe = open_pipeline(None, backend="torch", model=src, device="cpu", torch_dtype="fp32")
     with caplog.at_level("WARNING", logger="fluxtrt"):
         pipe.generate(["a cat"], 256, 256, 1, inputs=ImageInputs(image=random_image(rng, 256, 256),
                                                                    mask=random_mask(rng, 128, 192)))
@@ -190,7 +190,7 @@ def test_strength_that_leaves_no_step_is_refused():
     """diffusers runs int(steps * strength) rounded up from the end: a strength so small that no step is left
     (steps - steps * strength rounds to steps) is refused, any larger one runs at least one step."""
     rng = np.random.default_rng()
-    pipe = Pipeline(None, "torch", model=resolve_model("tiny"), device="cpu", torch_dtype="fp32")
+    pipe = open_pipeline(None, backend="torch", model=resolve_model("tiny"), device="cpu", torch_dtype="fp32")
     with pytest.raises(WorkflowError, match="--strength 1e-17 with 4 steps leaves no step"):
         pipe.generate(["a cat"], 256, 256, 4, inputs=ImageInputs(image=random_image(rng, 64, 64), strength=1e-17))
     res = pipe.generate(["a cat"], 256, 256, 4, trace=True, inputs=ImageInputs(image=random_image(rng, 64, 64),
@@ -240,7 +240,7 @@ def test_engines_build_with_the_workflows_profile(engines, workflow):
 ], ids=["non-square", "batch2"])
 def test_onnxruntime_matches_diffusers(engines, workflow, prompts, h, w):
     src, folder, _ = engines(MODEL[workflow])
-    compare(Pipeline(folder, "onnxruntime"), src, workflow, prompts, h, w, 3, "onnxruntime")
+    compare(open_pipeline(folder, backend="onnxruntime"), src, workflow, prompts, h, w, 3, "onnxruntime")
 
 
 @pytest.mark.slow
@@ -275,6 +275,6 @@ def test_text_to_image_engines_without_an_encoder_refuse_img2img(tmp_path):
 
     src = resolve_model("tiny-schnell")
     build_gpu(src, load_gpu("4090"), tmp_path, components=["clip", "t5", "transformer", "vae_decoder"])
-    pipe = Pipeline(tmp_path / "4090", "onnxruntime")
+    pipe = open_pipeline(tmp_path / "4090", backend="onnxruntime")
     with pytest.raises(RequestError, match="img2img needs the vae_encoder engine.*--components vae_encoder"):
         pipe.generate(["a cat"], 256, 256, 2, inputs=ImageInputs(image=random_image(np.random.default_rng(), 64, 64)))

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 from fluxtrt.models.source import resolve_model
+from fluxtrt.runtime.assembly import open_pipeline
 from fluxtrt.runtime.batching import ContinuousBatcher, QueueFull, batch_buckets
-from fluxtrt.runtime.pipeline import Pipeline, RequestError
+from fluxtrt.runtime.pipeline import RequestError
 
 MAX_UINT8_DIFF = 2  # of 255: a batched sample vs the same request run alone
 PROMPTS = ["a red fox in the snow", "a bowl of ramen", "a lighthouse at night", "an oil painting of a lake",
@@ -43,12 +44,12 @@ def check_batched_equals_single(pipe, make_batcher):
 
 
 def test_batcher_matches_single_runs_torch():
-    pipe = Pipeline(None, "torch", model=resolve_model("tiny"), device="cpu", torch_dtype="fp32")
+    pipe = open_pipeline(None, backend="torch", model=resolve_model("tiny"), device="cpu", torch_dtype="fp32")
     check_batched_equals_single(pipe, lambda p: ContinuousBatcher(p, max_batch=3))
 
 
 def test_batcher_refuses_bad_requests_and_a_full_queue():
-    pipe = Pipeline(None, "torch", model=resolve_model("tiny-schnell"), device="cpu", torch_dtype="fp32")
+    pipe = open_pipeline(None, backend="torch", model=resolve_model("tiny-schnell"), device="cpu", torch_dtype="fp32")
     batcher = ContinuousBatcher(pipe, max_batch=2, max_queue=3)
     with pytest.raises(RequestError, match="width 250 is not a positive multiple of 16"):
         batcher.submit("a cat", 256, 250, 2)
@@ -66,7 +67,7 @@ def test_batcher_refuses_bad_requests_and_a_full_queue():
 def test_a_cancelled_request_leaves_at_the_next_step_and_the_counts_stay_true():
     """Two requests of 1000 steps x 8 images whose clients went away stop running at the next step boundary: the
     queue drops to what is left, a normal request behind them finishes after a handful of steps, not 1000."""
-    pipe = Pipeline(None, "torch", model=resolve_model("tiny-schnell"), device="cpu", torch_dtype="fp32")
+    pipe = open_pipeline(None, backend="torch", model=resolve_model("tiny-schnell"), device="cpu", torch_dtype="fp32")
     batcher = ContinuousBatcher(pipe, max_batch=4, max_queue=64)
     gone = [batcher.submit("a cat", 256, 256, 1000, seed=k, n=8) for k in range(2)]
     batcher.step_once()

@@ -10,8 +10,9 @@ from fluxtrt.records import ManifestError
 pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installed (pip install -e '.[rtx]')")
 
 from fluxtrt.gpus import load_gpu  # noqa: E402
+from fluxtrt.runtime.assembly import open_pipeline  # noqa: E402
 from fluxtrt.runtime.executors import ShapeError, check_gpu_for  # noqa: E402
-from fluxtrt.runtime.pipeline import Pipeline, RequestError  # noqa: E402
+from fluxtrt.runtime.pipeline import RequestError
 from fluxtrt.stages.build import build_gpu  # noqa: E402
 
 MAX_UINT8_DIFF = 2  # of 255, image vs diffusers
@@ -48,7 +49,7 @@ def test_true_cfg_matches_diffusers(fp32_engines, model):
     prompts, negative, steps = ["a red fox in the snow", "a bowl of ramen"], "blurry, low quality", 3
     ref, ref_latents = reference(src, prompts, 256, 256, steps, 3.5, seed, negative_prompt=negative,
                                  true_cfg_scale=4.0)
-    pipe = Pipeline(engines, "onnxruntime")
+    pipe = open_pipeline(engines, backend="onnxruntime")
     res = pipe.generate(prompts, 256, 256, steps, 3.5, seed=seed, trace=True, negative_prompts=[negative] * 2,
                         true_cfg=4.0)
     for i, (a, b) in enumerate(zip(res.latents_per_step, ref_latents)):
@@ -93,7 +94,7 @@ def test_onnxruntime_run_matches_diffusers(fp32_engines, model, prompts, h, w):
     seed = int(np.random.default_rng().integers(0, 2**31))
     steps = 4 if model == "tiny-schnell" else 5
     ref, ref_latents = reference(src, prompts, h, w, steps, 3.5, seed)
-    res = Pipeline(engines, "onnxruntime").generate(prompts, h, w, steps, 3.5, seed=seed, trace=True)
+    res = open_pipeline(engines, backend="onnxruntime").generate(prompts, h, w, steps, 3.5, seed=seed, trace=True)
     assert len(res.latents_per_step) == steps == len(ref_latents)
     for i, (a, b) in enumerate(zip(res.latents_per_step, ref_latents)):
         err = float((a - b).abs().max())
@@ -108,14 +109,14 @@ def test_onnxruntime_run_matches_diffusers(fp32_engines, model, prompts, h, w):
 def test_default_precision_engines_run_on_onnxruntime(tmp_path, tiny_schnell):
     """The shipped 4090 config (fp16 CLIP, bf16 T5/transformer, fp32 VAE) runs end to end on ONNX Runtime."""
     build_gpu(tiny_schnell, load_gpu("4090"), tmp_path, components=["clip", "t5", "transformer", "vae_decoder"])
-    res = Pipeline(tmp_path / "4090", "onnxruntime").generate(["a cat"], 256, 256, 2, seed=3)
+    res = open_pipeline(tmp_path / "4090", backend="onnxruntime").generate(["a cat"], 256, 256, 2, seed=3)
     assert res.images.shape == (1, 256, 256, 3) and res.images.std() > 1
     assert len(res.timings.steps) == 2 and all(t > 0 for t in res.timings.steps)
 
 
 def test_prompt_embeddings_are_reused(fp32_engines):
     _, engines = fp32_engines("tiny-schnell")
-    pipe = Pipeline(engines, "onnxruntime")
+    pipe = open_pipeline(engines, backend="onnxruntime")
     calls = []
     clip = pipe.executors["clip"]
     orig = clip.infer
@@ -135,7 +136,7 @@ def test_prompt_embeddings_are_reused(fp32_engines):
 ])
 def test_request_errors(fp32_engines, kwargs, message):
     _, engines = fp32_engines("tiny-schnell")
-    pipe = Pipeline(engines, "onnxruntime")
+    pipe = open_pipeline(engines, backend="onnxruntime")
     req = dict(batch=1, height=256, width=256, steps=2) | kwargs
     with pytest.raises(RequestError, match=message):
         pipe.check_request(**req)
@@ -143,7 +144,7 @@ def test_request_errors(fp32_engines, kwargs, message):
 
 def test_profile_check_of_an_executor(fp32_engines):
     _, engines = fp32_engines("tiny-schnell")
-    ex = Pipeline(engines, "onnxruntime").executors["transformer"]
+    ex = open_pipeline(engines, backend="onnxruntime").executors["transformer"]
     ex.check_shapes({"hidden_states": (2, 1024, 16)})
     with pytest.raises(ShapeError, match="outside the engine's profile \\[1, 256, 16\\]..\\[4, 9216, 16\\]"):
         ex.check_shapes({"hidden_states": (1, 10000, 16)})
@@ -153,7 +154,7 @@ def test_tensorrt_executor_refuses_without_gpu(fp32_engines, monkeypatch):
     _, engines = fp32_engines("tiny-schnell")
     monkeypatch.setattr("fluxtrt.core.backends.local_gpu_capabilities", lambda: [])
     with pytest.raises(BackendUnavailableError, match="needs an NVIDIA GPU.*--backend onnxruntime"):
-        Pipeline(engines, "tensorrt")
+        open_pipeline(engines, backend="tensorrt")
 
 
 def test_tensorrt_executor_refuses_other_gpu_or_version(fp32_engines, monkeypatch):
@@ -181,15 +182,15 @@ def test_corrupt_onnx_or_manifest_is_refused(fp32_engines, tmp_path):
     shutil.copytree(engines, tmp_path / "4090")
     clip = next(copy.glob("*/clip.onnx"))
     clip.write_bytes(clip.read_bytes()[:-10])
-    pipe = Pipeline(tmp_path / "4090", "onnxruntime")
+    pipe = open_pipeline(tmp_path / "4090", backend="onnxruntime")
     with pytest.raises(ManifestError, match="does not match the manifest's sha256"):
         pipe.generate(["x"], 256, 256, 1)
     (tmp_path / "4090" / "manifest.json").write_text("{not json")
     with pytest.raises(ManifestError, match="unreadable"):
-        Pipeline(tmp_path / "4090", "onnxruntime")
+        open_pipeline(tmp_path / "4090", backend="onnxruntime")
     (tmp_path / "4090" / "manifest.json").write_text(json.dumps({"schema": 99}))
     with pytest.raises(ManifestError, match="not a fluxtrt manifest"):
-        Pipeline(tmp_path / "4090", "onnxruntime")
+        open_pipeline(tmp_path / "4090", backend="onnxruntime")
 
 
 def test_cli_run_writes_png(fp32_engines, tmp_path):
@@ -268,7 +269,7 @@ def test_tensorrt_executor_checks_engine_validity_before_loading(fp32_engines, t
 def test_torch_executor_on_cpu_matches_diffusers(tiny_schnell):
     """The torch backend runs the same pipeline over the PyTorch modules (here fp32 on the CPU)."""
     prompts, h, w, steps, seed = ["a bowl of ramen"], 256, 384, 4, 5
-    pipe = Pipeline(None, "torch", model=tiny_schnell, torch_dtype="fp32", device="cpu")
+    pipe = open_pipeline(None, backend="torch", model=tiny_schnell, torch_dtype="fp32", device="cpu")
     ours = pipe.generate(prompts, h, w, steps, seed=seed, trace=True)
     ref, latents = reference(tiny_schnell, prompts, h, w, steps, 3.5, seed)
     assert max(float((a - b).abs().max()) for a, b in zip(ours.latents_per_step, latents)) < 1e-4
@@ -279,14 +280,14 @@ def test_fallback_mixes_engines_and_torch(fp32_engines):
     from fluxtrt.runtime.executors import OnnxRuntimeExecutor, TorchExecutor
 
     src, engines = fp32_engines("tiny-schnell")
-    pipe = Pipeline(engines, "onnxruntime", fallback=["transformer"], torch_dtype="fp32", device="cpu")
+    pipe = open_pipeline(engines, backend="onnxruntime", fallback=["transformer"], torch_dtype="fp32", device="cpu")
     assert isinstance(pipe.executors["transformer"], TorchExecutor)
     assert isinstance(pipe.executors["clip"], OnnxRuntimeExecutor)
     mixed = pipe.generate(["a cat"], 256, 256, 2, seed=4)
-    plain = Pipeline(engines, "onnxruntime").generate(["a cat"], 256, 256, 2, seed=4)
+    plain = open_pipeline(engines, backend="onnxruntime").generate(["a cat"], 256, 256, 2, seed=4)
     assert int(np.abs(mixed.images.astype(int) - plain.images.astype(int)).max()) <= MAX_UINT8_DIFF
     with pytest.raises(Exception, match="--fallback takes"):
-        Pipeline(engines, "onnxruntime", fallback=["unet"])
+        open_pipeline(engines, backend="onnxruntime", fallback=["unet"])
 
 
 def test_auto_backend_choice(fp32_engines, monkeypatch):
@@ -355,7 +356,7 @@ def test_engine_that_does_not_fit_falls_back_to_cpu(fp32_engines, monkeypatch):
     monkeypatch.setattr("torch.cuda.mem_get_info", lambda: (1000, 2000))  # nothing fits...
     # ...but weight streaming lets the transformer run anyway
     assert "transformer@cpu" not in choose_backend("auto", engines).fallback
-    pipe = Pipeline(engines, "onnxruntime", fallback=["vae_decoder@cpu"], device="cpu")
+    pipe = open_pipeline(engines, backend="onnxruntime", fallback=["vae_decoder@cpu"], device="cpu")
     ex = pipe.executors["vae_decoder"]
     assert isinstance(ex, TorchExecutor) and ex.device.type == "cpu" and ex.dtype_name == "fp32"
 
@@ -376,7 +377,7 @@ def test_nan_from_a_component_is_reported_by_name(fp32_engines):
     from fluxtrt.runtime.pipeline import NonFiniteError
 
     _, engines = fp32_engines("tiny-schnell")
-    pipe = Pipeline(engines, "onnxruntime")
+    pipe = open_pipeline(engines, backend="onnxruntime")
     ex = pipe.executors["t5"]
     orig = ex.infer
     ex.infer = lambda feeds: {k: v * float("nan") for k, v in orig(feeds).items()}

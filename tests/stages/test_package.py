@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fluxtrt.cli import app
-from fluxtrt.runtime.pipeline import Pipeline
+from fluxtrt.runtime.assembly import open_pipeline
 
 MAX_UINT8_DIFF = 2  # of 255
 
@@ -30,12 +30,12 @@ def test_cpu_packages_equal_the_jit_torch_executor_and_onnxruntime(packages, eng
     assert all((folder / e.constants["file"]).stat().st_size == e.constants["bytes"] for e in manifest.components.values())
     seed = int(np.random.default_rng().integers(1000))
     prompt = "a lighthouse at dusk"
-    pipe = Pipeline(folder, "torch", fallback=[c for c in ("clip", "t5", "vae_decoder") if c not in components],
+    pipe = open_pipeline(folder, backend="torch", fallback=[c for c in ("clip", "t5", "vae_decoder") if c not in components],
                     torch_dtype="fp32")
     assert {n: ex.kind for n, ex in pipe.executors.items() if n in components} == {c: "pt2" for c in components}
     got = _image(pipe, prompt, seed)
-    jit = _image(Pipeline(None, "torch", model=src, torch_dtype="fp32"), prompt, seed)
-    ort = _image(Pipeline(engines(model)[1], "onnxruntime"), prompt, seed)
+    jit = _image(open_pipeline(None, backend="torch", model=src, torch_dtype="fp32"), prompt, seed)
+    ort = _image(open_pipeline(engines(model)[1], backend="onnxruntime"), prompt, seed)
     assert np.abs(got - jit).max() <= MAX_UINT8_DIFF and np.abs(got - ort).max() <= MAX_UINT8_DIFF
     assert got.std() > 5  # an image, not a constant
 
@@ -134,6 +134,6 @@ def test_an_archive_of_packages_unpacks_and_runs_the_same(packages, tmp_path):
     unpacked = unpack(archive, tmp_path / "engines", sha)
     assert (unpacked / "transformer.constants.safetensors").is_file()
     seed = int(np.random.default_rng().integers(1000))
-    images = [_image(Pipeline(f, "torch", fallback=["clip", "t5", "vae_decoder"], torch_dtype="fp32"), "a kite", seed,
-                     steps=2) for f in (folder, unpacked)]
+    images = [_image(open_pipeline(f, backend="torch", fallback=["clip", "t5", "vae_decoder"], torch_dtype="fp32"),
+                     "a kite", seed, steps=2) for f in (folder, unpacked)]
     assert np.array_equal(images[0], images[1])

@@ -277,7 +277,7 @@ def test_zero_copy_engines_run_like_diffusers(tiny_bf16, tmp_path, reweighted_co
     pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installed (pip install -e '.[rtx]')")
     from fluxtrt.flux_math import initial_noise
     from fluxtrt.gpus import load_gpu
-    from fluxtrt.runtime.pipeline import Pipeline
+    from fluxtrt.runtime.assembly import open_pipeline
     from fluxtrt.stages.build import build_gpu
     from tests.runtime.test_pipeline import MAX_UINT8_DIFF, reference
 
@@ -287,7 +287,7 @@ def test_zero_copy_engines_run_like_diffusers(tiny_bf16, tmp_path, reweighted_co
     assert paths["t5"].endswith("-bf16-zc-opt/t5.onnx") and paths["transformer"].endswith("-bf16-zc-opt/transformer.onnx")
     assert paths["clip"].endswith("-fp32-opt/clip.onnx")
     seed = int(np.random.default_rng().integers(0, 2**31))
-    pipe = Pipeline(tmp_path / "4090", "onnxruntime")
+    pipe = open_pipeline(tmp_path / "4090", backend="onnxruntime")
     assert pipe.noise_dtype() == torch.bfloat16  # bf16 engines draw the noise as FluxPipeline in bf16 does
     geo = tiny_bf16.geometry  # diffusers' fp32 reference (widened ONNX on this CPU) starts from the same noise
     noise = initial_noise(1, geo.latent_channels, 256, 320, geo.vae_scale_factor, generator=torch.Generator().manual_seed(seed),
@@ -301,7 +301,7 @@ def test_zero_copy_engines_run_like_diffusers(tiny_bf16, tmp_path, reweighted_co
     # the fused, still-linked graphs keep taking their weights from a checkpoint (the weight map): the same
     # checkpoint gives the same image bit for bit, another checkpoint another image
     def image(weights):
-        return Pipeline(tmp_path / "4090", "onnxruntime", weights=weights).generate(
+        return open_pipeline(tmp_path / "4090", backend="onnxruntime", weights=weights).generate(
             ["a red fox in the snow"], 256, 320, 3, 3.5, seed=seed).images
 
     normal = image(None)

@@ -1,0 +1,305 @@
+"""Opening a pipeline: the one place an engines folder (TensorRT plans, their ONNX, `.pt2` packages) or a model's
+PyTorch modules become executors. `open_pipeline(engines, options)` chooses the backend (runtime/choice.py), reads
+the assets (tokenizers and configs beside the engines, or the model folder), builds an executor per component of
+the kind its engine is (TensorRTExecutor, OnnxRuntimeExecutor, PackageExecutor, or TorchExecutor where there is
+no engine or the user asked for PyTorch) and hands them to runtime/pipeline.Pipeline, which runs the loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+from .. import flux_math as fm
+from ..components import TRANSFORMER_PARTS, Geometry, specs_for
+from ..errors import FluxtrtError
+from ..records import IMAGE_COMPONENTS, RUN_COMPONENTS, ManifestError, built_onnx, is_number, read_manifest
+from .executors import OnnxRuntimeExecutor, PackageExecutor, TorchExecutor, WeightSource, check_gpu_for
+from .options import FIELDS, PipelineOptions
+from .tensorrt import SharedActivations, TensorRTExecutor
+
+log = logging.getLogger("fluxtrt")
+ASSETS = "model"  # tokenizers and config files copied beside the engines at build time
+
+
+def open_pipeline(engines=None, options: PipelineOptions | None = None, **fields):
+    """The pipeline over `engines` (an engines folder; None: `model` in PyTorch) with `options` (or its fields as
+    keywords; both: the keywords replace those fields). The backend `auto` picks, PyTorch for what the engines
+    lack; what the options do not do on it is in `pipe.notes`.
+    Raises FluxtrtError / ManifestError / BackendUnavailableError (one line) for what cannot run here."""
+    from .choice import choose_backend, known_ort_provider, ort_provider
+    from .pipeline import Pipeline
+
+    unknown = sorted(set(fields) - set(FIELDS))
+    if unknown:
+        raise FluxtrtError(f"unknown option {', '.join(unknown)}; a pipeline takes {', '.join(FIELDS)}")
+    options = dataclasses.replace(options or PipelineOptions(), **fields)
+    if engines is not None:
+        options = dataclasses.replace(options, engines=engines)
+    options = options.check()
+    if options.engines is None and options.model is None:
+        raise FluxtrtError("pass --engines DIR (built by `fluxtrt build`), or --backend torch with --model")
+    if options.engines is None and isinstance(options.model, (str, Path)):
+        from ..models.source import resolve_model
+
+        options = dataclasses.replace(options, model=resolve_model(options.model))
+    choice = choose_backend(options.backend, options.engines, options.fallback)
+    if choice.backend == "onnxruntime":
+        provider = ort_provider(options.ort_provider)
+        choice.notes.append(f"ONNX Runtime runs on the {provider.upper()} execution provider")
+    else:
+        provider = "cpu"
+        if known_ort_provider(options.ort_provider) != "auto":
+            choice.notes.append(f"--ort-provider has no effect with the {choice.backend} backend")
+    choice.notes += options.notes(choice.backend, provider)
+    fallback = tuple(sorted(set(options.fallback) | set(choice.fallback)))
+    assembly = Assembly(dataclasses.replace(options, fallback=fallback), choice.backend, provider)
+    return Pipeline(assembly, options, choice.notes)
+
+
+class Assembly:
+    """The assets and executors of one pipeline (the executor factory: one kind per engine file)."""
+
+    def __init__(self, options, backend: str, ort_provider: str = "cpu"):
+        """Every executor these options ask for (`backend`: what runtime/choice.py chose; the options' fallback
+        includes what it added)."""
+        o = options
+        engine_dir, model, fallback, device, torch_dtype = o.engines, o.model, o.fallback, o.device, o.torch_dtype
+        compile, calibration, cuda_graph = o.compile, o.calibration, o.cuda_graph
+        budget = o.weight_streaming_budget << 20 if o.weight_streaming_budget is not None else None
+        self.low_vram, self.backend = o.low_vram, backend
+        self.executors: dict = {}
+        self.manifest = self.dir = None
+        self._open_assets(engine_dir, model, backend)
+        # compiled PyTorch engines (.pt2 packages) run on the torch backend, PyTorch modules for what they lack
+        packages = self.manifest is not None and self.manifest.backend == "torch"
+        if packages and backend != "torch":
+            raise FluxtrtError(f"{self.dir} holds compiled PyTorch engines (.pt2 packages): run them with --backend "
+                               "torch (or auto)")
+        # the VAE encoder (image workflows) runs where it was built, or in PyTorch with the rest
+        everything = RUN_COMPONENTS + IMAGE_COMPONENTS
+        modules = backend == "torch" and not packages  # every component a PyTorch module
+        names = [n for n in everything if modules or n in RUN_COMPONENTS or n in self.manifest.components
+                 or any(f.split("@")[0] == n for f in fallback)]
+        # "name@cpu" runs that component's PyTorch module on the CPU (an engine that does not fit the GPU)
+        torch_names = {f.split("@")[0] for f in fallback}
+        torch_names |= set(names) if modules else {n for n in names if packages and n not in self.manifest.components}
+        unknown = torch_names - set(everything)
+        if unknown:
+            raise FluxtrtError(f"--fallback takes {', '.join(everything)}; got {', '.join(sorted(unknown))}")
+        if torch_names:
+            on_cpu = {f.split("@")[0] for f in fallback if f.endswith("@cpu")}
+            self._torch_executors(sorted(torch_names), on_cpu, model, device, torch_dtype, compile=compile,
+                                  calibration=calibration)
+        elif calibration is not None:
+            raise FluxtrtError("--calibration gives the PyTorch transformer the fp8 recipe: add --backend torch")
+        engine_names = [n for n in names if n not in torch_names]
+        missing = self.manifest.missing(engine_names) if engine_names else []
+        if missing:
+            raise self.manifest.lacking(missing, self.dir)
+        if "transformer" in engine_names:  # First-Block Cache's parts, where the build made them
+            engine_names += [p for p in TRANSFORMER_PARTS if p in self.manifest.components]
+        sources = self._weight_sources(engine_names, o.weights, o.lora, o.lora_scale)
+        if engine_names and packages:
+            self._package_executors(engine_names, device)
+        elif engine_names and backend == "tensorrt":
+            self._tensorrt_executors(engine_names, sources, budget, cuda_graph, o.allow_host_code,
+                                     kernel_specialization=o.kernel_specialization)
+        elif engine_names and backend == "onnxruntime":
+            self._onnxruntime_executors(engine_names, sources, ort_provider)
+        elif engine_names:
+            raise FluxtrtError(f"unknown backend '{backend}'; choose tensorrt, onnxruntime or torch")
+
+    def _open_assets(self, engine_dir, model, backend) -> None:
+        """Tokenizers and configs: copied beside the engines at build time, or the model folder (torch only)."""
+        if engine_dir is not None:
+            self.dir = Path(engine_dir)
+            self.manifest = read_manifest(self.dir)
+            assets = self.dir / ASSETS
+            if not (assets / "tokenizer").is_dir():
+                raise ManifestError(f"{assets} lacks the tokenizers copied at build time; rebuild with `fluxtrt build`")
+        elif model is None or backend != "torch":
+            raise FluxtrtError("pass --engines DIR (built by `fluxtrt build`), or --backend torch with --model")
+        else:
+            assets = model.path
+        self.assets = assets
+        self.geo = Geometry.from_folder(assets)
+        if self.manifest is not None:
+            from ..models.source import check_model_ref
+
+            check_model_ref(self.manifest.model, self.geo, self.manifest.workflows)
+        self.scheduler_config = _json(assets / "scheduler" / "scheduler_config.json")
+        vae = _json(assets / "vae" / "config.json")
+        try:
+            fm.check_scheduler_config(self.scheduler_config)
+            self.scaling_factor, self.shift_factor = vae["scaling_factor"], vae.get("shift_factor") or 0.0
+            if not all(is_number(v) and abs(v) < 1e3 for v in (self.scaling_factor, self.shift_factor)):
+                raise ValueError("the VAE's scaling_factor / shift_factor are not finite numbers")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ManifestError(f"the configs in {assets} are not a FLUX.1 model's ({e}); rebuild with `fluxtrt "
+                                "build`") from None
+
+    def _torch_executors(self, names, on_cpu, model, device, torch_dtype, *, compile, calibration=None) -> None:
+        import torch
+
+        if model is None:
+            from ..models.source import resolve_model
+
+            model = resolve_model(self.manifest.model.id)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        specs = specs_for(self.geo, names)
+        for name in names:
+            dev_name = "cpu" if name in on_cpu else device
+            dtype = "fp32" if dev_name == "cpu" and name in on_cpu else torch_dtype
+            recipe = self._fp8_recipe(model, calibration) if name == "transformer" else None
+            self.executors[name] = TorchExecutor(name, model, specs[name], dev_name, dtype, compile=compile, fp8=recipe)
+
+    def _fp8_recipe(self, model, calibration: Path | None) -> dict | None:
+        """The transformer's fp8 recipe for PyTorch: the scales the engines' fp8 graph recorded, or a calibration
+        (`fluxtrt calibrate`) applied to the model's weights; None for other precisions."""
+        from .. import fp8
+
+        entry = self.manifest.components.get("transformer") if self.manifest is not None else None
+        if entry is not None and entry.precision in ("fp8-attn", "fp4"):
+            raise FluxtrtError(f"the PyTorch transformer runs the fp8 recipe but not {entry.precision} (fp4: NVFP4 "
+                               "tensor cores, sm100/sm120; fp8-attn: attention in E4M3): use --backend onnxruntime "
+                               "or TensorRT engines")
+        if entry is not None and entry.precision == "fp8":
+            if calibration is not None:
+                raise FluxtrtError("--calibration: these engines' fp8 graph already holds its scales; drop it")
+            if entry.recipe is not None:  # recorded by the build: an unpacked archive has them too
+                return {"scales": fp8.scales_from_record(entry.recipe)}
+            from ..onnxio import load_header
+
+            path = built_onnx(self.dir, entry)
+            if not path.is_file():
+                raise ManifestError(f"the fp8 transformer's ONNX {path} is not here (an unpacked archive of a build "
+                                    "that recorded no scales in its manifest): build it again with this fluxtrt")
+            return {"scales": fp8.scales_from_graph(load_header(path))}
+        if calibration is not None:
+            return {"amax": fp8.read_calibration(calibration, model.content_hash)}
+        return None
+
+    def _weight_sources(self, engine_names, weights, lora, lora_scale) -> dict:
+        """name -> WeightSource (or None): the user's checkpoint through the build's weight maps, LoRA merged."""
+        weight_source = self._weight_source(weights) if weights is not None and engine_names else None
+        if lora is not None:
+            from .lora import Lora
+
+            if weight_source is None or "transformer" not in engine_names:
+                raise FluxtrtError("--lora needs --weights (your checkpoint, which the LoRA is applied to) and the "
+                                   "transformer running from engines or ONNX")
+            lora = Lora(lora, lora_scale)
+        return {n: WeightSource.for_component(weight_source, self.dir, self.manifest.component(n), n, lora)
+                for n in engine_names}
+
+    def _tensorrt_executors(self, names, sources, budget, cuda_graph, allow_host_code, *, kernel_specialization):
+        from ..core.backends import get_backend
+
+        trt_backend = get_backend(self.manifest.backend)
+        _ = trt_backend.trt  # clear error if the package is missing
+        check_gpu_for(self.manifest, trt_backend)
+        shared = SharedActivations()
+        for name in names:
+            e = self.manifest.component(name)
+            if sources[name] is not None and not e.weightless:
+                raise FluxtrtError(f"{name}: these engines carry their weights and are not refittable; --weights "
+                                   "works with engines built with `fluxtrt build --weightless`, or with --backend "
+                                   "onnxruntime")
+            self.executors[name] = TensorRTExecutor(
+                name, e, self.dir / e.engine, trt_backend, None, shared_memory=shared, weight_streaming_budget=budget,
+                cuda_graph=cuda_graph and name == "transformer", allow_host_code=allow_host_code,
+                weights=sources[name], kernel_specialization=kernel_specialization, low_vram=self.low_vram)
+
+    def _package_executors(self, names, device) -> None:
+        specs = specs_for(self.geo, names)
+        for name in names:
+            e = self.manifest.component(name)
+            self.executors[name] = PackageExecutor(name, e, self.dir / e.engine, specs[name],
+                                                   runtime=self.manifest.runtime, device=device)
+
+    def _onnxruntime_executors(self, names, sources, provider) -> None:
+        specs = specs_for(self.geo, names)
+        for name in names:
+            e, ws = self.manifest.component(name), sources[name]
+            onnx_path = self.dir / e.weightfree_onnx if ws is not None else built_onnx(self.dir, e)
+            if ws is None and not onnx_path.exists() and e.weightfree_onnx and (self.dir / e.weightfree_onnx).exists():
+                raise ManifestError(f"{name}: this engine folder has no ONNX of its build machine (an unpacked "
+                                    "archive?); ONNX Runtime runs its weight-free ONNX with your checkpoint: "
+                                    "--backend onnxruntime --weights YOUR_FLUX_FOLDER")
+            self.executors[name] = OnnxRuntimeExecutor(name, e, onnx_path, specs[name], self.geo, provider=provider, weights=ws)
+
+    def _weight_sources(self, engine_names, weights, lora, lora_scale) -> dict:
+        """name -> WeightSource (or None): the user's checkpoint through the build's weight maps, LoRA merged."""
+        weight_source = self._weight_source(weights) if weights is not None and engine_names else None
+        if lora is not None:
+            from .lora import Lora
+
+            if weight_source is None or "transformer" not in engine_names:
+                raise FluxtrtError("--lora needs --weights (your checkpoint, which the LoRA is applied to) and the "
+                                   "transformer running from engines or ONNX")
+            lora = Lora(lora, lora_scale)
+        return {n: WeightSource.for_component(weight_source, self.dir, self.manifest.component(n), n, lora)
+                for n in engine_names}
+
+    def _tensorrt_executors(self, names, sources, budget, cuda_graph, allow_host_code, *, kernel_specialization):
+        from ..core.backends import get_backend
+
+        trt_backend = get_backend(self.manifest.backend)
+        _ = trt_backend.trt  # clear error if the package is missing
+        check_gpu_for(self.manifest, trt_backend)
+        shared = SharedActivations()
+        for name in names:
+            e = self.manifest.component(name)
+            if sources[name] is not None and not e.weightless:
+                raise FluxtrtError(f"{name}: these engines carry their weights and are not refittable; --weights "
+                                   "works with engines built with `fluxtrt build --weightless`, or with --backend "
+                                   "onnxruntime")
+            self.executors[name] = TensorRTExecutor(
+                name, e, self.dir / e.engine, trt_backend, None, shared_memory=shared, weight_streaming_budget=budget,
+                cuda_graph=cuda_graph and name == "transformer", allow_host_code=allow_host_code,
+                weights=sources[name], kernel_specialization=kernel_specialization, low_vram=self.low_vram)
+
+    def _package_executors(self, names, device) -> None:
+        specs = specs_for(self.geo, names)
+        for name in names:
+            e = self.manifest.component(name)
+            self.executors[name] = PackageExecutor(name, e, self.dir / e.engine, specs[name],
+                                                   runtime=self.manifest.runtime, device=device)
+
+    def _onnxruntime_executors(self, names, sources, provider) -> None:
+        specs = specs_for(self.geo, names)
+        for name in names:
+            e, ws = self.manifest.component(name), sources[name]
+            onnx_path = self.dir / e.weightfree_onnx if ws is not None else built_onnx(self.dir, e)
+            if ws is None and not onnx_path.exists() and e.weightfree_onnx and (self.dir / e.weightfree_onnx).exists():
+                raise ManifestError(f"{name}: this engine folder has no ONNX of its build machine (an unpacked "
+                                    "archive?); ONNX Runtime runs its weight-free ONNX with your checkpoint: "
+                                    "--backend onnxruntime --weights YOUR_FLUX_FOLDER")
+            self.executors[name] = OnnxRuntimeExecutor(name, e, onnx_path, specs[name], self.geo, provider=provider, weights=ws)
+
+    def release(self, *names) -> None:
+        """--low-vram: free these stages' executors (a TensorRT executor may say its cache was not saved)."""
+        for name in names:
+            note = self.executors[name].deactivate()
+            if note:
+                log.warning(note)
+
+    def _weight_source(self, weights: Path):
+        """The user's checkpoint folder, checked against what the engines were built for."""
+        from ..models.source import resolve_model
+
+        src = resolve_model(weights)
+        if src.random_weights:
+            raise FluxtrtError(f"--weights {weights}: an architecture-only model has no weights to read")
+        if src.variant != self.manifest.model.variant:
+            raise FluxtrtError(f"--weights {weights} is FLUX.1-{src.variant}, the engines were built for "
+                               f"FLUX.1-{self.manifest.model.variant}; pass a matching checkpoint")
+        return src
+
+
+
+def _json(path: Path) -> dict:
+    from ..fileio import read_json
+
+    return read_json(path, "a model config", "rebuild with `fluxtrt build`", ManifestError)
