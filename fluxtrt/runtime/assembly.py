@@ -229,62 +229,6 @@ class Assembly:
                                     "--backend onnxruntime --weights YOUR_FLUX_FOLDER")
             self.executors[name] = OnnxRuntimeExecutor(name, e, onnx_path, specs[name], self.geo, provider=provider, weights=ws)
 
-    def _weight_sources(self, engine_names, weights, lora, lora_scale) -> dict:
-        """name -> WeightSource (or None): the user's checkpoint through the build's weight maps, LoRA merged."""
-        weight_source = self._weight_source(weights) if weights is not None and engine_names else None
-        if lora is not None:
-            from .lora import Lora
-
-            if weight_source is None or "transformer" not in engine_names:
-                raise FluxtrtError("--lora needs --weights (your checkpoint, which the LoRA is applied to) and the "
-                                   "transformer running from engines or ONNX")
-            lora = Lora(lora, lora_scale)
-        return {n: WeightSource.for_component(weight_source, self.dir, self.manifest.component(n), n, lora)
-                for n in engine_names}
-
-    def _tensorrt_executors(self, names, sources, budget, cuda_graph, allow_host_code, *, kernel_specialization):
-        from ..core.backends import get_backend
-
-        trt_backend = get_backend(self.manifest.backend)
-        _ = trt_backend.trt  # clear error if the package is missing
-        check_gpu_for(self.manifest, trt_backend)
-        shared = SharedActivations()
-        for name in names:
-            e = self.manifest.component(name)
-            if sources[name] is not None and not e.weightless:
-                raise FluxtrtError(f"{name}: these engines carry their weights and are not refittable; --weights "
-                                   "works with engines built with `fluxtrt build --weightless`, or with --backend "
-                                   "onnxruntime")
-            self.executors[name] = TensorRTExecutor(
-                name, e, self.dir / e.engine, trt_backend, None, shared_memory=shared, weight_streaming_budget=budget,
-                cuda_graph=cuda_graph and name == "transformer", allow_host_code=allow_host_code,
-                weights=sources[name], kernel_specialization=kernel_specialization, low_vram=self.low_vram)
-
-    def _package_executors(self, names, device) -> None:
-        specs = specs_for(self.geo, names)
-        for name in names:
-            e = self.manifest.component(name)
-            self.executors[name] = PackageExecutor(name, e, self.dir / e.engine, specs[name],
-                                                   runtime=self.manifest.runtime, device=device)
-
-    def _onnxruntime_executors(self, names, sources, provider) -> None:
-        specs = specs_for(self.geo, names)
-        for name in names:
-            e, ws = self.manifest.component(name), sources[name]
-            onnx_path = self.dir / e.weightfree_onnx if ws is not None else built_onnx(self.dir, e)
-            if ws is None and not onnx_path.exists() and e.weightfree_onnx and (self.dir / e.weightfree_onnx).exists():
-                raise ManifestError(f"{name}: this engine folder has no ONNX of its build machine (an unpacked "
-                                    "archive?); ONNX Runtime runs its weight-free ONNX with your checkpoint: "
-                                    "--backend onnxruntime --weights YOUR_FLUX_FOLDER")
-            self.executors[name] = OnnxRuntimeExecutor(name, e, onnx_path, specs[name], self.geo, provider=provider, weights=ws)
-
-    def release(self, *names) -> None:
-        """--low-vram: free these stages' executors (a TensorRT executor may say its cache was not saved)."""
-        for name in names:
-            note = self.executors[name].deactivate()
-            if note:
-                log.warning(note)
-
     def _weight_source(self, weights: Path):
         """The user's checkpoint folder, checked against what the engines were built for."""
         from ..models.source import resolve_model

@@ -91,6 +91,13 @@ class Pipeline:
         self._tokenizers = None
         self._embeds: dict[str, tuple] = {}  # prompt -> (pooled [D], t5 [T, D']) reused within a run
         self._graphs: dict[tuple, CudaGraphStep] = {}
+    def release(self, *names) -> None:
+        """--low-vram: free these stages' executors (a TensorRT executor may say its cache was not saved)."""
+        for name in names:
+            note = self.executors[name].deactivate()
+            if note:
+                log.warning(note)
+
     @property
     def device(self):
         return self.executors["transformer"].device
