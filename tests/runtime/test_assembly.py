@@ -29,3 +29,14 @@ def test_an_engines_folder_opens_each_component_from_its_onnx_with_pytorch_for_w
     assert isinstance(pipe.executors["transformer"], OnnxRuntimeExecutor)
     assert isinstance(pipe.executors["vae_decoder"], TorchExecutor)
     assert any("ONNX Runtime runs on the CPU" in n for n in pipe.notes)
+
+
+def test_low_vram_frees_every_stage_after_its_use():
+    """--low-vram on the PyTorch modules: after a generation no executor holds its weights (Pipeline.release)."""
+    import numpy as np
+
+    pipe = open_pipeline(None, backend="torch", model="tiny-schnell", device="cpu", torch_dtype="fp32", low_vram=True)
+    seed = int(np.random.default_rng().integers(1000))
+    res = pipe.generate(["a cat"], 128, 128, 1, seed=seed)
+    assert res.images.shape == (1, 128, 128, 3) and res.images.std() > 0
+    assert not any(ex.active for ex in pipe.executors.values())
