@@ -65,7 +65,7 @@ def bench_fluxtrt(pipe, label: str, h: int, w: int, batch: int, *, steps: int, r
     prompts = [PROMPT] * batch
     samples = []
     for k in range(warmup + runs):
-        pipe.forget_prompts()  # time the text encoders every run
+        pipe.prompts.forget()  # time the text encoders every run
         if pipe.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         _sync(pipe.device)

@@ -275,7 +275,7 @@ def load_pipeline(engines=None, diffusers_pipeline: str | None = None, **options
     if not (isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline) and name.startswith("Flux")):
         raise DropInError(f"{name} is not a diffusers FLUX pipeline; pass one of FluxPipeline, FluxImg2ImgPipeline, "
                           "FluxFillPipeline, FluxControlPipeline, FluxKontextPipeline")
-    clip_tok, t5_tok = pipe.tokenizers()
+    clip_tok, t5_tok = pipe.prompts.tokenizers()
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler_config)
     engine_cls = type(f"Engine{name}", (cls,), REFUSED_ON_PIPELINES)
     return engine_cls(scheduler=scheduler, tokenizer=clip_tok, tokenizer_2=t5_tok, text_encoder=EngineCLIP(pipe),

@@ -153,7 +153,7 @@ class Service:
                  *, metrics=None, torch_dtype: str = "bf16", calibration: str | None = None,
                  cache_threshold: float = 0.0, compile: bool = False, size: str | None = None):
         from .runtime.assembly import open_pipeline
-        from .runtime.batching import ContinuousBatcher, batch_buckets
+        from .runtime.batching import ContinuousBatcher, batch_buckets, warm_up_batches
 
         check_servable(Path(engines) if engines else None, model, backend)
         # LAZY kernel specialization: a server must not stall on the first request of a new shape
@@ -171,12 +171,12 @@ class Service:
             self.default_size = (height, width)
         if compile:  # every batch size the batcher can form, compiled before the first request
             buckets = batch_buckets(self.batcher.max_batch)
-            seconds = self.pipe.warm_up_batches(buckets, *self.default_size)
+            seconds = warm_up_batches(self.pipe, buckets, *self.default_size)
             log.info("compiled the transformer for batches %s at %dx%d in %.0f s", buckets, *self.default_size,
                      seconds)
         self.batcher.start()
         self.default_steps = self.pipe.plan(*self.default_size)[0].default_steps(self.pipe.geo)  # the workflow's
-        self.pipe.step_cache(cache_threshold)  # refused now where the executor cannot run the cache's parts
+        self.pipe.steps.step_cache(cache_threshold)  # refused now where the executor cannot run the cache's parts
         self.default_cache_threshold = cache_threshold
 
     def _record(self, stats) -> None:

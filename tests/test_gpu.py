@@ -55,7 +55,7 @@ def test_no_host_sync_inside_the_denoising_loop(tiny_gpu, cuda_graph):
 
 def test_cuda_graph_replay_equals_eager(tiny_gpu):
     from fluxtrt.components import ShapePoint, specs_for
-    from fluxtrt.runtime.pipeline import CudaGraphStep
+    from fluxtrt.runtime.steps import CudaGraphStep
 
     pipe = _pipe(tiny_gpu, torch_dtype="bf16")
     ex = pipe.executors["transformer"]
@@ -76,11 +76,11 @@ def test_cuda_graph_replay_equals_eager(tiny_gpu):
 def test_graphs_and_buffers_are_made_once_per_shape(tiny_gpu):
     pipe = _pipe(tiny_gpu, cuda_graph=True)
     pipe.generate(["a"], 256, 256, 2, seed=0)
-    first = dict(pipe._graphs)
+    first = dict(pipe.steps.graphs)
     pipe.generate(["b"], 256, 256, 3, seed=1)
-    assert pipe._graphs == first and len(first) == 1  # same shape: the same graph and static buffers
+    assert pipe.steps.graphs == first and len(first) == 1  # same shape: the same graph and static buffers
     pipe.generate(["c"], 256, 384, 2, seed=2)
-    assert len(pipe._graphs) == 2
+    assert len(pipe.steps.graphs) == 2
 
 
 def test_low_vram_frees_each_stage(tiny_gpu):

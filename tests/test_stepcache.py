@@ -218,4 +218,4 @@ def test_cache_threshold_on_engines_without_parts_is_one_line(tmp_path):
 
     pipe.executors["transformer"] = types.SimpleNamespace(kind="tensorrt")  # an engine without the parts beside it
     with pytest.raises(RequestError, match="rebuild with `fluxtrt build --first-block-cache`"):
-        pipe.step_cache(0.2)
+        pipe.steps.step_cache(0.2)

@@ -28,8 +28,10 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 from .. import flux_math as fm
+from ..components import ShapePoint
 from ..core.workflows import ImageInputs
-from ..errors import QueueFull, ShuttingDown  # noqa: F401 - defined in errors.py, raised here
+from ..errors import FluxtrtError, QueueFull, ShuttingDown  # noqa: F401 - defined in errors.py, raised here
+from .executors import TorchExecutor
 from .pipeline import Pipeline, RequestError
 
 log = logging.getLogger("fluxtrt")
@@ -130,7 +132,7 @@ class ContinuousBatcher:
         if n < 1:
             raise RequestError(f"n must be at least 1, got {n}")
         self.pipe.check_request(1, height, width, steps)
-        self.pipe.step_cache(cache_threshold)  # one line where the executor cannot run the cache's parts
+        self.pipe.steps.step_cache(cache_threshold)  # one line where the executor cannot run the cache's parts
         if self._stop.is_set():
             raise ShuttingDown("the server is shutting down")
         job = Job(prompt=prompt, height=height, width=width, steps=steps, guidance=guidance, seed=seed, n=n,
@@ -233,7 +235,7 @@ class ContinuousBatcher:
                 job = self._incoming.popleft()
             try:
                 with self.pipe.on_stream():
-                    pooled, text = self.pipe.encode_prompts([job.prompt])
+                    pooled, text = self.pipe.prompts.encode([job.prompt])
                     for i in range(job.n):
                         self._active.append(self._sample(job, i, pooled, text, torch))
             except Exception as e:  # noqa: BLE001 - e.g. NaN from a text encoder: this request fails
@@ -250,7 +252,7 @@ class ContinuousBatcher:
         return Sample(job=job, index=index, key=(wf.name, height, width, reference), latents=cond.latents, prep=cond,
                       t_in=(prep.timesteps / 1000).to(dev), dts=(prep.sigmas[1:] - prep.sigmas[:-1]).to(dev),
                       guidance=guidance, pooled=pooled.to(dev), text=text.to(dev), img_ids=cond.img_ids,
-                      order=self._order, cache=pipe.step_cache(job.cache_threshold))
+                      order=self._order, cache=pipe.steps.step_cache(job.cache_threshold))
 
     def _step(self, batch: list[Sample]) -> None:
         import torch
@@ -267,7 +269,7 @@ class ContinuousBatcher:
                                      torch.stack([s.t_in[s.step] for s in batch]), first.img_ids,
                                      guidance=torch.cat([s.guidance for s in batch]) if pipe.geo.guidance else None)
             if any(s.cache is not None for s in batch):  # each sample decides for itself (module doc)
-                out = pipe.cached_transformer(feeds, [(s.cache, slice(i, i + 1)) for i, s in enumerate(batch)])
+                out = pipe.steps.cached_transformer(feeds, [(s.cache, slice(i, i + 1)) for i, s in enumerate(batch)])
             else:
                 out = pipe.executors["transformer"].infer(feeds)["noise_pred"]
             tokens = first.latents.shape[1]
@@ -340,3 +342,24 @@ def batch_buckets(max_batch: int) -> tuple:
         sizes.append(b)
         b *= 2
     return (*sizes, max_batch)
+
+
+def warm_up_batches(pipe, batches, height: int, width: int) -> float:
+    """A server's compiled PyTorch transformer: batches padded to the smallest of `batches` that holds them
+    (TorchExecutor.padded), and each of those sizes compiled now, at (height, width), rather than on a
+    client's request. Returns the seconds it took."""
+
+    ex = pipe.executors["transformer"]
+    if not isinstance(ex, TorchExecutor):
+        raise FluxtrtError("only the PyTorch transformer is compiled (backend torch)")
+    t0 = time.perf_counter()
+    ex.batch_buckets = tuple(sorted(batches))
+    for batch in ex.batch_buckets:
+        feeds = ex.spec.sample_inputs(ShapePoint(batch, height, width), pipe.geo, batch)
+        with pipe.on_stream():
+            ex.infer(feeds)
+    if pipe.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0

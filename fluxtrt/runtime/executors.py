@@ -268,7 +268,7 @@ class TorchExecutor(Executor):
                  *, compile: bool = False, fp8=None, batch_buckets: tuple = ()):
         super().__init__(component, None)
         self.source, self.spec, self.compile = source, spec, compile
-        # a server's compiled transformer (Pipeline.warm_up_batches sets them): batches padded to the smallest of
+        # a server's compiled transformer (batching.warm_up_batches sets them): batches padded to the smallest of
         # these that holds them, so the compiled module sees a few batch sizes, each compiled once
         self.batch_buckets = tuple(sorted(batch_buckets))
         self.fp8 = fp8  # the transformer's fp8 recipe: {"scales": {module: (sx, sw)}} or {"amax": {module: amax}}

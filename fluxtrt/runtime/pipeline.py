@@ -13,16 +13,15 @@ import time
 from dataclasses import dataclass, field
 
 from .. import flux_math as fm
-from ..components import TRANSFORMER_PARTS, ShapePoint, specs_for
+from ..components import ShapePoint, specs_for
 from ..core.workflows import ImageInputs, select
 from ..errors import FluxtrtError, NonFiniteError, RequestError  # noqa: F401 - defined in errors.py, raised here
-from ..records import ManifestError
 from .executors import (
     OnnxRuntimeExecutor,
-    PackageExecutor,
-    TorchExecutor,
 )
 from .prepare import Context, Prepared, prepare_workflow
+from .prompts import PromptEncoder
+from .steps import TransformerStep
 from .tensorrt import TensorRTExecutor
 
 log = logging.getLogger("fluxtrt")
@@ -88,9 +87,9 @@ class Pipeline:
             for ex in self.executors.values():
                 if isinstance(ex, (TensorRTExecutor, OnnxRuntimeExecutor)):
                     ex.stream = self.stream
-        self._tokenizers = None
-        self._embeds: dict[str, tuple] = {}  # prompt -> (pooled [D], t5 [T, D']) reused within a run
-        self._graphs: dict[tuple, CudaGraphStep] = {}
+        self.prompts = PromptEncoder(self.assets, self.geo, self.executors)
+        self.steps = TransformerStep(self.executors, self.geo, self.cuda_graph, self.stream)
+
     def release(self, *names) -> None:
         """--low-vram: free these stages' executors (a TensorRT executor may say its cache was not saved)."""
         for name in names:
@@ -110,87 +109,6 @@ class Pipeline:
         import torch
 
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-
-    def _step_function(self, feeds: dict, refresh: bool = False):
-        """step(latents, timestep) -> noise_pred: eager, or a CUDA graph captured once per shape. `refresh`: the
-        graph is shared with another set of feeds of the same shapes (true CFG), so copy these in every call."""
-        ex = self.executors["transformer"]
-        if isinstance(ex, TensorRTExecutor) and not ex.active:
-            ex.activate()  # whether TensorRT captures the graph itself is known once the context exists
-        if self.cuda_graph and captures_step_itself(ex) and self.device.type == "cuda":
-            key = tuple((k, tuple(v.shape)) for k, v in sorted(feeds.items()))
-            if key not in self._graphs:
-                self._graphs[key] = CudaGraphStep(ex, feeds, self.stream)
-            graph = self._graphs[key]
-            if refresh:
-                def replay(latents, timestep):
-                    graph.set_call_inputs(feeds)
-                    return graph(latents, timestep)
-
-                return replay
-            graph.set_call_inputs(feeds)
-            return graph
-
-        def eager(latents, timestep):
-            feeds["hidden_states"], feeds["timestep"] = latents, timestep
-            return ex.infer(feeds)["noise_pred"]
-
-        return eager
-
-    def step_cache(self, threshold: float):
-        """A fresh First-Block Cache for one generation, or None for threshold 0 (the uncached step, bit for
-        bit); one line where the transformer's executor cannot run its parts."""
-        from ..stepcache import FirstBlockCache
-
-        if not threshold:
-            return None
-        ex = self.executors["transformer"]
-        if not hasattr(ex, "infer_part") and not all(p in self.executors for p in TRANSFORMER_PARTS):
-            raise RequestError("--cache-threshold runs the transformer as First-Block Cache's parts, which these "
-                               "engines lack; rebuild with `fluxtrt build --first-block-cache` (or --backend torch)")
-        return FirstBlockCache(threshold)
-
-    def run_part(self, name: str, feeds: dict) -> dict:
-        """One of the transformer's First-Block Cache parts: the PyTorch module's (TorchExecutor.infer_part) or
-        its own engine / ONNX (`fluxtrt build --first-block-cache`)."""
-        ex = self.executors["transformer"]
-        if hasattr(ex, "infer_part"):
-            from ..components import transformer_parts
-
-            return ex.infer_part(transformer_parts(self.geo)[name], feeds)
-        spec = specs_for(self.geo, [name])[name]
-        return self.executors[name].infer({t.name: feeds[t.name] for t in spec.inputs})
-
-    def _cached_step(self, feeds: dict, cache, branch: str):
-        """step(latents, timestep) -> noise_pred through the transformer's parts and `cache` (stepcache.py)."""
-
-        def step(latents, timestep):
-            feeds["hidden_states"], feeds["timestep"] = latents, timestep
-            return self.cached_transformer(feeds, [(cache, slice(None))], branch)
-
-        return step
-
-    # -- request checks -------------------------------------------------------------------------------
-    def warm_up_batches(self, batches, height: int, width: int) -> float:
-        """A server's compiled PyTorch transformer: batches padded to the smallest of `batches` that holds them
-        (TorchExecutor.padded), and each of those sizes compiled now, at (height, width), rather than on a
-        client's request. Returns the seconds it took."""
-        import time
-
-        ex = self.executors["transformer"]
-        if not isinstance(ex, TorchExecutor):
-            raise FluxtrtError("only the PyTorch transformer is compiled (backend torch)")
-        t0 = time.perf_counter()
-        ex.batch_buckets = tuple(sorted(batches))
-        for batch in ex.batch_buckets:
-            feeds = ex.spec.sample_inputs(ShapePoint(batch, height, width), self.geo, batch)
-            with self.on_stream():
-                ex.infer(feeds)
-        if self.device.type == "cuda":
-            import torch
-
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
 
     def plan(self, height: int, width: int, inputs: ImageInputs | None = None):
         """(workflow, output height, output width, reference size) for a request's image inputs; one line
@@ -231,50 +149,6 @@ class Pipeline:
             spec = specs_for(self.geo, [name])[name]
             self.executors[name].check_shapes(spec.input_shapes(point, self.geo))
 
-    # -- stages ---------------------------------------------------------------------------------------
-    def tokenizers(self):
-        if self._tokenizers is None:
-            from transformers import AutoTokenizer
-
-            a = self.assets
-            try:  # files of an engine folder or model folder: untrusted
-                self._tokenizers = (AutoTokenizer.from_pretrained(a / "tokenizer", local_files_only=True),
-                                    AutoTokenizer.from_pretrained(a / "tokenizer_2", local_files_only=True))
-            except Exception as e:  # noqa: BLE001 - any loader failure on a damaged file is one line
-                raise ManifestError(f"cannot load the tokenizers in {a} ({type(e).__name__}); rebuild with `fluxtrt "
-                                    "build` or fix the model folder") from None
-        return self._tokenizers
-
-    def _tokenize(self, tokenizer, prompts: list[str], length: int, label: str):
-        ids = tokenizer(prompts, padding="max_length", max_length=length, truncation=True, return_tensors="pt").input_ids
-        full = tokenizer(prompts, padding="longest", return_tensors="pt").input_ids
-        if full.shape[-1] > length:
-            dropped = max(len(tokenizer.decode(row[length - 1:-1], skip_special_tokens=True).split()) for row in full)
-            log.warning("prompt truncated to %d %s tokens (it has %d; about %d words dropped)", length, label,
-                        full.shape[-1], dropped)
-        return ids
-
-    def forget_prompts(self) -> None:
-        """Drop the prompt embeddings kept for reuse within a run (bench times the encoders every run)."""
-        self._embeds.clear()
-
-    def encode_prompts(self, prompts: list[str]):
-        """(pooled [B, D], t5 [B, T, D']) as float32 on the executor device; each distinct prompt encoded once."""
-        import torch
-
-        new = [p for p in dict.fromkeys(prompts) if p not in self._embeds]
-        if new:
-            clip_tok, t5_tok = self.tokenizers()
-            clip_ids = self._tokenize(clip_tok, new, self.geo.clip_length, "CLIP")
-            t5_ids = self._tokenize(t5_tok, new, self.geo.t5_length, "T5")
-            pooled = self.executors["clip"].infer({"input_ids": clip_ids})["pooled_embeds"].float()
-            text = self.executors["t5"].infer({"input_ids": t5_ids})["text_embeds"].float()
-            for i, p in enumerate(new):
-                self._embeds[p] = (pooled[i].clone(), text[i].clone())
-        pooled = torch.stack([self._embeds[p][0] for p in prompts])
-        text = torch.stack([self._embeds[p][1] for p in prompts])
-        return pooled, text
-
     def generate(self, prompts: list[str], height: int, width: int, steps: int, guidance: float = 3.5,
                  *, seed: int = 0, trace: bool = False, on_step=None, negative_prompts: list[str] | None = None,
                  true_cfg: float = 1.0, inputs: ImageInputs | None = None, cache_threshold: float = 0.0) -> Result:
@@ -293,16 +167,16 @@ class Pipeline:
         inputs = inputs or ImageInputs()
         wf, height, width, reference = self.plan(height, width, inputs)
         self.check_request(batch, height, width, steps, reference)
-        cache = self.step_cache(cache_threshold)
+        cache = self.steps.step_cache(cache_threshold)
         dev = self.device
         timings = Timings()
         memory = MemoryWatch(self._memory_base) if dev.type == "cuda" else None
         t_start = time.perf_counter()
 
         with self.on_stream():
-            pooled, text = self.encode_prompts(prompts)
+            pooled, text = self.prompts.encode(prompts)
             if cfg:
-                neg_pooled, neg_text = self.encode_prompts(negative_prompts)
+                neg_pooled, neg_text = self.prompts.encode(negative_prompts)
         timings.text_encoders = _elapsed(t_start, dev)  # synchronizes: the encoders are done with their weights
         if memory is not None:
             memory.sample()
@@ -366,29 +240,6 @@ class Pipeline:
             feeds["guidance"] = guidance
         return feeds
 
-    def cached_transformer(self, feeds: dict, groups: list, branch: str = "cond"):
-        """noise_pred through First-Block Cache's parts for `groups` [(FirstBlockCache or None, row slice)]: each
-        group decides on its own rows (a generation: one group over the batch, as diffusers; the batcher: one per
-        sample). The tail runs for the whole batch when any group needs it; a group that skips takes its kept
-        residual, and only groups that computed keep the tail's output. None: no cache (always computes)."""
-        import torch
-
-        head = self.run_part("transformer_head", feeds)
-        decided = [(c, rows, c is None or c.must_compute(branch, head["head_residual"][rows])) for c, rows in groups]
-        tail = None
-        if any(compute for _, _, compute in decided):
-            tail = self.run_part("transformer_tail", dict(head, img_ids=feeds["img_ids"],
-                                                          txt_ids=feeds["txt_ids"]))["tail_hidden"]
-        hidden = []
-        for c, rows, compute in decided:
-            if c is not None:
-                c.record(branch, compute)
-                if compute:
-                    c.keep(branch, head["head_residual"][rows], head["head_hidden"][rows], tail[rows])
-            hidden.append(tail[rows] if compute else c.cached(branch, head["head_hidden"][rows]))
-        hidden = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
-        return self.run_part("transformer_out", {"hidden": hidden, "temb": head["temb"]})["noise_pred"]
-
     def prepare(self, wf, batch: int, height: int, width: int, steps: int, *, seed: int, inputs: ImageInputs) -> Prepared:
         """The workflow's starting state for a request (CPU tensors), its noise from a CPU generator seeded
         `seed` as diffusers' (the image workflows also run the VAE encoder here)."""
@@ -430,13 +281,13 @@ class Pipeline:
             dts = (prep.sigmas[1:] - prep.sigmas[:-1]).to(dev)
             feeds = self.step_inputs(cond.model_input(latents), text.to(dev), pooled.to(dev), t_in[0].expand(batch),
                                      cond.img_ids, guidance=torch.full([batch], guidance, dtype=torch.float32).to(dev))
-            step = (self._step_function(feeds, refresh=negative is not None) if cache is None
-                    else self._cached_step(feeds, cache, "cond"))
+            step = (self.steps.step_function(feeds, refresh=negative is not None) if cache is None
+                    else self.steps.cached_step(feeds, cache, "cond"))
             if negative is not None:  # the same call with the negative prompts' embeddings
                 neg_feeds = dict(feeds, encoder_hidden_states=negative[1].to(dev),
                                  pooled_projections=negative[0].to(dev))
-                step_neg = (self._step_function(neg_feeds, refresh=True) if cache is None
-                            else self._cached_step(neg_feeds, cache, "uncond"))
+                step_neg = (self.steps.step_function(neg_feeds, refresh=True) if cache is None
+                            else self.steps.cached_step(neg_feeds, cache, "uncond"))
             tokens = latents.shape[1]  # Kontext: the output's first tokens are the target's
             trace_latents = []
             step_marks = [_mark(dev)]
@@ -456,15 +307,6 @@ class Pipeline:
                         trace_latents.append(latents.detach().to("cpu", copy=True))
         timings.steps = _intervals(step_marks, dev)
         return latents, trace_latents
-
-
-def captures_step_itself(ex) -> bool:
-    """--cuda-graph: the pipeline captures the transformer step (CudaGraphStep, after warm-up calls) for the
-    PyTorch module, a compiled package and for full TensorRT, whose runtime config has no graph strategy;
-    TensorRT-RTX captures the whole graph itself (cuda_graph_strategy = WHOLE_GRAPH_CAPTURE)."""
-    if isinstance(ex, (TorchExecutor, PackageExecutor)):
-        return True
-    return isinstance(ex, TensorRTExecutor) and not ex.native_cuda_graph
 
 
 class MemoryWatch:
@@ -492,36 +334,6 @@ class MemoryWatch:
         self.sample()
         device = self.used - self.baseline  # everything this process added, TensorRT's allocations included
         return max(device, self.max_allocated() - self.torch_baseline, 0) / 2**30
-
-
-class CudaGraphStep:
-    """The transformer step captured as a CUDA graph for one set of shapes and replayed every step. Its
-    static input buffers are allocated once per shape; a step only copies latents and timestep into them."""
-
-    PER_STEP = ("hidden_states", "timestep")
-
-    def __init__(self, executor, feeds: dict, stream):
-        import torch
-
-        self.static = {k: v.clone() for k, v in feeds.items()}
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside the graph (allocator, lazy init)
-                executor.infer(self.static)
-        stream.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=stream):
-            self.out = executor.infer(self.static)["noise_pred"]
-
-    def set_call_inputs(self, feeds: dict) -> None:
-        for k, v in feeds.items():
-            if k not in self.PER_STEP:
-                self.static[k].copy_(v)
-
-    def __call__(self, latents, timestep):
-        self.static["hidden_states"].copy_(latents)
-        self.static["timestep"].copy_(timestep)
-        self.graph.replay()
-        return self.out
 
 
 def _sync_guard(dev, enabled: bool):

@@ -114,19 +114,6 @@ def test_default_precision_engines_run_on_onnxruntime(tmp_path, tiny_schnell):
     assert len(res.timings.steps) == 2 and all(t > 0 for t in res.timings.steps)
 
 
-def test_prompt_embeddings_are_reused(fp32_engines):
-    _, engines = fp32_engines("tiny-schnell")
-    pipe = open_pipeline(engines, backend="onnxruntime")
-    calls = []
-    clip = pipe.executors["clip"]
-    orig = clip.infer
-    clip.infer = lambda feeds: calls.append(feeds["input_ids"].shape[0]) or orig(feeds)
-    pooled, text = pipe.encode_prompts(["a", "b", "a", "a"])
-    assert calls == [2] and pooled.shape[0] == 4 and torch.equal(pooled[0], pooled[2])
-    pipe.encode_prompts(["b", "a"])
-    assert calls == [2]  # nothing new to encode
-
-
 @pytest.mark.parametrize("kwargs, message", [
     (dict(height=250), "height 250 is not a positive multiple of 16; use 256$"),
     (dict(width=1000), "width 1000 is not a positive multiple of 16; use 992 or 1008"),

@@ -102,7 +102,7 @@ def test_weightless_engines_are_built_for_refit_with_other_weights(tmp_path):
 def test_cuda_graph_on_full_tensorrt_is_captured_by_the_pipeline(tmp_path):
     """Full TensorRT's runtime config has no cuda_graph_strategy: no AttributeError, and the pipeline captures
     the step itself (CudaGraphStep); TensorRT-RTX is asked for whole-graph capture."""
-    from fluxtrt.runtime.pipeline import captures_step_itself
+    from fluxtrt.runtime.steps import captures_step_itself
 
     ex, _, _ = make_executor(tmp_path, flavour="trt", cuda_graph=True)
     ex.activate()
