@@ -137,3 +137,42 @@ def test_an_archive_of_packages_unpacks_and_runs_the_same(packages, tmp_path):
     images = [_image(open_pipeline(f, backend="torch", fallback=["clip", "t5", "vae_decoder"], torch_dtype="fp32"),
                      "a kite", seed, steps=2) for f in (folder, unpacked)]
     assert np.array_equal(images[0], images[1])
+
+
+def test_serve_bench_and_the_drop_in_open_a_package_folder(packages):
+    """The same package folder behind `fluxtrt serve` (the Service, batch 2 through the package), `fluxtrt bench`
+    and the drop-in diffusers pipeline: served images equal single runs within 2/255; the drop-in's latents
+    equal diffusers' fp32 FluxPipeline's step for step (tests/test_dropin.compare's bounds)."""
+    import asyncio
+    import base64
+    import io
+
+    from PIL import Image
+
+    from fluxtrt import api
+    from fluxtrt.bench import BenchOptions
+    from fluxtrt.dropin import load_pipeline
+    from fluxtrt.runtime.options import PipelineOptions
+    from fluxtrt.serving import Service
+    from tests.test_dropin import compare
+
+    src, folder, _ = packages("tiny-schnell", ("transformer",))
+    svc = Service(str(folder), None, "auto", max_batch=2, max_queue=2, torch_dtype="fp32")
+    try:
+        assert svc.backend == "torch" and svc.pipe.executors["transformer"].kind == "pt2"
+        seed = int(np.random.default_rng().integers(1000))
+        body = json.dumps({"prompt": "a cat", "size": "320x256", "n": 2, "steps": 2, "seed": seed}).encode()
+        status, payload, _ = asyncio.run(svc.generate(body))
+        assert status == 200 and [d["seed"] for d in payload["data"]] == [seed, seed + 1]
+        for d in payload["data"]:
+            img = np.asarray(Image.open(io.BytesIO(base64.b64decode(d["b64_json"])))).astype(int)
+            alone = svc.pipe.generate(["a cat"], 256, 320, 2, 3.5, seed=d["seed"]).images[0].astype(int)
+            assert np.abs(img - alone).max() <= MAX_UINT8_DIFF
+    finally:
+        svc.close()
+    rows, meta, _ = api.bench(folder, None, "auto", BenchOptions(sizes=[256], steps=2, runs=1, warmup=0,
+                                                                 pipeline=PipelineOptions(torch_dtype="fp32")))
+    assert len(rows) == 1 and rows[0].end_to_end_s.median > 0 and meta["model"] == "tiny-schnell"
+    ours = load_pipeline(folder, torch_dtype="fp32")
+    assert ours.transformer.executor.kind == "pt2"
+    compare(ours, src.load_pipeline(), src, "txt2img", "torch")
