@@ -10,6 +10,7 @@ speed: in one process, diffusers eager bf16 (the baseline, same run) then the pa
 Rows go to --out as JSON after every measurement (a cut run keeps what it measured).
 Device:  python3 scripts/aot_engines.py build --gpu h200 --precision transformer=fp8 --out $OUT/build.json
          python3 scripts/aot_engines.py load --engines aot/h200-torch-fp8 --out $OUT/load.json
+         python3 scripts/aot_engines.py read --engines aot/h200-torch-fp8 --out $OUT/read.json
          python3 scripts/aot_engines.py first --engines aot/h200-torch-fp8 --out $OUT/first.json
          python3 scripts/aot_engines.py speed --engines aot/h200-torch-fp8 --out $OUT/speed.json
 Rehearse here: python3 scripts/aot_engines.py build --gpu cpu --model tiny --root /tmp/aot --out /tmp/b.json
@@ -141,6 +142,32 @@ def load(a) -> None:
             torch.cuda.empty_cache()
 
 
+def read(a) -> None:
+    """The weights files of a package folder read as the runtime reads them (core/packages.read_constants: read,
+    sha256 and the copy to the device overlapped), each timed: GB/s."""
+    import torch
+
+    from fluxtrt.core import packages
+    from fluxtrt.records import read_manifest
+
+    folder = Path(a.engines)
+    manifest = read_manifest(folder)
+    device = "cuda" if torch.cuda.is_available() and manifest.runtime.get("target") != "cpu" else "cpu"
+    rows = []
+    for name, e in manifest.components.items():
+        if not e.constants:
+            continue
+        t0 = time.perf_counter()
+        packages.read_constants(folder / e.constants["file"], e.constants, device, name)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        s = time.perf_counter() - t0
+        rows.append({"component": name, "bytes": e.constants["bytes"], "read_s": round(s, 2),
+                     "gb_per_s": round(e.constants["bytes"] / 1e9 / s, 2), "device": device})
+        print(json.dumps(rows[-1]), flush=True)
+        write(a.out, {"meta": meta(a), "rows": rows})
+
+
 def speed(a) -> None:
     import gc
 
@@ -202,7 +229,7 @@ def speed(a) -> None:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("phase", choices=["build", "load", "first", "speed"])
+    ap.add_argument("phase", choices=["build", "load", "read", "first", "speed"])
     ap.add_argument("--gpu", default="h200")
     ap.add_argument("--model", default="", help="build: default random:flux.1-dev; speed: default the manifest's")
     ap.add_argument("--root", default="aot", help="build: the build root")
@@ -221,7 +248,7 @@ def main():
     a = ap.parse_args()
     if a.phase == "build" and not a.components:
         a.components = "clip,t5,transformer,vae_decoder"
-    {"build": build, "load": load, "first": first, "speed": speed}[a.phase](a)
+    {"build": build, "load": load, "read": read, "first": first, "speed": speed}[a.phase](a)
 
 
 if __name__ == "__main__":

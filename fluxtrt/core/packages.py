@@ -117,10 +117,16 @@ def save_constants(tensors: dict, path: Path) -> dict:
     return {"file": path.name, "sha256": sha256_file(path), "bytes": path.stat().st_size}
 
 
+IN_FLIGHT_BYTES = 1 << 30  # read ahead of the hash and the copy to the device by at most this much
+
+
 def read_constants(path: Path, recorded: dict, device, component: str) -> dict:
     """The constants file read once, in file order, each tensor's bytes hashed on the way and copied to `device`;
-    the size and sha256 must be the manifest's (a truncated or changed file is one line, nothing kept)."""
+    the size and sha256 must be the manifest's (a truncated or changed file is one line, nothing kept). Reading,
+    hashing and the copy to the device overlap (one thread each: hashlib and the copy release the GIL), so the
+    load runs at the slowest of the three rather than their sum (0.55 GB/s sequential on the H200's disk)."""
     import hashlib
+    from concurrent.futures import ThreadPoolExecutor
 
     import torch
 
@@ -132,19 +138,29 @@ def read_constants(path: Path, recorded: dict, device, component: str) -> dict:
     if not path.is_file() or path.stat().st_size != recorded.get("bytes"):
         raise FluxtrtError(f"{component}: {path} is missing or not the size the manifest records; {fix}")
     stored = sorted(read_header(path).items(), key=lambda kv: kv[1].offset)
-    digest, out, pos = hashlib.sha256(), {}, 0
-    with open(path, "rb") as f:
+    digest, copies, pos, in_flight = hashlib.sha256(), {}, 0, []
+
+    def to_device(buf, t):
+        dtype = getattr(torch, BY_SAFETENSORS[t.dtype].numpy)
+        host = torch.frombuffer(buf, dtype=torch.uint8) if t.length else torch.empty(0, dtype=torch.uint8)
+        return host.view(dtype).reshape(t.shape).to(device)
+
+    with open(path, "rb") as f, ThreadPoolExecutor(1) as hasher, ThreadPoolExecutor(1) as copier:
         for key, t in stored:
-            digest.update(f.read(t.offset - pos))
+            hasher.submit(digest.update, f.read(t.offset - pos))
             buf = bytearray(t.length)
             if f.readinto(buf) != t.length:
                 raise FluxtrtError(f"{component}: {path} is truncated; {fix}")
-            digest.update(buf)
             pos = t.offset + t.length
-            dtype = getattr(torch, BY_SAFETENSORS[t.dtype].numpy)
-            host = torch.frombuffer(buf, dtype=torch.uint8) if t.length else torch.empty(0, dtype=torch.uint8)
-            out[key] = host.view(dtype).reshape(t.shape).to(device)
-        digest.update(f.read())
+            done = hasher.submit(digest.update, buf)
+            copies[key] = copier.submit(to_device, buf, t)
+            in_flight.append((t.length, done, copies[key]))
+            while sum(n for n, _, _ in in_flight) > IN_FLIGHT_BYTES:  # bounded host memory
+                _, h, c = in_flight.pop(0)
+                h.result()
+                c.result()
+        hasher.submit(digest.update, f.read()).result()
+        out = {key: c.result() for key, c in copies.items()}
     if digest.hexdigest() != recorded.get("sha256"):
         raise FluxtrtError(f"{component}: {path} is not the file the manifest records (sha256 differs: corrupted or "
                            f"replaced); {fix}")
