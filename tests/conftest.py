@@ -175,17 +175,19 @@ def engines(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def packages(tmp_path_factory):
-    """packages(model, components) -> (source, GPU folder, manifest): compiled PyTorch engines (AOTInductor C++
-    packages) of a tiny model for this CPU (`fluxtrt build --gpu cpu`), fp32, once per test run (shared)."""
+    """packages(model, components, first_block_cache) -> (source, GPU folder, manifest): compiled PyTorch engines
+    (AOTInductor C++ packages) of a tiny model for this CPU (`fluxtrt build --gpu cpu`), fp32, once per test run
+    (shared); with first_block_cache the transformer's parts too."""
     from fluxtrt.gpus import load_gpu
     from fluxtrt.models.source import resolve_model
     from fluxtrt.records import read_manifest
     from fluxtrt.stages.build import build_gpu
 
-    def get(model, components=("clip", "t5", "transformer", "vae_decoder")):
+    def get(model, components=("clip", "t5", "transformer", "vae_decoder"), first_block_cache=False):
         src = resolve_model(model)
-        root = shared_folder(tmp_path_factory, f"pt2-{model}-{'-'.join(components)}", lambda root: build_gpu(
-            src, load_gpu("cpu"), root, components=list(components)))
+        key = f"pt2-{model}-{'-'.join(components)}{'-fbc' if first_block_cache else ''}"
+        root = shared_folder(tmp_path_factory, key, lambda root: build_gpu(
+            src, load_gpu("cpu"), root, components=list(components), first_block_cache=first_block_cache))
         return src, root / "cpu", read_manifest(root / "cpu")
 
     return get

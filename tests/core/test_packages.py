@@ -55,7 +55,7 @@ def test_a_torch_that_crashes_loading_a_package_is_one_line_and_a_good_package_l
     from fluxtrt.core import packages as pk
     from fluxtrt.errors import FluxtrtError
 
-    _, folder, _ = packages("tiny-schnell", ("transformer",))
+    _, folder, _ = packages("tiny-schnell", ("transformer",), first_block_cache=True)
     pk.probe_load(folder / "transformer.pt2", "transformer", "cpu")
     monkeypatch.setattr(pk, "_PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
     with pytest.raises(FluxtrtError, match=rf"^transformer: this torch {re.escape(torch.__version__)} crashes loading "

@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fluxtrt.cli import app
+from fluxtrt.components import TRANSFORMER_PARTS
 from fluxtrt.runtime.assembly import open_pipeline
 
 MAX_UINT8_DIFF = 2  # of 255
@@ -23,9 +24,10 @@ def test_cpu_packages_equal_the_jit_torch_executor_and_onnxruntime(packages, eng
     """tiny fully packaged, tiny-schnell's transformer alone (the rest runs in PyTorch, said in the notes): each
     image within 2/255 of the JIT torch executor in fp32 and of ONNX Runtime on the same model's fp32 engines."""
     components = ("clip", "t5", "transformer", "vae_decoder") if model == "tiny" else ("transformer",)
-    src, folder, manifest = packages(model, components)
+    src, folder, manifest = packages(model, components, first_block_cache=model == "tiny-schnell")
     assert manifest.backend == "torch" and manifest.runtime["target"] == "cpu" and not manifest.pending
-    assert {e.engine for e in manifest.components.values()} == {f"{c}.pt2" for c in components}
+    parts = TRANSFORMER_PARTS if model == "tiny-schnell" else ()
+    assert {e.engine for e in manifest.components.values()} == {f"{c}.pt2" for c in components + parts}
     # the kernels in the package, the weights beside it (read once at load, handed to the package)
     assert all((folder / e.constants["file"]).stat().st_size == e.constants["bytes"] for e in manifest.components.values())
     seed = int(np.random.default_rng().integers(1000))
@@ -67,7 +69,7 @@ def test_a_second_build_reuses_every_package(packages, tmp_path):
     from fluxtrt.gpus import load_gpu
     from fluxtrt.stages.build import build_gpu
 
-    src, folder, manifest = packages("tiny-schnell", ("transformer",))
+    src, folder, manifest = packages("tiny-schnell", ("transformer",), first_block_cache=True)
     shutil.copytree(folder.parent, tmp_path / "root", symlinks=True)
     again, results = build_gpu(src, load_gpu("cpu"), tmp_path / "root", components=["transformer"])
     assert [(r.stage, r.status) for r in results] == [("package", "reused")]
@@ -77,7 +79,7 @@ def test_a_second_build_reuses_every_package(packages, tmp_path):
 def test_a_package_that_cannot_run_here_is_refused_in_one_line(packages, tmp_path):
     """Another torch version, a flipped byte and another model's package: each one line naming both sides or the
     fix, exit 2, nothing compiled in its place and no image written."""
-    _, folder, _ = packages("tiny-schnell", ("transformer",))
+    _, folder, _ = packages("tiny-schnell", ("transformer",), first_block_cache=True)
     _, tiny, _ = packages("tiny")
     base = ["run", "--prompt", "x", "--steps", "1", "--height", "256", "--width", "256", "--fallback", "clip,t5,vae_decoder"]
 
@@ -128,7 +130,7 @@ def test_an_archive_of_packages_unpacks_and_runs_the_same(packages, tmp_path):
     folder's, bit for bit."""
     from fluxtrt.artifacts import pack, unpack
 
-    _, folder, _ = packages("tiny-schnell", ("transformer",))
+    _, folder, _ = packages("tiny-schnell", ("transformer",), first_block_cache=True)
     archive, sha = pack(folder, tmp_path / "dist")
     assert archive.name.endswith("-cpu-cpu.tar.gz")
     unpacked = unpack(archive, tmp_path / "engines", sha)
@@ -156,7 +158,7 @@ def test_serve_bench_and_the_drop_in_open_a_package_folder(packages):
     from fluxtrt.serving import Service
     from tests.test_dropin import compare
 
-    src, folder, _ = packages("tiny-schnell", ("transformer",))
+    src, folder, _ = packages("tiny-schnell", ("transformer",), first_block_cache=True)
     svc = Service(str(folder), None, "auto", max_batch=2, max_queue=2, torch_dtype="fp32")
     try:
         assert svc.backend == "torch" and svc.pipe.executors["transformer"].kind == "pt2"
@@ -176,3 +178,18 @@ def test_serve_bench_and_the_drop_in_open_a_package_folder(packages):
     ours = load_pipeline(folder, torch_dtype="fp32")
     assert ours.transformer.executor.kind == "pt2"
     compare(ours, src.load_pipeline(), src, "txt2img", "torch")
+
+
+def test_first_block_cache_runs_on_the_packaged_parts_as_on_the_jit_module(packages):
+    """`fluxtrt build --gpu cpu --first-block-cache`: the transformer's head, tail and out as packages of their own;
+    with a cache threshold the pipeline runs them and decides as the JIT module's parts do: the same steps
+    computed and skipped, the image within 2/255."""
+    src, folder, _ = packages("tiny-schnell", ("transformer",), first_block_cache=True)
+    pipe = open_pipeline(folder, backend="torch", torch_dtype="fp32")
+    assert {n: pipe.executors[n].kind for n in TRANSFORMER_PARTS} == {n: "pt2" for n in TRANSFORMER_PARTS}
+    jit = open_pipeline(None, backend="torch", model=src, torch_dtype="fp32", device="cpu")
+    seed = int(np.random.default_rng().integers(1000))
+    got = pipe.generate(["a lighthouse"], 256, 256, 6, seed=seed, cache_threshold=0.3)
+    want = jit.generate(["a lighthouse"], 256, 256, 6, seed=seed, cache_threshold=0.3)
+    assert got.timings.cache == want.timings.cache and got.timings.cache["computed"] >= 1
+    assert np.abs(got.images.astype(int) - want.images.astype(int)).max() <= MAX_UINT8_DIFF
