@@ -458,10 +458,9 @@ def serve(
     _quiet_libraries()
     from .serving import ServeArgs, serve_forever
 
-    args = ServeArgs(engines=str(engines) if engines else None, model=model, backend=backend, max_batch=max_batch,
-                     max_queue=max_queue, replicas=replicas,
-                     torch_dtype=torch_dtype, calibration=str(calibration) if calibration else None,
-                     cache_threshold=cache_threshold, compile=compile, size=size)
+    args = ServeArgs.of(engines=engines, model=model, backend=backend, max_batch=max_batch, max_queue=max_queue,
+                        replicas=replicas, torch_dtype=torch_dtype, calibration=calibration,
+                        cache_threshold=cache_threshold, compile=compile, size=size)
     serve_forever(args, host, port, address, r.out.print)
 
 

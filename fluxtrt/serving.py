@@ -24,11 +24,12 @@ import math
 import os
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .core.limits import MAX_CACHE_THRESHOLD, MAX_GUIDANCE, MAX_STEPS, check_number
 from .errors import BadRequest, FluxtrtError, TooLarge  # noqa: F401 - defined in errors.py, raised here
+from .runtime.options import PipelineOptions
 
 log = logging.getLogger("fluxtrt")
 
@@ -149,17 +150,16 @@ def png_b64(image) -> str:
 class Service:
     """One replica's state and request handling, independent of Ray (tests drive it directly)."""
 
-    def __init__(self, engines: str | None, model: str | None, backend: str, max_batch: int | None, max_queue: int,
-                 *, metrics=None, torch_dtype: str = "bf16", calibration: str | None = None,
-                 cache_threshold: float = 0.0, compile: bool = False, size: str | None = None):
+    def __init__(self, options, max_batch: int | None, max_queue: int, *, metrics=None, cache_threshold: float = 0.0,
+                 size: str | None = None):
+        """`options`: runtime.options.PipelineOptions (what `fluxtrt run` opens: engines or model, backend, dtype,
+        calibration, compile, ...)."""
         from .runtime.assembly import open_pipeline
         from .runtime.batching import ContinuousBatcher, batch_buckets, warm_up_batches
 
-        check_servable(Path(engines) if engines else None, model, backend)
+        check_servable(options.engines, options.model, options.backend)
         # LAZY kernel specialization: a server must not stall on the first request of a new shape
-        self.pipe = open_pipeline(Path(engines) if engines else None, model=None if engines else model,
-                                  backend=backend, torch_dtype=torch_dtype, kernel_specialization="lazy",
-                                  calibration=Path(calibration) if calibration else None, compile=compile)
+        self.pipe = open_pipeline(options=options, kernel_specialization="lazy")
         self.backend = self.pipe.backend_name
         self.metrics = metrics
         self.batcher = ContinuousBatcher(self.pipe, max_batch, max_queue, on_step=self._record)
@@ -169,7 +169,7 @@ class Service:
             width, height = parse_size(size, "size")  # the name ServeArgs and the app use
             self.pipe.check_request(1, height, width, 1)
             self.default_size = (height, width)
-        if compile:  # every batch size the batcher can form, compiled before the first request
+        if self.pipe.options.compile:  # every batch size the batcher can form, compiled before the first request
             buckets = batch_buckets(self.batcher.max_batch)
             seconds = warm_up_batches(self.pipe, buckets, *self.default_size)
             log.info("compiled the transformer for batches %s at %dx%d in %.0f s", buckets, *self.default_size,
@@ -267,29 +267,40 @@ class ServeArgs:
     fluxtrt.serving:app engines=DIR ...`, a Serve config's `args`, KubeRay's RayService) and what `fluxtrt serve`
     passes. `gpus_per_replica` None: 1 where the cluster has GPUs (0 for ONNX Runtime on the CPU)."""
 
-    engines: str | None = None
-    model: str | None = None
-    backend: str = "auto"
+    pipeline: PipelineOptions = field(default_factory=PipelineOptions)  # given by its fields' names: engines=...
     max_batch: int | None = None
     max_queue: int = 64
     replicas: int = 1
     gpus_per_replica: float | None = None
-    torch_dtype: str = "bf16"
-    calibration: str | None = None
     cache_threshold: float = 0.0
-    compile: bool = False  # torch.compile the PyTorch transformer, for each batch size the batcher forms
     size: str | None = None  # "WIDTHxHEIGHT": requests' default size, the one `compile` compiles for
+
+    @classmethod
+    def keys(cls) -> list:
+        """The arguments the app takes: these fields and the pipeline's (runtime.options.FIELDS)."""
+        import dataclasses
+
+        from .runtime.options import FIELDS
+
+        return sorted({f.name for f in dataclasses.fields(cls)} - {"pipeline"} | set(FIELDS))
+
+    @classmethod
+    def of(cls, **flat) -> "ServeArgs":
+        """ServeArgs from the flat names (the pipeline's fields go to `pipeline`)."""
+        from .runtime.options import FIELDS
+
+        return cls(pipeline=PipelineOptions(**{k: v for k, v in flat.items() if k in FIELDS}),
+                   **{k: v for k, v in flat.items() if k not in FIELDS})
 
     @classmethod
     def parse(cls, args: dict) -> "ServeArgs":
         """From a builder's arguments (strings from `serve run k=v`, or YAML values), each checked in one line."""
-        import dataclasses
         import typing
 
         if not isinstance(args, dict):
             raise FluxtrtError("the fluxtrt app takes key=value arguments (engines=DIR, backend=..., ...)")
-        hints = typing.get_type_hints(cls)
-        fields = {f.name for f in dataclasses.fields(cls)}
+        hints = typing.get_type_hints(PipelineOptions) | typing.get_type_hints(cls)
+        fields = set(cls.keys())
         unknown = sorted(set(args) - fields)
         if unknown:
             raise FluxtrtError(f"unknown argument {', '.join(map(str, unknown))}; the fluxtrt app takes "
@@ -314,7 +325,7 @@ class ServeArgs:
             except (TypeError, ValueError):
                 what = {int: "an integer", float: "a number", str: "a string"}[kind]
                 raise FluxtrtError(f"{key}={value!r}: expected {what}") from None
-        return cls(**out).check()
+        return cls.of(**out).check()
 
     def check(self) -> "ServeArgs":
         for flag, value, lo, hi in (("replicas", self.replicas, 1, 1024), ("max_batch", self.max_batch, 1, 1024),
@@ -322,21 +333,23 @@ class ServeArgs:
                                     ("gpus_per_replica", self.gpus_per_replica, 0, 8),
                                     ("cache_threshold", self.cache_threshold, 0.0, MAX_CACHE_THRESHOLD)):
             check_number(flag, value, lo, hi)
-        if self.compile and self.backend != "torch":
+        self.pipeline = self.pipeline.check()
+        o = self.pipeline
+        if o.compile and o.backend != "torch":
             raise FluxtrtError("compile=true compiles the PyTorch transformer: use backend torch (engines are "
                                "compiled by `fluxtrt build`)")
         if self.size is not None:
             parse_size(self.size, "size")
-        check_servable(Path(self.engines) if self.engines else None, self.model, self.backend)
-        if self.cache_threshold > 0 and self.backend not in ("torch", "auto"):
-            raise FluxtrtError(f"cache_threshold runs the transformer as First-Block Cache's parts: the {self.backend} "
+        check_servable(o.engines, o.model, o.backend)
+        if self.cache_threshold > 0 and o.backend not in ("torch", "auto"):
+            raise FluxtrtError(f"cache_threshold runs the transformer as First-Block Cache's parts: the {o.backend} "
                                "backend needs engines built with `fluxtrt build --first-block-cache` (or backend torch)")
         return self
 
     def gpus(self) -> float:
         if self.gpus_per_replica is not None:
             return self.gpus_per_replica
-        if self.backend == "onnxruntime":
+        if self.pipeline.backend == "onnxruntime":
             return 0
         import ray
 
@@ -351,9 +364,8 @@ class FluxService:
     """The Ray Serve deployment: one `Service` per replica behind FastAPI (made a deployment by `app`)."""
 
     def __init__(self, args: ServeArgs):
-        self.service = Service(args.engines, args.model, args.backend, args.max_batch, args.max_queue,
-                               metrics=_metrics_recorder(), torch_dtype=args.torch_dtype, calibration=args.calibration,
-                               cache_threshold=args.cache_threshold, compile=args.compile, size=args.size)
+        self.service = Service(args.pipeline, args.max_batch, args.max_queue, metrics=_metrics_recorder(),
+                               cache_threshold=args.cache_threshold, size=args.size)
 
     async def generations(self, request):
         from fastapi.responses import JSONResponse
@@ -540,10 +552,12 @@ def serve_forever(args: ServeArgs, host: str, port: int, address: str | None, sa
         raise FluxtrtError("fluxtrt serve needs Ray Serve: pip install \"fluxtrt[serve]\"") from None
 
     check_serve_options(host, port, args.replicas, args.max_batch, args.max_queue, address=address)
-    if args.calibration is not None and not Path(args.calibration).is_file():
-        raise FluxtrtError(f"--calibration {args.calibration}: no such file; pass the file `fluxtrt calibrate` wrote")
-    args = dataclasses.replace(args, engines=str(Path(args.engines).resolve()) if args.engines else None,
-                               calibration=str(Path(args.calibration).resolve()) if args.calibration else None).check()
+    o = args.pipeline
+    if o.calibration is not None and not Path(o.calibration).is_file():
+        raise FluxtrtError(f"--calibration {o.calibration}: no such file; pass the file `fluxtrt calibrate` wrote")
+    o = dataclasses.replace(o, engines=Path(o.engines).resolve() if o.engines else None,
+                            calibration=Path(o.calibration).resolve() if o.calibration else None)
+    args = dataclasses.replace(args, pipeline=o).check()
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
     started_ray = not ray.is_initialized()
     if started_ray:

@@ -26,6 +26,7 @@ from PIL import Image
 from fluxtrt.errors import FluxtrtError
 from fluxtrt.runtime.assembly import open_pipeline
 from fluxtrt.runtime.batching import ContinuousBatcher
+from fluxtrt.runtime.options import PipelineOptions
 from fluxtrt.serving import BadRequest, Service, parse_request
 from tests.runtime.test_batching import MAX_UINT8_DIFF, check_batched_equals_single, diff, random_requests
 
@@ -69,7 +70,7 @@ def test_openai_fields_that_change_nothing_are_accepted():
 def test_service_cancels_the_work_of_clients_that_gave_up():
     """Seven clients give up after 0.3 s on {"steps": 1000, "n": 8} (Ray Serve cancels their handlers): a normal
     request is answered within seconds, and /health's queue goes back to 0."""
-    svc = Service(None, "tiny-schnell", "torch", max_batch=4, max_queue=64, torch_dtype="fp32")
+    svc = Service(PipelineOptions(model="tiny-schnell", backend="torch", torch_dtype="fp32"), max_batch=4, max_queue=64)
     heavy = b'{"prompt": "a cat", "size": "256x256", "steps": 1000, "n": 8}'
 
     async def scenario():
@@ -152,7 +153,7 @@ def test_what_cannot_be_served_is_one_line_before_ray_starts(args, message):
 def test_service_answers_without_ray():
     """200 with seeds s, s+1 and base64 PNGs equal to single runs; 400 for a size the engines refuse; 503 with
     Retry-After when the queue is full; and it keeps serving."""
-    svc = Service(None, "tiny-schnell", "torch", max_batch=2, max_queue=2, torch_dtype="fp32")
+    svc = Service(PipelineOptions(model="tiny-schnell", backend="torch", torch_dtype="fp32"), max_batch=2, max_queue=2)
     try:
         status, payload, headers = asyncio.run(svc.generate(b'{"prompt": "a cat", "size": "320x256", "n": 2, '
                                                             b'"steps": 2, "seed": 11}'))
@@ -200,8 +201,8 @@ def test_compiled_service_compiles_each_batch_size_before_serving(monkeypatch):
     monkeypatch.setattr(TorchExecutor, "infer", lambda self, feeds: (
         seen.append(tuple(feeds["hidden_states"].shape[:2])) if self.component == "transformer" else None,
         real_infer(self, feeds))[1])
-    svc = Service(None, "tiny-schnell", "torch", max_batch=3, max_queue=4, torch_dtype="fp32", compile=True,
-                  size="256x192")
+    svc = Service(PipelineOptions(model="tiny-schnell", backend="torch", torch_dtype="fp32", compile=True), max_batch=3,
+                  max_queue=4, size="256x192")
     try:
         ex = svc.pipe.executors["transformer"]
         assert len(compiled) >= 1 and ex.batch_buckets == (1, 2, 3) and svc.batcher.max_batch == 3
@@ -214,7 +215,8 @@ def test_compiled_service_compiles_each_batch_size_before_serving(monkeypatch):
     finally:
         svc.close()
     with pytest.raises(FluxtrtError, match=r"^width 250 is not a positive multiple of 16; use 240 or 256$"):
-        Service(None, "tiny-schnell", "torch", max_batch=1, max_queue=4, torch_dtype="fp32", size="250x256")
+        Service(PipelineOptions(model="tiny-schnell", backend="torch", torch_dtype="fp32"), max_batch=1, max_queue=4,
+                size="250x256")
 
 
 # --- fluxtrt serve on Ray Serve, over loopback -------------------------------------------------------------
@@ -459,8 +461,8 @@ def test_app_builder_types_its_arguments_and_builds_the_application():
 
     args = ServeArgs.parse({"model": "tiny", "backend": "torch", "max_batch": "2", "cache_threshold": "0.2",
                             "gpus_per_replica": "0", "torch_dtype": "fp32", "compile": "true"})
-    assert (args.max_batch, args.cache_threshold, args.gpus_per_replica, args.compile) == (2, 0.2, 0.0, True)
-    assert ServeArgs.parse({"model": "tiny", "backend": "torch", "compile": False}).compile is False
+    assert (args.max_batch, args.cache_threshold, args.gpus_per_replica, args.pipeline.compile) == (2, 0.2, 0.0, True)
+    assert ServeArgs.parse({"model": "tiny", "backend": "torch", "compile": False}).pipeline.compile is False
     built = app({"model": "tiny", "backend": "torch", "gpus_per_replica": "0"})
     assert isinstance(built, Application)
 
@@ -479,7 +481,7 @@ def test_serve_config_and_kuberay_service_name_the_same_application():
     assert [d["name"] for d in application["deployments"]] == ["FluxService"]
     from fluxtrt.serving import ServeArgs
 
-    assert set(application["args"]) <= set(ServeArgs.__dataclass_fields__)
+    assert set(application["args"]) <= set(ServeArgs.keys())
 
 
 @pytest.mark.slow

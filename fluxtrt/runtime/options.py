@@ -43,7 +43,8 @@ class PipelineOptions:
         if self.kernel_specialization not in ("eager", "lazy"):
             raise FluxtrtError(f"kernel specialization is eager or lazy, got {self.kernel_specialization!r}")
         check_float(self.torch_dtype, "--torch-dtype")
-        fallback = [v.strip() for item in self.fallback or () for v in str(item).split(",") if v.strip()]
+        given = (self.fallback,) if isinstance(self.fallback, str) else self.fallback or ()  # "clip,t5" too
+        fallback = [v.strip() for item in given for v in str(item).split(",") if v.strip()]
         twice = sorted({v for v in fallback if fallback.count(v) > 1})
         if twice:
             raise FluxtrtError(f"{', '.join(twice)} given twice in --fallback; list each component once")

@@ -159,7 +159,7 @@ def test_serve_bench_and_the_drop_in_open_a_package_folder(packages):
     from tests.test_dropin import compare
 
     src, folder, _ = packages("tiny-schnell", ("transformer",), first_block_cache=True)
-    svc = Service(str(folder), None, "auto", max_batch=2, max_queue=2, torch_dtype="fp32")
+    svc = Service(PipelineOptions(engines=folder, torch_dtype="fp32"), max_batch=2, max_queue=2)
     try:
         assert svc.backend == "torch" and svc.pipe.executors["transformer"].kind == "pt2"
         seed = int(np.random.default_rng().integers(1000))
