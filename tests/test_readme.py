@@ -30,7 +30,15 @@ def test_readme_commands_exist_in_the_cli():
 
 @pytest.mark.slow
 def test_readme_python_example_runs(tmp_path, monkeypatch):
-    """The README's Python example, as written, builds fp8 engines for the 4090 and writes fox.png."""
+    """The README's Python example, as written, builds fp8 engines for the 4090 and writes fox.png. Only the fp8
+    calibration is made small (4 prompts, 2 steps, where the default's 32 prompts cost CI two minutes; the default
+    settings are tests/quantize's)."""
+    from fluxtrt import api
+    from fluxtrt.records import CalibrationSettings
+
+    build = api.build
+    monkeypatch.setattr(api, "build", lambda *a, **kw: build(*a, calibration=CalibrationSettings(size=4, steps=2),
+                                                             **kw))
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     (code,) = [b for b in blocks if "api.build" in b]
     monkeypatch.chdir(tmp_path)
