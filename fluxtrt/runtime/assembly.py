@@ -70,12 +70,9 @@ class Assembly:
         self.low_vram, self.backend = o.low_vram, backend
         self.executors: dict = {}
         self.manifest = self.dir = None
-        self._open_assets(engine_dir, model, backend)
-        # compiled PyTorch engines (.pt2 packages) run on the torch backend, PyTorch modules for what they lack
+        self._open_assets(engine_dir, model)
+        # compiled PyTorch engines (.pt2 packages; choose_backend runs them on torch), PyTorch modules for what they lack
         packages = self.manifest is not None and self.manifest.backend == "torch"
-        if packages and backend != "torch":
-            raise FluxtrtError(f"{self.dir} holds compiled PyTorch engines (.pt2 packages): run them with --backend "
-                               "torch (or auto)")
         # the VAE encoder (image workflows) runs where it was built, or in PyTorch with the rest
         everything = RUN_COMPONENTS + IMAGE_COMPONENTS
         modules = backend == "torch" and not packages  # every component a PyTorch module
@@ -105,12 +102,10 @@ class Assembly:
         elif engine_names and backend == "tensorrt":
             self._tensorrt_executors(engine_names, sources, budget, cuda_graph, o.allow_host_code,
                                      kernel_specialization=o.kernel_specialization)
-        elif engine_names and backend == "onnxruntime":
+        elif engine_names:  # onnxruntime (choose_backend names one of the three)
             self._onnxruntime_executors(engine_names, sources, ort_provider)
-        elif engine_names:
-            raise FluxtrtError(f"unknown backend '{backend}'; choose tensorrt, onnxruntime or torch")
 
-    def _open_assets(self, engine_dir, model, backend) -> None:
+    def _open_assets(self, engine_dir, model) -> None:
         """Tokenizers and configs: copied beside the engines at build time, or the model folder (torch only)."""
         if engine_dir is not None:
             self.dir = Path(engine_dir)
@@ -118,9 +113,7 @@ class Assembly:
             assets = self.dir / ASSETS
             if not (assets / "tokenizer").is_dir():
                 raise ManifestError(f"{assets} lacks the tokenizers copied at build time; rebuild with `fluxtrt build`")
-        elif model is None or backend != "torch":
-            raise FluxtrtError("pass --engines DIR (built by `fluxtrt build`), or --backend torch with --model")
-        else:
+        else:  # a model's PyTorch modules (open_pipeline and choose_backend refused anything else)
             assets = model.path
         self.assets = assets
         self.geo = Geometry.from_folder(assets)
