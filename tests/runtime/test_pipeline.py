@@ -167,8 +167,10 @@ def test_corrupt_onnx_or_manifest_is_refused(fp32_engines, tmp_path):
     copy = tmp_path / "onnx"
     shutil.copytree(engines.parent / "onnx", copy)
     shutil.copytree(engines, tmp_path / "4090")
-    clip = next(copy.glob("*/clip.onnx"))
-    clip.write_bytes(clip.read_bytes()[:-10])
+    from fluxtrt.records import read_manifest
+
+    clip = tmp_path / read_manifest(tmp_path / "4090").components["clip"].onnx  # the ONNX it was built from (the
+    clip.write_bytes(clip.read_bytes()[:-10])  # shared build root holds other dtypes' ONNX too)
     pipe = open_pipeline(tmp_path / "4090", backend="onnxruntime")
     with pytest.raises(ManifestError, match="does not match the manifest's sha256"):
         pipe.generate(["x"], 256, 256, 1)
