@@ -57,9 +57,8 @@ def load_package(path: Path, component: str, device):
     try:
         return torch._inductor.aoti_load_package(str(path), device_index=_index(device))
     except Exception as e:
-        raise FluxtrtError(f"{component}: {path} is not a package this torch can load ({type(e).__name__}: "
-                           f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}); rebuild it with "
-                           "`fluxtrt build --backend torch`") from None
+        raise _not_loadable(component, path, f"{type(e).__name__}: "
+                            f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}") from None
 
 
 # what the child process of probe_load runs: the package's kernels loaded (a CUDA package needs no weights for that)
@@ -90,8 +89,13 @@ def probe_load(path: Path, component: str, device) -> None:
                            "AOTInductor packages load")
     if p.returncode != 0:
         last = (p.stderr.strip().splitlines() or [f"exit status {p.returncode}"])[-1][:200]
-        raise FluxtrtError(f"{component}: {path} is not a package this torch can load ({last}); rebuild it with "
-                           "`fluxtrt build --backend torch`")
+        raise _not_loadable(component, path, last)
+
+
+def _not_loadable(component: str, path: Path, why: str) -> FluxtrtError:
+    """The one line for a package this torch refuses (in this process or the probe's)."""
+    return FluxtrtError(f"{component}: {path} is not a package this torch can load ({why}); rebuild it with "
+                        "`fluxtrt build --backend torch`")
 
 
 def _index(device) -> int:
