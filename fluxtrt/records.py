@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from .errors import (
 )
 
 MANIFEST = "manifest.json"
+RUNTIME_KEYS = {"torch", "cuda", "target", "libstdc++"}  # Manifest.runtime's keys ("libstdc++" since packages record it)
 SCHEMA = 2  # manifest schema 2: typed records; 1: the earlier dict manifest (same fields)
 READABLE_SCHEMAS = (1, 2)  # schema 1 has the same fields: read as is
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "prompts.txt"  # in the wheel; calibration/ links to it
@@ -141,7 +143,8 @@ class Manifest:
     components: dict[str, ComponentEntry] = field(default_factory=dict)
     workflows: list = field(default_factory=lambda: ["txt2img", "img2img"])  # what `fluxtrt run` can do with them
     pending: list = field(default_factory=list)  # components the build was asked for and has not finished yet
-    runtime: dict | None = None  # compiled PyTorch packages: the torch, CUDA and device they need (engine/aoti.py)
+    runtime: dict | None = None  # compiled PyTorch packages: the torch, CUDA, device and libstdc++ they need
+    # (RUNTIME_KEYS; core/packages.package_runtime)
     schema: int = SCHEMA
 
     @property
@@ -351,8 +354,10 @@ def check_manifest(m: Manifest, folder: Path) -> None:
         raise bad("shape_range", sr)
     if not _is_int(m.pixel_multiple, 1):
         raise bad("pixel_multiple", m.pixel_multiple)
-    if m.runtime is not None and not (set(m.runtime) == {"torch", "cuda", "target"} and all(
-            v is None or isinstance(v, str) for v in m.runtime.values())):
+    if m.runtime is not None and not (
+            isinstance(m.runtime, dict) and {"torch", "cuda", "target"} <= set(m.runtime) <= RUNTIME_KEYS
+            and all(v is None or isinstance(v, str) for v in m.runtime.values())
+            and re.fullmatch(r"(\d+\.\d+\.\d+)?", m.runtime.get("libstdc++") or "")):
         raise bad("runtime", m.runtime)
     for key in ("workflows", "pending"):
         if not all(isinstance(v, str) for v in getattr(m, key)):

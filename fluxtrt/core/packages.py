@@ -28,11 +28,38 @@ def device_target(device) -> str:
 
 
 def package_runtime(device) -> dict:
-    """The runtime a package compiled here needs: torch version, CUDA version (None on a CPU) and target."""
+    """The runtime a package compiled here needs: torch version, CUDA version (None on a CPU), target, and the
+    libstdc++ this process runs on (the build records its compiler's instead, engine/aoti.cxx_compiler)."""
     import torch
 
     target = device_target(device)
-    return {"torch": torch.__version__, "cuda": torch.version.cuda if target != "cpu" else None, "target": target}
+    return {"torch": torch.__version__, "cuda": torch.version.cuda if target != "cpu" else None, "target": target,
+            "libstdc++": loaded_libstdcxx()}
+
+
+def libstdcxx_version(path: str | None) -> str | None:
+    """The version of a libstdc++ file, links followed ("6.0.33" for libstdc++.so.6.0.33), or None."""
+    import os
+    import re
+
+    m = re.search(r"libstdc\+\+\.so\.(\d+\.\d+\.\d+)$", os.path.realpath(path)) if path else None
+    return m.group(1) if m else None
+
+
+def loaded_libstdcxx() -> str | None:
+    """The version of the libstdc++ this process runs on (from its memory map; None where there is none)."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                if "libstdc++.so" in line:
+                    return libstdcxx_version(line.split()[-1])
+    except OSError:
+        pass
+    return None
+
+
+def _version(v: str) -> tuple:
+    return tuple(int(x) for x in v.split("."))
 
 
 def run_device(recorded: dict | None) -> str:
@@ -46,6 +73,9 @@ def runtime_problem(recorded: dict, device) -> str | None:
     for key, what in (("target", "device"), ("torch", "torch"), ("cuda", "CUDA")):
         if recorded.get(key) != here.get(key):
             return f"it was compiled for {what} {recorded.get(key)}, this machine has {what} {here.get(key)}"
+    built, have = recorded.get("libstdc++"), here.get("libstdc++")
+    if built and have and _version(built) > _version(have):  # newer headers than the runtime: crashes on load
+        return f"it was compiled against libstdc++ {built}, this machine's torch runs on the older libstdc++ {have}"
     return None
 
 
@@ -66,9 +96,10 @@ _PROBE = "import sys, torch; torch._inductor.aoti_load_package(sys.argv[1], devi
 
 
 def probe_load(path: Path, component: str, device) -> None:
-    """Load the package's kernels once in a child process: a torch whose packages crash the process on load (every
-    CUDA package SIGSEGVs in aoti_load_package with torch 2.11.0+cu130 on the H200, docs/bench/aot_engines.json)
-    is one line here, not a dead `fluxtrt run` or server replica. The caller remembers a package that loaded."""
+    """Load the package's kernels once in a child process: a package that crashes the process on load (every one
+    whose wrapper linked libstdc++ statically SIGSEGVed in aoti_load_package on the H200, docs/bench/aot_engines.json;
+    the build now avoids such compilers, engine/aoti.cxx_compiler) is one line here, not a dead `fluxtrt run` or
+    server replica. The caller remembers a package that loaded."""
     import signal
     import subprocess
     import sys
@@ -84,9 +115,9 @@ def probe_load(path: Path, component: str, device) -> None:
     if p.returncode < 0:
         sig = signal.Signals(-p.returncode).name
         raise FluxtrtError(f"{component}: this torch {torch.__version__} crashes loading {path.name} ({sig} inside "
-                           "torch._inductor.aoti_load_package; nothing of fluxtrt runs there); run the JIT path "
-                           "instead (`fluxtrt run --backend torch --model MODEL --compile`) or use a torch whose "
-                           "AOTInductor packages load")
+                           "torch._inductor.aoti_load_package, as packages whose C++ compiler linked libstdc++ "
+                           "statically do); rebuild it here with `fluxtrt build --backend torch`, or run the JIT "
+                           "path instead (`fluxtrt run --backend torch --model MODEL --compile`)")
     if p.returncode != 0:
         last = (p.stderr.strip().splitlines() or [f"exit status {p.returncode}"])[-1][:200]
         raise _not_loadable(component, path, last)

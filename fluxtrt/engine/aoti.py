@@ -9,6 +9,10 @@ it."""
 
 from __future__ import annotations
 
+import functools
+import os
+import shutil
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,7 +102,8 @@ def compile_package(module, spec: ComponentSpec, geo: Geometry, rng: ShapeRange,
     try:
         with atomic_path(package_path) as tmp:
             torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp),
-                                                     inductor_configs={"aot_inductor.package_constants_in_so": False})
+                                                     inductor_configs={"aot_inductor.package_constants_in_so": False,
+                                                                       "cpp.cxx": (None, cxx_compiler()[0])})
     except Exception as e:
         raise BuildError(f"{spec.name}: AOTInductor failed to compile the package ({type(e).__name__}: "
                          f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else ''})") from e
@@ -111,6 +116,46 @@ def compile_package(module, spec: ComponentSpec, geo: Geometry, rng: ShapeRange,
                         inputs=_io(spec.inputs, args), outputs=_io(spec.outputs, outputs), profile=profile,
                         constants=constants,
                         export_seconds=round(export_seconds, 3), compile_seconds=round(compile_seconds, 3))
+
+
+def cxx_compiler() -> tuple[str, str]:
+    """The C++ compiler a package's wrapper is compiled with, and the version of the shared libstdc++ it links. The
+    wrapper must link the libstdc++ the loading process runs on: the H200 image's $CXX=/opt/gcc/bin/g++ links
+    libstdc++ statically (its libstdc++.so is missing) and every package it made SIGSEGVed on load in std::regex,
+    where /usr/bin/g++ 13.3 made them load (scripts/aoti_probe.py --toolchain, docs/bench/aot_engines.json).
+    $CXX or g++ when it links this process's libstdc++; else the first compiler here that does; else the first that
+    links an older one. BuildError naming each compiler when none fits."""
+    return _choose_compiler(tuple(dict.fromkeys(c for c in (os.environ.get("CXX"), "g++", "c++", "/usr/bin/g++") if c)))
+
+
+@functools.cache
+def _choose_compiler(candidates: tuple[str, ...]) -> tuple[str, str]:
+    from ..core.packages import _version, libstdcxx_version, loaded_libstdcxx
+
+    here = loaded_libstdcxx()
+    found = []
+    for cxx in candidates:
+        if not shutil.which(cxx):
+            continue
+        try:  # what `-lstdc++` links: a shared libstdc++, or (a bare name back) the static archive
+            out = subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True, text=True,
+                                 timeout=60).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            continue
+        version = libstdcxx_version(out) if os.path.isabs(out) and os.path.exists(out) else None
+        found.append((cxx, version))
+        if version and (here is None or version == here):
+            return cxx, version
+    older = [(c, v) for c, v in found if v and _version(v) < _version(here)]
+    if older:
+        return older[0]
+    if not found:
+        raise BuildError(f"no C++ compiler here ({', '.join(candidates)}): AOTInductor compiles packages with one; "
+                         "install g++ or set CXX")
+    names = "; ".join(f"{c} links libstdc++ {v}" if v else f"{c} links libstdc++ statically" for c, v in found)
+    raise BuildError(f"no C++ compiler here makes packages this torch can load: {names}, and this process runs on "
+                     f"libstdc++ {here} (a package linked to another crashes on load); set CXX to a g++ that links "
+                     f"libstdc++ {here} or older as a shared library")
 
 
 def check_target(compute_capability: str) -> str:

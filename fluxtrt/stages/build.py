@@ -151,10 +151,10 @@ class CompiledTorch:
 
     def __init__(self, compute_capability: str):
         from ..core.packages import package_runtime
-        from ..engine.aoti import check_target
+        from ..engine.aoti import check_target, cxx_compiler
 
         self.device = check_target(compute_capability)
-        self.runtime = package_runtime(self.device)
+        self.runtime = dict(package_runtime(self.device), **{"libstdc++": cxx_compiler()[1]})
         self.version = self.runtime["torch"]
 
 

@@ -6,13 +6,59 @@ from fluxtrt.core.packages import package_runtime, runtime_problem
 
 
 def test_a_package_of_another_torch_cuda_or_device_is_named_with_both_sides():
+    from fluxtrt.core.packages import loaded_libstdcxx
+
     here = package_runtime("cpu")
-    assert here == {"torch": torch.__version__, "cuda": None, "target": "cpu"}
+    assert here == {"torch": torch.__version__, "cuda": None, "target": "cpu", "libstdc++": loaded_libstdcxx()}
     assert runtime_problem(here, "cpu") is None
+    assert loaded_libstdcxx() is not None  # torch's own libraries load one
+    major, minor, patch = map(int, loaded_libstdcxx().split("."))
+    newer, older = f"{major}.{minor}.{patch + 1}", f"{major}.{minor}.{max(patch - 1, 0)}"
+    assert runtime_problem(dict(here, **{"libstdc++": newer}), "cpu") == (
+        f"it was compiled against libstdc++ {newer}, this machine's torch runs on the older libstdc++ {here['libstdc++']}")
+    assert runtime_problem(dict(here, **{"libstdc++": older}), "cpu") is None
+    assert runtime_problem({k: v for k, v in here.items() if k != "libstdc++"}, "cpu") is None  # manifests before it
     other_torch = dict(here, torch="2.4.0")
     assert runtime_problem(other_torch, "cpu") == f"it was compiled for torch 2.4.0, this machine has torch {torch.__version__}"
     assert runtime_problem(dict(here, target="sm90", cuda="12.8"), "cpu") == (
         "it was compiled for device sm90, this machine has device cpu")
+
+
+def test_the_build_compiles_with_a_compiler_of_the_libstdcxx_torch_runs_on(tmp_path):
+    """engine/aoti.cxx_compiler: a $CXX that links libstdc++ statically (as the H200 image's /opt/gcc/bin/g++, whose
+    packages all crashed on load) or links a newer one than this process runs on is passed over for a g++ that links
+    this process's; where no compiler fits, the build stops in one line naming each and the fix."""
+    import re
+
+    import pytest
+
+    from fluxtrt.core.packages import loaded_libstdcxx
+    from fluxtrt.engine.aoti import _choose_compiler
+    from fluxtrt.errors import BuildError
+
+    here = loaded_libstdcxx()
+    fakes = {}
+    (tmp_path / "lib64").mkdir()
+    for name, version in (("newer", "6.0.99"), ("older", "6.0.1"), ("same", here), ("static", None)):
+        if version:  # what `g++ -print-file-name=libstdc++.so` answers: the shared library -lstdc++ links
+            (tmp_path / "lib64" / f"libstdc++.so.{version}").write_bytes(b"")
+        fakes[name] = tmp_path / f"g++-{name}"
+        fakes[name].write_text(f"#!/bin/sh\necho {tmp_path}/lib64/libstdc++.so.{version}\n" if version else
+                               "#!/bin/sh\necho libstdc++.so\n")
+        fakes[name].chmod(0o755)
+    newer, older, same, static = (str(fakes[k]) for k in ("newer", "older", "same", "static"))
+    assert _choose_compiler((static, same)) == (same, here)
+    assert _choose_compiler((newer, same)) == (same, here)
+    assert _choose_compiler((newer, older)) == (older, "6.0.1")
+    assert _choose_compiler((str(tmp_path / "absent"), same)) == (same, here)
+    with pytest.raises(BuildError, match=re.escape(f"no C++ compiler here makes packages this torch can load: {newer} "
+                                                   f"links libstdc++ 6.0.99, and this process runs on libstdc++ "
+                                                   f"{here}")):
+        _choose_compiler((newer,))
+    with pytest.raises(BuildError, match=re.escape(f"{static} links libstdc++ statically, and this process")):
+        _choose_compiler((static,))
+    with pytest.raises(BuildError, match="install g\\+\\+ or set CXX"):
+        _choose_compiler((str(tmp_path / "absent"),))
 
 
 def test_constants_round_trip_in_their_dtypes_and_a_damaged_file_is_one_line(tmp_path):

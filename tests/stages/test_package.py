@@ -6,6 +6,7 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from fluxtrt.cli import app
@@ -98,6 +99,12 @@ def test_a_package_that_cannot_run_here_is_refused_in_one_line(packages, tmp_pat
     (other / "manifest.json").write_text(json.dumps(m))
     out = run(other)
     assert "compiled for torch 2.4.0, this machine has torch" in out and "fluxtrt build --gpu cpu --backend torch" in out
+    for libstdcxx, says in (("99.0.0", "compiled against libstdc++ 99.0.0, this machine's torch runs on the older"),
+                            ("6.0.x; rm", "runtime")):  # linked to a newer libstdc++ than here; a damaged record
+        (other / "manifest.json").write_text(json.dumps(dict(m, runtime=dict(
+            m["runtime"], torch=torch.__version__, **{"libstdc++": libstdcxx}))))
+        assert says in run(other)
+    (other / "manifest.json").write_text(json.dumps(m))
     flipped = tmp_path / "flip" / "cpu"
     shutil.copytree(folder, flipped)
     data = bytearray((flipped / "transformer.pt2").read_bytes())
