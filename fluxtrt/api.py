@@ -341,8 +341,12 @@ class RunOptions:
 
     def inputs(self) -> dict:
         """The request's input files by flag (an output may replace none of them)."""
+        from .runtime.lora import LoraRef
+
+        loras = [LoraRef.parse(v).path for v in ((self.pipeline.lora,) if isinstance(self.pipeline.lora, (str, Path))
+                                                 else self.pipeline.lora or ())]
         return {"--image": self.image, "--mask": self.mask, "--control-image": self.control_image,
-                "--lora": self.pipeline.lora}
+                **{"--lora" + (f" #{i + 1}" if i else ""): path for i, path in enumerate(loras)}}
 
     def input_folders(self) -> dict:
         """The request's input folders by flag (no output is written inside them)."""
@@ -448,16 +452,18 @@ def generate(prompts: list[str], opts: RunOptions | None = None, on_step=None, s
             save_png(img, dest, meta)
             paths.append(dest)
         timings.append(res.timings)
-    for note in fp8_notes(pipe):
+    for note in transformer_notes(pipe):
         say(note)
     return Generated(paths, timings, pipe.backend_name, pipe.notes)
 
 
-def fp8_notes(pipe) -> list[str]:
-    """How the PyTorch transformer computed the fp8 recipe (tensor cores or emulated), once it has run.
+def transformer_notes(pipe) -> list[str]:
+    """How the PyTorch transformer computed the fp8 recipe (tensor cores or emulated) and took its LoRAs (merged,
+    or beside the fp8 GEMMs), once it has run.
 
-    Args: pipe: a Pipeline. Returns: one line per transformer executor that ran the recipe. Raises: nothing."""
-    return [ex.fp8_note for ex in pipe.executors.values() if getattr(ex, "fp8_note", None)]
+    Args: pipe: a Pipeline. Returns: one line each. Raises: nothing."""
+    return [note for ex in pipe.executors.values() for note in (getattr(ex, "fp8_note", None),
+                                                                getattr(ex, "lora_note", None)) if note]
 
 
 def _destinations(out: Path, n: int) -> list[Path]:
@@ -523,7 +529,7 @@ def bench(engines: Path | None, model: str | None, backend: str, opts, say=lambd
     for note in pipe.notes:
         say(note)
     rows, meta = run_bench(pipe, source, pipe.backend_name, opts, say)
-    meta["fp8"] = fp8_notes(pipe)
+    meta["transformer"] = transformer_notes(pipe)
     if json_out is not None:
         write_json_atomic(Path(json_out), to_json(rows, meta))
     if plot_out is not None:

@@ -158,6 +158,8 @@ HEIGHT = _opt(None, "--height", help="Pixels, a multiple of 16 (default: the pro
 WIDTH = _opt(None, "--width", help="Pixels, a multiple of 16 (default: the profile's opt).")
 WS_BUDGET = _opt(None, "--weight-streaming-budget", help="MB of transformer weights kept on the GPU (engines built "
                  "with weight streaming).")
+LORA = _opt(None, "--lora", help="FILE[:SCALE]: a transformer LoRA (diffusers/peft), repeatable (stacked): merged "
+            "into --weights for engines and ONNX, into the PyTorch transformer (bf16) or beside its fp8 GEMMs.")
 WEIGHTS = _opt(None, "--weights", help="Your FLUX.1 folder: weights come from it through the build's weight map "
                "(weightless engines are refitted; ONNX Runtime fills them).")
 TRUE_CFG = _opt(1.0, "--true-cfg", help="True classifier-free guidance scale, > 1 to use --negative-prompt (diffusers' "
@@ -341,8 +343,7 @@ def run(
     weight_streaming_budget: Optional[int] = WS_BUDGET, cuda_graph: bool = CUDA_GRAPH,
     allow_host_code: bool = _opt(False, "--allow-host-code", help="Let engines with embedded host code load."),
     weights: Optional[Path] = WEIGHTS,
-    lora: Optional[Path] = _opt(None, "--lora", help="A transformer LoRA (diffusers/peft) merged into --weights."),
-    lora_scale: float = _opt(1.0, "--lora-scale", help="Strength of --lora."),
+    lora: Optional[list[str]] = LORA,
     negative_prompt: Optional[str] = _opt(None, "--negative-prompt", help="What to steer away from (with --true-cfg)."),
     true_cfg: float = TRUE_CFG,
     calibration: Optional[Path] = CALIBRATION, cache_threshold: float = CACHE_THRESHOLD,
@@ -359,7 +360,7 @@ def run(
         engines=engines, model=model, backend=backend, ort_provider=ort_provider, fallback=tuple(fallback or ()),
         torch_dtype=torch_dtype, compile=compile, steps=steps, guidance=guidance, height=height, width=width, seed=seed,
         batch=batch, out=out_path, low_vram=low_vram, weight_streaming_budget=weight_streaming_budget,
-        cuda_graph=cuda_graph, allow_host_code=allow_host_code, weights=weights, lora=lora, lora_scale=lora_scale,
+        cuda_graph=cuda_graph, allow_host_code=allow_host_code, weights=weights, lora=tuple(lora or ()),
         negative_prompt=negative_prompt, true_cfg=true_cfg, image=image, mask=mask, control_image=control_image,
         strength=strength, max_area=max_area, calibration=calibration, cache_threshold=cache_threshold)
     logging.getLogger("fluxtrt").addHandler(_WarningLine())
@@ -385,6 +386,7 @@ def bench(
     json_out: Optional[Path] = _opt(None, "--json", help="Write the table as JSON."),
     plot_out: Optional[Path] = _opt(None, "--plot", help="Write a PNG chart (needs matplotlib)."),
     calibration: Optional[Path] = CALIBRATION, cache_threshold: float = CACHE_THRESHOLD,
+    lora: Optional[list[str]] = LORA,
 ):
     """Measure latency per component, seconds per image and peak memory, optionally against diffusers' pipeline
     of the same workflow."""
@@ -398,7 +400,7 @@ def bench(
         opts = BenchOptions(sizes=size_list, batches=batch_list, steps=steps, runs=runs, warmup=warmup,
                             baseline=baseline, inputs=api.image_inputs(image, mask, control_image),
                             pipeline=PipelineOptions(torch_dtype=torch_dtype, compile=compile, cuda_graph=cuda_graph,
-                                                     ort_provider=ort_provider),
+                                                     ort_provider=ort_provider, lora=tuple(lora or ())),
                             cache_threshold=cache_threshold)
     except ValueError:
         raise FluxtrtError(f"--sizes and --batch take comma-separated integers, got {sizes!r} / {batches!r}") from None
@@ -452,6 +454,7 @@ def serve(
     calibration: Optional[Path] = CALIBRATION, cache_threshold: float = CACHE_THRESHOLD, compile: bool = COMPILE,
     size: Optional[str] = _opt(None, "--size", help="WIDTHxHEIGHT of requests that name none, and the size "
                                "--compile compiles for (default: the profile's, 1024x1024 with --model)."),
+    lora: Optional[list[str]] = LORA,
 ):
     """Serve text-to-image over HTTP (Ray Serve) with step-level continuous batching: POST /v1/images/generations,
     GET /health. Prints the URL when ready; Ctrl-C stops."""
@@ -460,7 +463,7 @@ def serve(
 
     args = ServeArgs.of(engines=engines, model=model, backend=backend, max_batch=max_batch, max_queue=max_queue,
                         replicas=replicas, torch_dtype=torch_dtype, calibration=calibration,
-                        cache_threshold=cache_threshold, compile=compile, size=size)
+                        cache_threshold=cache_threshold, compile=compile, size=size, lora=tuple(lora or ()))
     serve_forever(args, host, port, address, r.out.print)
 
 

@@ -29,7 +29,7 @@ from .errors import (
 
 log = logging.getLogger("fluxtrt")
 
-LORA = "LoRA on engines: refit the weights at load time, load_pipeline(DIR, lora=FILE, lora_scale=S) (`fluxtrt run --lora`)"
+LORA = "LoRA: load_pipeline(DIR, lora=['FILE:SCALE', ...]) merges or adds them at load (`fluxtrt run --lora`)"
 FIXED = "the engine's graph is fixed at build time ({what}); use the diffusers module for it, or rebuild"
 OFFLOAD = "offloading engines: load_pipeline(DIR, low_vram=True) frees each component after its stage (`--low-vram`)"
 
@@ -248,7 +248,7 @@ class EngineVAE(EngineModule):
 def open_engines(engines=None, **options):
     """A Pipeline over the engines folder `engines` (or, with backend="torch", model=M and no engines, the
     model's PyTorch modules) with `fluxtrt run`'s options (runtime.options.PipelineOptions' fields: backend,
-    ort_provider, low_vram, cuda_graph, compile, weights, lora, lora_scale, fallback, calibration, model,
+    ort_provider, low_vram, cuda_graph, compile, weights, lora, fallback, calibration, model,
     torch_dtype, ...); the notes `fluxtrt run` prints are logged."""
     from .runtime.assembly import open_pipeline
     from .runtime.options import FIELDS

@@ -47,6 +47,7 @@ def fp8_linear(lin, sx: float, sw: float):
 
 FUSED = (("to_qkv", ("to_q", "to_k", "to_v")), ("to_added_qkv", ("add_q_proj", "add_k_proj", "add_v_proj")))
 SINGLE = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")  # a single-stream block's projections of one input
+JOINED = "fluxtrt_joined"  # fuse_projections records on the module: {joined GEMM: [(part, its output rows), ...]}
 
 
 def _single_block_forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
@@ -85,15 +86,18 @@ def fuse_projections(module, by_module: dict | None = None) -> int:
     """The transformer's projections that read one activation as one GEMM each, as the optimize stage's
     fuse_projections joins them: q/k/v of every attention (diffusers' fuse_qkv_projections) and a single-stream
     block's q/k/v with its MLP input. With `by_module` ({module: (sx, sw)}) only parts sharing their scales are
-    joined, as E4M3 GEMMs; the parts are dropped. Returns the number of joined GEMMs."""
+    joined, as E4M3 GEMMs; the parts are dropped, and recorded on the module (JOINED: where runtime/lora.py puts a
+    part's low-rank term). Returns the number of joined GEMMs."""
     import types
 
     import torch
 
     if not hasattr(module, "fuse_qkv_projections"):
         return 0
+    rows = {name: sub.out_features for name, sub in module.named_modules() if isinstance(sub, torch.nn.Linear)}
     module.fuse_qkv_projections()
     count = 0
+    joined = getattr(module, JOINED, {})
 
     def linear(lin, names):
         return fp8_linear(lin, *by_module[names[0]]) if by_module is not None else lin
@@ -107,6 +111,7 @@ def fuse_projections(module, by_module: dict | None = None) -> int:
             names = [prefix + p for p in SINGLE]
             if shared(names):
                 sub.proj_qkv_mlp = linear(_joined([sub.attn.to_qkv, sub.proj_mlp]), names)
+                joined[prefix + "proj_qkv_mlp"] = [(n, rows[n]) for n in names]
                 sub.qkv_width = sub.attn.to_qkv.out_features
                 sub.attn.to_qkv = torch.nn.Identity()
                 for part in ("to_q", "to_k", "to_v"):
@@ -122,12 +127,14 @@ def fuse_projections(module, by_module: dict | None = None) -> int:
             names = [prefix + p for p in parts]
             if shared(names):
                 setattr(sub, whole, linear(fused, names))
+                joined[prefix + whole] = [(n, rows[n]) for n in names]
                 for part in parts:
                     delattr(sub, part)
                 count += 1
             else:  # parts with their own scales: run them unfused
                 delattr(sub, whole)
                 sub.fused_projections = False
+    setattr(module, JOINED, joined)
     return count
 
 

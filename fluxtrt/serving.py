@@ -314,6 +314,12 @@ class ServeArgs:
                     raise FluxtrtError(f"{key}={value!r}: expected true or false")
                 out[key] = value if isinstance(value, bool) else words[str(value).lower()]
                 continue
+            if hint is tuple:  # fallback, lora: a list (YAML) or one string
+                items = [value] if isinstance(value, (str, Path)) else value
+                if not isinstance(items, (list, tuple)) or not all(isinstance(v, (str, Path)) for v in items):
+                    raise FluxtrtError(f"{key}={value!r}: expected a string or a list of strings")
+                out[key] = tuple(str(v) for v in items)
+                continue
             kind = next((t for t in (int, float) if t in (hint, *typing.get_args(hint))), str)
             if value is None:
                 out[key] = None

@@ -101,15 +101,15 @@ def test_what_an_engine_cannot_do_is_one_line_naming_the_fluxtrt_way():
     assert t.to("cpu") is t and t.eval() is t and pipe.to("cpu") is pipe  # where it already runs: no-op
     cases = [
         (lambda: t.to(torch.float16), "cannot become torch.float16"),
-        (lambda: t.load_lora_adapter({}), "lora=FILE"),
-        (lambda: pipe.load_lora_weights({}), "lora=FILE"),
+        (lambda: t.load_lora_adapter({}), "lora=['FILE:SCALE'"),
+        (lambda: pipe.load_lora_weights({}), "lora=['FILE:SCALE'"),
         (lambda: pipe.enable_model_cpu_offload(), "low_vram=True"),
         (lambda: pipe.enable_vae_tiling(), "VAE"),
         (lambda: t.set_attn_processor(None), "fixed at build time"),
         (lambda: t.enable_cache(None), "no step cache"),
         (lambda: t.train(), "inference only"),
         (lambda: pipe("x", num_inference_steps=1, height=64, width=64, joint_attention_kwargs={"scale": 0.5}),
-         "lora=FILE"),
+         "lora=['FILE:SCALE'"),
         (lambda: pipe.vae(torch.zeros(1)), "vae.decode"),
         (lambda: load_pipeline(model="tiny", backend="torch", steps=4), "unknown option steps"),
         (lambda: load_pipeline(model="tiny", backend="torch", diffusers_pipeline="StableDiffusionPipeline"),

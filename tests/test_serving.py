@@ -443,6 +443,8 @@ ROOT = Path(__file__).resolve().parents[1]
     ({"engines": "x", "backend": "onnxruntime", "compile": "true"}, "compile=true compiles the PyTorch transformer"),
     ({"model": "tiny", "backend": "torch", "size": "big"}, 'size must be "WIDTHxHEIGHT" in pixels'),
     ({"model": "tiny", "backend": "torch", "size": "0x512"}, "size must be positive pixels"),
+    ({"model": "tiny", "backend": "torch", "lora": [{"name": "x"}]}, "lora=[{'name': 'x'}]: expected a string or a list"),
+    ({"model": "tiny", "backend": "torch", "lora": "x.safetensors:12"}, "--lora x.safetensors: the scale after ':'"),
 ])
 def test_app_builder_arguments_are_one_line(args, message):
     from fluxtrt.serving import ServeArgs
@@ -463,6 +465,8 @@ def test_app_builder_types_its_arguments_and_builds_the_application():
                             "gpus_per_replica": "0", "torch_dtype": "fp32", "compile": "true"})
     assert (args.max_batch, args.cache_threshold, args.gpus_per_replica, args.pipeline.compile) == (2, 0.2, 0.0, True)
     assert ServeArgs.parse({"model": "tiny", "backend": "torch", "compile": False}).pipeline.compile is False
+    loras = ServeArgs.parse({"model": "tiny", "backend": "torch", "lora": ["a.safetensors:0.5", "b.safetensors"]})
+    assert [(r.path.name, r.scale) for r in loras.pipeline.lora] == [("a.safetensors", 0.5), ("b.safetensors", 1.0)]
     built = app({"model": "tiny", "backend": "torch", "gpus_per_replica": "0"})
     assert isinstance(built, Application)
 

@@ -396,7 +396,7 @@ def test_a_failed_build_leaves_no_new_gpu_folder(tmp_path, monkeypatch):
 # -- class: numeric options, duplicates, serve's own options --------------------------------------------------------
 @pytest.mark.parametrize("args", [
     ["--guidance", "-1e30"], ["--guidance", "nan"], ["--true-cfg", "nan"], ["--true-cfg", "inf"],
-    ["--lora-scale", "inf"], ["--strength", "nan"], ["--height", "999999"], ["--max-area", "-5"],
+    ["--lora", "x.safetensors:inf"], ["--strength", "nan"], ["--height", "999999"], ["--max-area", "-5"],
     ["--fallback", "t5,t5"],
 ])
 def test_run_numbers_out_of_range_are_one_line(fake_folder, tmp_path, args):
@@ -496,7 +496,7 @@ def test_fuzzed_run_floats(fake_folder, tmp_path_factory, guidance, true_cfg, st
     out = tmp_path_factory.mktemp("o") / "o.png"
     res = cli("run", "--engines", folder, "--backend", "onnxruntime", "--prompt", "x", "--out", out,
               "--guidance", guidance, "--true-cfg", true_cfg, "--negative-prompt", "", "--strength", strength,
-              "--lora-scale", lora_scale, "--steps", "0")  # steps 0: nothing valid would run
+              "--lora", f"x.safetensors:{lora_scale}", "--steps", "0")  # steps 0: nothing valid would run
     one_line_exit_2(res)
     assert not out.exists()
 

@@ -71,6 +71,9 @@ class Assembly:
         self.executors: dict = {}
         self.manifest = self.dir = None
         self._open_assets(engine_dir, model)
+        from .lora import read_loras
+
+        self.loras = read_loras(o.lora)  # each file read and checked once, before any weights load
         # compiled PyTorch engines (.pt2 packages; choose_backend runs them on torch), PyTorch modules for what they lack
         packages = self.manifest is not None and self.manifest.backend == "torch"
         # the VAE encoder (image workflows) runs where it was built, or in PyTorch with the rest
@@ -96,7 +99,10 @@ class Assembly:
             raise self.manifest.lacking(missing, self.dir)
         if "transformer" in engine_names:  # First-Block Cache's parts, where the build made them
             engine_names += [p for p in TRANSFORMER_PARTS if p in self.manifest.components]
-        sources = self._weight_sources(engine_names, o.weights, o.lora, o.lora_scale)
+        if self.loras and packages and "transformer" in engine_names:
+            raise FluxtrtError("--lora on compiled PyTorch packages: not yet (their joined weights are compiled in); "
+                               "run the transformer in PyTorch beside them with --fallback transformer")
+        sources = self._weight_sources(engine_names, o.weights, o.lora)
         if engine_names and packages:
             self._package_executors(engine_names, device)
         elif engine_names and backend == "tensorrt":
@@ -145,7 +151,8 @@ class Assembly:
             dev_name = "cpu" if name in on_cpu else device
             dtype = "fp32" if dev_name == "cpu" and name in on_cpu else torch_dtype
             recipe = self._fp8_recipe(model, calibration) if name == "transformer" else None
-            self.executors[name] = TorchExecutor(name, model, specs[name], dev_name, dtype, compile=compile, fp8=recipe)
+            self.executors[name] = TorchExecutor(name, model, specs[name], dev_name, dtype, compile=compile, fp8=recipe,
+                                                 loras=self.loras if name == "transformer" else ())
 
     def _fp8_recipe(self, model, calibration: Path | None) -> dict | None:
         """The transformer's fp8 recipe for PyTorch: the scales the engines' fp8 graph recorded, or a calibration
@@ -173,16 +180,18 @@ class Assembly:
             return {"amax": fp8.read_calibration(calibration, model.content_hash)}
         return None
 
-    def _weight_sources(self, engine_names, weights, lora, lora_scale) -> dict:
-        """name -> WeightSource (or None): the user's checkpoint through the build's weight maps, LoRA merged."""
+    def _weight_sources(self, engine_names, weights, refs) -> dict:
+        """name -> WeightSource (or None): the user's checkpoint through the build's weight maps, LoRAs merged
+        where the transformer runs from engines or ONNX (a PyTorch transformer takes them itself)."""
         weight_source = self._weight_source(weights) if weights is not None and engine_names else None
-        if lora is not None:
+        lora = None
+        if refs and "transformer" in engine_names:
             from .lora import Lora
 
-            if weight_source is None or "transformer" not in engine_names:
-                raise FluxtrtError("--lora needs --weights (your checkpoint, which the LoRA is applied to) and the "
-                                   "transformer running from engines or ONNX")
-            lora = Lora(lora, lora_scale)
+            if weight_source is None:
+                raise FluxtrtError("--lora on engines or ONNX needs --weights (your checkpoint, which the LoRA is "
+                                   "merged into), or run the transformer in PyTorch (--backend torch)")
+            lora = Lora(refs)
         return {n: WeightSource.for_component(weight_source, self.dir, self.manifest.component(n), n, lora)
                 for n in engine_names}
 

@@ -265,9 +265,11 @@ class TorchExecutor(Executor):
     kind = "torch"
 
     def __init__(self, component: str, source, spec, device: str = "cuda", dtype: str = "bf16",
-                 *, compile: bool = False, fp8=None, batch_buckets: tuple = ()):
+                 *, compile: bool = False, fp8=None, batch_buckets: tuple = (), loras=()):
         super().__init__(component, None)
         self.source, self.spec, self.compile = source, spec, compile
+        self.loras = list(loras)  # [(runtime/lora.LoraFile, scale)]: the transformer's LoRAs, stacked
+        self.lora_note = None
         # a server's compiled transformer (batching.warm_up_batches sets them): batches padded to the smallest of
         # these that holds them, so the compiled module sees a few batch sizes, each compiled once
         self.batch_buckets = tuple(sorted(batch_buckets))
@@ -297,13 +299,24 @@ class TorchExecutor(Executor):
             self.module = self._cpu_copy.to(self.device)
             self._cpu_copy = None
         else:
+            from . import lora
+
             raw = self.source.load_component(self.spec.subfolder, self.dtype, self._device)
+            plan = None
+            if self.loras and self.fp8 is None:  # bf16/fp32: merged, nothing added to the step
+                n = lora.merge_into(raw, self.loras)
+                self.lora_note = f"LoRA merged into {n} linear layer{'s' if n != 1 else ''}"
+            elif self.loras:  # fp8: the base stays quantized, the low-rank terms go beside its GEMMs
+                plan = lora.side_path_plan(raw, self.loras)
             if self.fp8 is not None:
                 self.fp8_note = self._quantize(raw)  # fuses q/k/v where it runs on tensor cores
             elif self.compile and self.device.type == "cuda":
                 from ..fp8_layers import fuse_projections
 
                 fuse_projections(raw)  # one GEMM per shared input, as the optimize stage fuses them
+            if plan:
+                hosts = lora.add_side_paths(raw, plan, self.dtype)
+                self.lora_note = f"LoRA as low-rank terms beside {hosts} fp8 GEMMs ({len(plan)} linear layers)"
             self.module = self.spec.wrap(raw).eval()
         self._fn = self.module
         if self.compile:

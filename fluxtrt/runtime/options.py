@@ -27,16 +27,14 @@ class PipelineOptions:
     allow_host_code: bool = False  # TensorRT engines with embedded host code
     kernel_specialization: str = "eager"  # TensorRT-RTX: eager, or lazy (a server: never stall on a new shape)
     weights: Path | None = None  # the user's checkpoint, refitted into weightless engines / weight-free ONNX
-    lora: Path | None = None  # a transformer LoRA merged into --weights
-    lora_scale: float = 1.0
+    lora: tuple = ()  # transformer LoRAs, stacked (runtime/lora.LoraRef: `--lora FILE[:SCALE]`, repeatable)
     calibration: Path | None = None  # `fluxtrt calibrate`'s file: the fp8 recipe for the PyTorch transformer
 
     def check(self) -> "PipelineOptions":
         """These options checked and normalised (paths as Path, fallback as a tuple); one line per problem."""
-        from ..core.limits import check_number
         from ..dtypes import check_float
+        from .lora import LoraRef
 
-        check_number("--lora-scale", self.lora_scale, -10.0, 10.0)
         if self.weight_streaming_budget is not None and self.weight_streaming_budget < 0:
             raise FluxtrtError(f"--weight-streaming-budget is MB of weights kept on the GPU, at least 0; got "
                                f"{self.weight_streaming_budget}")
@@ -49,8 +47,9 @@ class PipelineOptions:
         if twice:
             raise FluxtrtError(f"{', '.join(twice)} given twice in --fallback; list each component once")
         paths = {k: Path(v) if v is not None else None for k, v in (("engines", self.engines), ("weights", self.weights),
-                                                                   ("lora", self.lora), ("calibration", self.calibration))}
-        return dataclasses.replace(self, fallback=tuple(fallback), **paths)
+                                                                   ("calibration", self.calibration))}
+        loras = (self.lora,) if isinstance(self.lora, (str, Path, LoraRef)) else self.lora or ()
+        return dataclasses.replace(self, fallback=tuple(fallback), lora=tuple(LoraRef.parse(v) for v in loras), **paths)
 
     def notes(self, backend: str, ort_provider: str = "cpu") -> list[str]:
         """What these options do not do on `backend` (said once, not refused)."""

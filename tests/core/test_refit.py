@@ -169,8 +169,8 @@ def test_lora_is_applied_like_a_merged_checkpoint(built, tmp_path):
         a, b = lora[f"transformer.{m}.lora_A.weight"], lora[f"transformer.{m}.lora_B.weight"]
         stored[f"{m}.weight"] = stored[f"{m}.weight"] + scale * (4.0 / 2) * (b @ a)
     save_file({k: v.contiguous() for k, v in stored.items()}, merged / "transformer" / "diffusion_pytorch_model.safetensors")
-    with_lora = generate(open_pipeline(gpu_dir, backend="onnxruntime", weights=src.path, lora=tmp_path / "lora.safetensors",
-                                     lora_scale=scale))
+    with_lora = generate(open_pipeline(gpu_dir, backend="onnxruntime", weights=src.path,
+                                       lora=[f"{tmp_path / 'lora.safetensors'}:{scale}"]))
     premerged = generate(open_pipeline(gpu_dir, backend="onnxruntime", weights=merged))
     plain = generate(open_pipeline(gpu_dir, backend="onnxruntime", weights=src.path))
     assert np.abs(with_lora.astype(int) - premerged.astype(int)).max() <= 1
@@ -192,5 +192,5 @@ def test_lora_for_another_model_is_refused(built, tmp_path):
     pipe = open_pipeline(gpu_dir, backend="onnxruntime", weights=src.path, lora=tmp_path / "other.safetensors")
     with pytest.raises(FluxtrtError, match="targets weights the transformer does not have: no_such_block.weight"):
         generate(pipe)
-    with pytest.raises(FluxtrtError, match="--lora needs --weights"):
+    with pytest.raises(FluxtrtError, match="--lora on engines or ONNX needs --weights"):
         open_pipeline(gpu_dir, backend="onnxruntime", lora=tmp_path / "other.safetensors")

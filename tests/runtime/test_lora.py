@@ -1,5 +1,6 @@
-"""runtime/lora.py: a transformer LoRA read and checked as it loads (merged results against a pre-merged
-checkpoint: tests/core/test_refit.py, where the engines are built)."""
+"""runtime/lora.py: a transformer LoRA read and checked as it loads; stacked LoRAs on the PyTorch transformer,
+merged or beside its (joined, fp8) GEMMs, against merged weights (on engines against a pre-merged checkpoint:
+tests/core/test_refit.py, where the engines are built)."""
 
 import numpy as np
 import pytest
@@ -7,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from fluxtrt.errors import FluxtrtError
-from fluxtrt.runtime.lora import Lora
+from fluxtrt.runtime.lora import Lora, LoraRef
 
 MODULE = "transformer_blocks.0.attn.to_q"
 
@@ -23,7 +24,7 @@ def lora_file(path, rng, rank=2, out_f=12, in_f=8, alpha=4.0):
 def test_the_delta_is_scale_alpha_over_rank_b_a(tmp_path):
     rng = np.random.default_rng()
     t = lora_file(tmp_path / "l.safetensors", rng)
-    lora = Lora(tmp_path / "l.safetensors", scale=0.7)
+    lora = Lora([LoraRef(tmp_path / "l.safetensors", 0.7)])
     want = 0.7 * (4.0 / 2) * (t[f"transformer.{MODULE}.lora_B.weight"] @ t[f"transformer.{MODULE}.lora_A.weight"])
     assert np.allclose(lora.deltas[f"{MODULE}.weight"], want.numpy(), rtol=1e-6, atol=1e-6)
 
@@ -37,4 +38,133 @@ def test_a_non_finite_lora_is_named_when_it_loads(tmp_path, part):
     t[f"transformer.{MODULE}.{part}"] = bad.reshape(t[f"transformer.{MODULE}.{part}"].shape)
     save_file(t, tmp_path / "nan.safetensors")
     with pytest.raises(FluxtrtError, match=f"nan.safetensors: tensor {MODULE}.{part} holds NaN or Inf"):
-        Lora(tmp_path / "nan.safetensors")
+        Lora([LoraRef(tmp_path / "nan.safetensors")])
+
+
+# layers of the tiny transformer a LoRA reaches through each kind of host once projections are joined: q/k of a
+# double block's to_qkv, v of its to_added_qkv, v and the MLP input of a single block's proj_qkv_mlp, and layers
+# that stay alone
+STACKED = (("transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k", "transformer_blocks.0.attn.add_v_proj",
+            "single_transformer_blocks.0.attn.to_v", "single_transformer_blocks.0.proj_mlp",
+            "transformer_blocks.0.ff.net.0.proj"),
+           ("transformer_blocks.0.attn.to_q", "single_transformer_blocks.0.proj_out", "proj_out"))
+
+
+def random_loras(raw, folder, std=0.2):
+    """Two LoRAs (ranks 2 and 3, fresh random factors) over STACKED's layers of `raw`, both on one layer; with
+    scales 0.8 and -0.5 as LoraRefs."""
+    g = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    refs = []
+    for i, (modules, rank, scale) in enumerate(zip(STACKED, (2, 3), (0.8, -0.5))):
+        tensors = {}
+        for m in modules:
+            lin = raw.get_submodule(m)
+            tensors[f"transformer.{m}.lora_A.weight"] = torch.randn(rank, lin.in_features, generator=g) * std
+            tensors[f"transformer.{m}.lora_B.weight"] = torch.randn(lin.out_features, rank, generator=g) * std
+            tensors[f"transformer.{m}.alpha"] = torch.tensor(float(rank + 1))
+        save_file(tensors, folder / f"l{i}.safetensors")
+        refs.append(LoraRef(folder / f"l{i}.safetensors", scale))
+    return refs
+
+
+def test_stacked_loras_beside_joined_and_fp8_gemms_equal_merged_weights(tiny_bf16, tmp_path):
+    """fp32, fresh inputs: the low-rank terms beside the joined GEMMs (their rows found from what
+    fuse_projections recorded) compute what the merged weights compute; on the fp8 recipe, the terms beside the
+    E4M3 GEMMs (torch._scaled_mm, joined) equal them beside the emulated recipe (unjoined), and move the output
+    as much as the LoRAs do in fp32."""
+    from fluxtrt import fp8, fp8_layers
+    from fluxtrt.components import ShapePoint, specs_for
+    from fluxtrt.runtime import lora
+
+    src = tiny_bf16
+    spec = specs_for(src.geometry, ["transformer"])["transformer"]
+    feeds = spec.sample_inputs(ShapePoint(2, 128, 192), src.geometry, int(np.random.default_rng().integers(1 << 30)))
+    args = [feeds[t.name] for t in spec.inputs if t.name in feeds]
+    load = lambda: src.load_component("transformer", torch.float32, "cpu").eval()  # noqa: E731
+    raw = load()
+    loras = lora.read_loras(random_loras(raw, tmp_path))
+
+    def run(module):
+        with torch.inference_mode():
+            return spec.wrap(module)(*args).float()
+
+    plain = run(raw)
+    assert lora.merge_into(raw, loras) == 8
+    merged = run(raw)
+    raw = load()
+    plan = lora.side_path_plan(raw, loras)
+    assert fp8_layers.fuse_projections(raw) == 2 * raw.config.num_layers + raw.config.num_single_layers
+    assert lora.add_side_paths(raw, plan, torch.float32) == 6  # to_qkv, to_added_qkv, proj_qkv_mlp, 3 alone
+    beside = run(raw)
+    rel = lambda a, b: float((a - b).abs().max() / b.abs().max())  # noqa: E731
+    assert rel(merged, plain) > 0.05, rel(merged, plain)  # the LoRAs matter
+    assert rel(beside, merged) <= 1e-5, rel(beside, merged)
+    groups = fp8.linear_groups(spec.wrap(load()), args, root=load())
+    amax = {m: float(np.random.default_rng().uniform(2.0, 8.0)) for group in groups for m in group}
+    scales = fp8.scales_from_calibration(load(), amax, groups)
+    outs = {}
+    for mode in ("emulated", "scaled_mm", "base"):
+        raw = load()
+        plan = lora.side_path_plan(raw, loras)
+        fp8_layers.quantize_module(raw, scales, "cpu", scaled_mm=mode == "scaled_mm")
+        if mode != "base":
+            lora.add_side_paths(raw, plan, torch.float32)
+        outs[mode] = run(raw)
+    assert rel(outs["scaled_mm"], outs["emulated"]) <= 1e-4, rel(outs["scaled_mm"], outs["emulated"])
+    assert rel(outs["emulated"], outs["base"]) > 0.5 * rel(merged, plain)
+
+
+def test_a_lora_for_other_layers_or_shapes_is_one_line(tiny_bf16, tmp_path):
+    from fluxtrt.runtime import lora
+
+    raw = tiny_bf16.load_component("transformer", torch.float32, "cpu")
+    for name, a, b in (("transformer_blocks.0.attn.nothing", (2, 8), (12, 2)),
+                       ("transformer_blocks.0.attn.to_q", (2, 7), (5, 2))):
+        save_file({f"transformer.{name}.lora_A.weight": torch.randn(*a), f"transformer.{name}.lora_B.weight": torch.randn(*b)},
+                  tmp_path / "x.safetensors")
+        loras = lora.read_loras([LoraRef(tmp_path / "x.safetensors")])
+        for apply in (lora.merge_into, lora.side_path_plan):
+            with pytest.raises(FluxtrtError, match="does not have as a linear layer|the LoRA is for another model"):
+                apply(raw, loras)
+
+
+def test_stacked_loras_on_the_pytorch_transformer_equal_a_merged_checkpoint(tmp_path):
+    """`run --backend torch --lora A:0.8 --lora B:-0.5` (fp32, CPU): the image equals the one from a model folder
+    whose transformer has both LoRAs merged in beforehand within 2/255, and differs from the plain one."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from fluxtrt.models.source import resolve_model
+    from fluxtrt.runtime.assembly import open_pipeline
+
+    src = resolve_model("tiny")
+    stored = {}
+    for f in (src.path / "transformer").glob("*.safetensors"):
+        stored.update(load_file(f))
+    raw = src.load_component("transformer", torch.float32, "cpu")
+    refs = random_loras(raw, tmp_path, std=0.3)
+    for ref in refs:
+        lf = load_file(ref.path)
+        for key in lf:
+            if key.endswith(".lora_A.weight"):
+                m = key[len("transformer."):-len(".lora_A.weight")]
+                a, b = lf[key], lf[f"transformer.{m}.lora_B.weight"]
+                stored[f"{m}.weight"] = stored[f"{m}.weight"] + ref.scale * float(lf[f"transformer.{m}.alpha"]) / \
+                    a.shape[0] * (b @ a)
+    merged = tmp_path / "merged"
+    shutil.copytree(src.path, merged)
+    for f in (merged / "transformer").glob("*.safetensors"):
+        f.unlink()
+    save_file({k: v.contiguous() for k, v in stored.items()}, merged / "transformer" / "diffusion_pytorch_model.safetensors")
+
+    def image(model, **options):
+        pipe = open_pipeline(model=model, backend="torch", torch_dtype="fp32", device="cpu", **options)
+        return pipe.generate(["a red fox in the snow"], 256, 256, 3, 3.5, seed=5).images.astype(int), pipe
+
+    with_loras, pipe = image(src.path, lora=[f"{refs[0].path}:0.8", f"{refs[1].path}:-0.5"])
+    premerged, _ = image(merged)
+    plain, _ = image(src.path)
+    assert np.abs(with_loras - premerged).max() <= 2
+    assert np.abs(with_loras - plain).max() > 10
+    assert pipe.executors["transformer"].lora_note == "LoRA merged into 8 linear layers"
