@@ -4,13 +4,16 @@ batcher (runtime/batching.py). On one machine Ray runs embedded (a local runtime
 
 HTTP API (OpenAI-style images):
   POST /v1/images/generations  {"prompt": str, "n": 1, "size": "WIDTHxHEIGHT", "steps": int, "guidance": float,
-                                "seed": int, "cache_threshold": float, "response_format": "b64_json"}
-                                (all but prompt optional; cache_threshold: First-Block Cache per image, 0 off)
+                                "seed": int, "cache_threshold": float, "lora": "name" | [{"name", "scale"}],
+                                "response_format": "b64_json"}
+                                (all but prompt optional; cache_threshold: First-Block Cache per image, 0 off;
+                                lora: LoRAs of --lora-dir by file stem, stacked, mixed with others in one batch)
     200 {"created": unix time, "data": [{"b64_json": PNG, "seed": int[, "cache": {...}]}], "timings": {...}}
     400 {"error": {"message": one line}} for anything `fluxtrt run` refuses and for unknown fields; 503 +
     Retry-After when the queue is full; 500 when a generation fails (the server keeps serving); a client that
     disconnects cancels its samples at the next step. 404 / 405 / 414 (long URLs) in the same JSON shape.
-  GET /health  200 {"status": "ok", ...} once the engines are loaded
+  GET /v1/loras  the LoRAs --lora-dir serves: {"data": [{"name", "loaded", "bytes"}], "slots": n}
+  GET /health  200 {"status": "ok", ...} once the engines are loaded (with --lora-dir: LoRA calls, mixed calls)
   GET /metrics the answering replica's queue depth, running batch, step time and batch sizes (Prometheus text)
 Metrics (also on Ray's Prometheus exporter): fluxtrt_queue_depth, fluxtrt_running_batch, fluxtrt_step_seconds;
 /metrics also fluxtrt_cancelled_total."""
@@ -41,7 +44,8 @@ ROUTE = "/v1/images/generations"
 MAX_URL_CHARS = 2048  # path and query: the API's URLs are short; a longer one is refused before routing
 # The request's fields. "model" and "user" are OpenAI's own (its clients may send them): accepted, and they change
 # nothing (the engines decide the model). Any other name is refused, with the nearest known one.
-FIELDS = ("prompt", "n", "size", "steps", "guidance", "seed", "cache_threshold", "response_format", "model", "user")
+FIELDS = ("prompt", "n", "size", "steps", "guidance", "seed", "cache_threshold", "lora", "response_format", "model",
+          "user")
 
 
 def too_large(size: str | int) -> TooLarge:
@@ -76,6 +80,7 @@ class Generation:
     guidance: float
     seed: int
     cache_threshold: float = 0.0
+    lora: tuple = ()  # ((name, scale), ...)
 
 
 def parse_size(size, what: str = "size") -> tuple[int, int]:
@@ -123,11 +128,39 @@ def parse_request(body: bytes, default_size: tuple[int, int], default_steps: int
     if data.get("response_format", "b64_json") != "b64_json":
         raise BadRequest("\"response_format\" must be \"b64_json\" (images are returned inline as base64 PNG)")
     width, height = parse_size(data.get("size", f"{default_size[1]}x{default_size[0]}"), "\"size\"")
-    return Generation(prompt=prompt, n=number("n", 1, int, 1, MAX_N), width=width, height=height,
+    lora = parse_lora(data.get("lora"))
+    return Generation(lora=lora, prompt=prompt, n=number("n", 1, int, 1, MAX_N), width=width, height=height,
                       steps=number("steps", default_steps, int, 1, MAX_STEPS),
                       guidance=number("guidance", 3.5, float, 0.0, MAX_GUIDANCE),
                       seed=number("seed", 0, int, 0, 2**63 - 1 - MAX_N),
                       cache_threshold=number("cache_threshold", default_cache_threshold, float, 0.0, MAX_CACHE_THRESHOLD))
+
+
+def parse_lora(value) -> tuple:
+    """A request's "lora": a name, or a list of names / {"name": str, "scale": number} (stacked, at most
+    MAX_STACK), as ((name, scale), ...); BadRequest naming the field otherwise. The names are resolved against
+    the server's --lora-dir when the request is queued."""
+    from .runtime.lora import MAX_SCALE, MAX_STACK
+
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, (str, dict)) else value
+    if not isinstance(items, list) or not 1 <= len(items) <= MAX_STACK:
+        raise BadRequest(f"\"lora\" must be a name or a list of 1 to {MAX_STACK} names or {{\"name\", \"scale\"}} "
+                         "objects")
+    out = []
+    for item in items:
+        item = {"name": item} if isinstance(item, str) else item
+        if not isinstance(item, dict) or set(item) - {"name", "scale"} or not isinstance(item.get("name"), str):
+            raise BadRequest("\"lora\" entries are names or {\"name\": str, \"scale\": number} objects")
+        scale = item.get("scale", 1.0)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) \
+                or abs(scale) > MAX_SCALE:
+            raise BadRequest(f"\"lora\" scale must be a number within +-{MAX_SCALE:g}, got {scale!r}")
+        out.append((item["name"], float(scale)))
+    if len({n for n, _ in out}) < len(out):
+        raise BadRequest("\"lora\" names a LoRA twice; give it once with its scale")
+    return tuple(out)
 
 
 def unknown_field(key: str) -> str:
@@ -151,7 +184,7 @@ class Service:
     """One replica's state and request handling, independent of Ray (tests drive it directly)."""
 
     def __init__(self, options, max_batch: int | None, max_queue: int, *, metrics=None, cache_threshold: float = 0.0,
-                 size: str | None = None):
+                 size: str | None = None, lora_dir=None, lora_cache_gb: float = 4.0):
         """`options`: runtime.options.PipelineOptions (what `fluxtrt run` opens: engines or model, backend, dtype,
         calibration, compile, ...)."""
         from .runtime.assembly import open_pipeline
@@ -162,7 +195,8 @@ class Service:
         self.pipe = open_pipeline(options=options, kernel_specialization="lazy")
         self.backend = self.pipe.backend_name
         self.metrics = metrics
-        self.batcher = ContinuousBatcher(self.pipe, max_batch, max_queue, on_step=self._record)
+        self.loras = self._lora_bank(lora_dir, lora_cache_gb) if lora_dir is not None else None
+        self.batcher = ContinuousBatcher(self.pipe, max_batch, max_queue, on_step=self._record, loras=self.loras)
         opt = self.pipe.manifest.shape_range["opt"] if self.pipe.manifest is not None else [1, 1024, 1024]
         self.default_size = (opt[1], opt[2])  # (height, width)
         if size is not None:  # a request's default size, and the one --compile compiles for
@@ -179,6 +213,22 @@ class Service:
         self.pipe.steps.step_cache(cache_threshold)  # refused now where the executor cannot run the cache's parts
         self.default_cache_threshold = cache_threshold
 
+    def _lora_bank(self, lora_dir, cache_gb: float):
+        """Per-request LoRAs of `lora_dir` on the PyTorch transformer (runtime/lora.LoraBank)."""
+        from .runtime.executors import TorchExecutor
+        from .runtime.lora import LoraBank
+
+        ex = self.pipe.executors["transformer"]
+        if not isinstance(ex, TorchExecutor):
+            raise FluxtrtError(f"--lora-dir serves per-request LoRAs on the PyTorch transformer; this one runs on "
+                               f"{ex.kind}: serve with --backend torch (engines' LoRAs: `fluxtrt run --lora` with "
+                               "--weights)")
+        check_number("--lora-cache-gb", cache_gb, 0.0, 1024.0)
+        bank = LoraBank(lora_dir, int(cache_gb * 2**30))
+        slots = ex.serve_loras(bank)
+        log.info("serving the LoRAs of %s: %d names, %d slots in GPU memory", lora_dir, len(bank.names()), slots)
+        return bank
+
     def _record(self, stats) -> None:
         if self.metrics is not None:
             self.metrics(stats)
@@ -187,7 +237,15 @@ class Service:
         s = self.batcher.stats
         return {"status": "ok", "backend": self.backend, "model": self.pipe.geo.model_class, "pid": os.getpid(),
                 "queued": s.queued, "running_batch": s.running_batch, "steps_run": s.steps_run, "cancelled": s.cancelled,
-                "max_batch": self.batcher.max_batch, "max_queue": self.batcher.max_queue}
+                "max_batch": self.batcher.max_batch, "max_queue": self.batcher.max_queue,
+                **({"lora": {"mixes_in_a_batch": True, "slots": self.loras.slots, "loaded": list(self.loras.loaded),
+                             "calls": s.lora_calls, "mixed_calls": s.mixed_lora_calls}} if self.loras is not None else {})}
+
+    def lora_listing(self) -> tuple[int, dict]:
+        """GET /v1/loras: (status, payload)."""
+        if self.loras is None:
+            return 200, {"data": [], "note": "this server serves no LoRAs (start it with --lora-dir DIR)"}
+        return 200, {"data": self.loras.listing(), "slots": self.loras.slots}
 
     def metrics_text(self) -> str:
         """This replica's numbers in Prometheus' text format (Ray's exporter has them too, with Ray's own)."""
@@ -211,14 +269,14 @@ class Service:
         try:
             req = parse_request(body, self.default_size, self.default_steps, self.default_cache_threshold)
             future = self.batcher.submit(req.prompt, req.height, req.width, req.steps, req.guidance, seed=req.seed, n=req.n,
-                                         cache_threshold=req.cache_threshold)
+                                         cache_threshold=req.cache_threshold, lora=req.lora)
         except QueueFull as e:
             return 503, _error(e), {"Retry-After": "2"}
         except ShuttingDown as e:
             return 503, _error(e), {"Retry-After": "5"}
         except BadRequest as e:
             return e.status, _error(e), {}
-        except RequestError as e:
+        except (RequestError, FluxtrtError) as e:  # a LoRA name outside --lora-dir, a damaged LoRA file, ...
             return 400, _error(e), {}
         try:
             done = await asyncio.wrap_future(future)
@@ -274,6 +332,8 @@ class ServeArgs:
     gpus_per_replica: float | None = None
     cache_threshold: float = 0.0
     size: str | None = None  # "WIDTHxHEIGHT": requests' default size, the one `compile` compiles for
+    lora_dir: str | None = None  # per-request LoRAs: the files of this folder, by stem (runtime/lora.LoraBank)
+    lora_cache_gb: float = 4.0  # GPU memory for the adapters in use (least recently used evicted)
 
     @classmethod
     def keys(cls) -> list:
@@ -339,8 +399,14 @@ class ServeArgs:
                                     ("gpus_per_replica", self.gpus_per_replica, 0, 8),
                                     ("cache_threshold", self.cache_threshold, 0.0, MAX_CACHE_THRESHOLD)):
             check_number(flag, value, lo, hi)
+        check_number("lora_cache_gb", self.lora_cache_gb, 0.0, 1024.0)
         self.pipeline = self.pipeline.check()
         o = self.pipeline
+        if self.lora_dir is not None and o.backend != "torch":
+            raise FluxtrtError("--lora-dir serves per-request LoRAs on the PyTorch transformer: add --backend torch "
+                               "(on engines, `fluxtrt run --lora FILE --weights DIR` merges one)")
+        if self.lora_dir is not None and not Path(self.lora_dir).is_dir():
+            raise FluxtrtError(f"--lora-dir {self.lora_dir} is not a folder; pass the folder that holds the LoRA files")
         if o.compile and o.backend != "torch":
             raise FluxtrtError("compile=true compiles the PyTorch transformer: use backend torch (engines are "
                                "compiled by `fluxtrt build`)")
@@ -371,7 +437,8 @@ class FluxService:
 
     def __init__(self, args: ServeArgs):
         self.service = Service(args.pipeline, args.max_batch, args.max_queue, metrics=_metrics_recorder(),
-                               cache_threshold=args.cache_threshold, size=args.size)
+                               cache_threshold=args.cache_threshold, size=args.size, lora_dir=args.lora_dir,
+                               lora_cache_gb=args.lora_cache_gb)
 
     async def generations(self, request):
         from fastapi.responses import JSONResponse
@@ -384,6 +451,12 @@ class FluxService:
 
     def health(self):
         return self.service.health()
+
+    def loras(self):
+        from fastapi.responses import JSONResponse
+
+        status, payload = self.service.lora_listing()
+        return JSONResponse(payload, status_code=status)
 
     def metrics(self):
         from fastapi.responses import PlainTextResponse
@@ -427,6 +500,10 @@ def app(args: dict | ServeArgs):
         def metrics(self):
             return FluxService.metrics(self)
 
+        @api.get("/v1/loras")
+        def loras(self):
+            return FluxService.loras(self)
+
     return Deployment.bind(opts)
 
 
@@ -447,7 +524,7 @@ def http_api():
     async def http_error(request, exc):
         path = request.url.path[:80]
         if exc.status_code == 404:
-            return answer(404, f"no route {path}; POST {ROUTE}, GET /health or GET /metrics")
+            return answer(404, f"no route {path}; POST {ROUTE}, GET /v1/loras, GET /health or GET /metrics")
         if exc.status_code == 405:
             allowed = (exc.headers or {}).get("Allow", "")
             return answer(405, f"{request.method} {path} is not allowed; use {allowed or 'POST'}"

@@ -445,6 +445,9 @@ ROOT = Path(__file__).resolve().parents[1]
     ({"model": "tiny", "backend": "torch", "size": "0x512"}, "size must be positive pixels"),
     ({"model": "tiny", "backend": "torch", "lora": [{"name": "x"}]}, "lora=[{'name': 'x'}]: expected a string or a list"),
     ({"model": "tiny", "backend": "torch", "lora": "x.safetensors:12"}, "--lora x.safetensors: the scale after ':'"),
+    ({"engines": "x", "backend": "onnxruntime", "lora_dir": "."}, "--lora-dir serves per-request LoRAs on the PyTorch"),
+    ({"model": "tiny", "backend": "torch", "lora_dir": "/no/such/folder"}, "--lora-dir /no/such/folder is not a folder"),
+    ({"model": "tiny", "backend": "torch", "lora_cache_gb": "-1"}, "lora_cache_gb"),
 ])
 def test_app_builder_arguments_are_one_line(args, message):
     from fluxtrt.serving import ServeArgs
@@ -529,3 +532,81 @@ def test_serve_run_with_the_config_file_serves(tiny_engines, tmp_path):
             proc.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def write_loras(folder, names, seed_model="tiny-schnell", std=0.3):
+    """One random rank-2..3 transformer LoRA per name (diffusers/peft format) over a few of tiny's layers."""
+    import torch
+    from safetensors.torch import save_file
+
+    from fluxtrt.models.source import resolve_model
+
+    raw = resolve_model(seed_model).load_component("transformer", torch.float32, "cpu")
+    layers = ("transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.add_k_proj",
+              "single_transformer_blocks.0.proj_mlp", "single_transformer_blocks.0.proj_out", "proj_out")
+    g = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, name in enumerate(names):
+        rank, tensors = 2 + i % 2, {}
+        for m in layers[i % 2:]:
+            lin = raw.get_submodule(m)
+            tensors[f"transformer.{m}.lora_A.weight"] = torch.randn(rank, lin.in_features, generator=g) * std
+            tensors[f"transformer.{m}.lora_B.weight"] = torch.randn(lin.out_features, rank, generator=g) * std
+        save_file(tensors, folder / f"{name}.safetensors")
+    return folder
+
+
+def test_requests_with_different_loras_share_batches_and_equal_their_single_runs(tmp_path):
+    """tiny-schnell, fp32, CPU: eight concurrent requests, four LoRAs (one stacked with a scale) and none, on a
+    server with batches of 4 and slots for 4 adapters (so some wait and some are evicted): each image equals
+    `fluxtrt run --lora ...` with the same settings within 2/255; /health counts transformer calls that mixed
+    adapters. A name outside the folder, a missing one and a damaged file are each one JSON 400, and the server
+    keeps serving."""
+    from fluxtrt.runtime.lora import MAX_STACK
+
+    folder = write_loras(tmp_path / "loras", ["a", "b", "c", "d"])
+    (folder / "broken.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
+    svc = Service(PipelineOptions(model="tiny-schnell", backend="torch", torch_dtype="fp32"), max_batch=4,
+                  max_queue=64, lora_dir=folder, lora_cache_gb=1e-6)
+    requests = [None, "a", "b", [{"name": "c", "scale": 0.5}, {"name": "a", "scale": -0.7}], "d", None, "b", "c"]
+    try:
+        assert svc.loras.slots == MAX_STACK
+        from types import SimpleNamespace
+
+        from fluxtrt.serving import FluxService
+
+        listing = FluxService.loras(SimpleNamespace(service=svc))  # GET /v1/loras
+        assert listing.status_code == 200
+        assert [d["name"] for d in json.loads(listing.body)["data"]] == ["a", "b", "broken", "c", "d"]
+
+        async def scenario():
+            bodies = [json.dumps({"prompt": "a red fox", "size": "256x256", "steps": 3, "seed": 40 + i,
+                                  **({"lora": r} if r is not None else {})}).encode() for i, r in enumerate(requests)]
+            return await asyncio.gather(*(svc.generate(b) for b in bodies))
+
+        answers = asyncio.run(scenario())
+        assert [a[0] for a in answers] == [200] * len(requests), [a[1] for a in answers]
+        health = svc.health()
+        assert health["lora"]["mixed_calls"] > 0 and health["lora"]["calls"] >= health["lora"]["mixed_calls"], health
+        for body, message in ((b'{"prompt": "x", "lora": "../loras/a"}', "is not a LoRA of this server"),
+                              (b'{"prompt": "x", "lora": "missing"}', "'missing' is not a LoRA of this server"),
+                              (b'{"prompt": "x", "lora": "broken"}', "is not a safetensors file"),
+                              (b'{"prompt": "x", "lora": [{"name": "a", "scale": 99}]}', "within +-10"),
+                              (b'{"prompt": "x", "lora": ["a", "a"]}', "names a LoRA twice")):
+            status, payload, _ = asyncio.run(svc.generate(body))
+            assert status == 400 and message in payload["error"]["message"], payload
+        status, _, _ = asyncio.run(svc.generate(b'{"prompt": "a dog", "size": "256x256", "steps": 1, "lora": "d"}'))
+        assert status == 200
+    finally:
+        svc.close()
+    plain = open_pipeline(model="tiny-schnell", backend="torch", torch_dtype="fp32")
+    for i, r in enumerate(requests):
+        stack = [r] if isinstance(r, str) else r or []
+        if stack:  # the LoRAs matter
+            own = plain.generate(["a red fox"], 256, 256, 3, 0.0, seed=40 + i).images[0]
+            assert np.abs(decode(answers[i][1]["data"][0]).astype(int) - own.astype(int)).max() > 10, (i, r)
+        refs = [f"{folder / (s if isinstance(s, str) else s['name'])}.safetensors:{1.0 if isinstance(s, str) else s['scale']}"
+                for s in stack]
+        pipe = open_pipeline(model="tiny-schnell", backend="torch", torch_dtype="fp32", lora=refs)
+        alone = pipe.generate(["a red fox"], 256, 256, 3, 0.0, seed=40 + i).images[0]
+        assert np.abs(decode(answers[i][1]["data"][0]).astype(int) - alone.astype(int)).max() <= 2, (i, r)

@@ -54,6 +54,8 @@ class Job:
     created: float = field(default_factory=time.perf_counter)
     started: float | None = None  # first step
     cache_threshold: float = 0.0  # First-Block Cache, per sample (0: off)
+    lora: tuple = ()  # ((name, scale), ...): the request's LoRAs (runtime/lora.LoraBank), stacked
+    slots: list | None = None  # [(bank slot, scale)] while its samples run
     settled: bool = False  # counted out of the queue (finished, failed or cancelled): exactly once
 
 
@@ -97,6 +99,8 @@ class Stats:
     steps_run: int = 0
     cancelled: int = 0  # requests whose client went away before they finished (their samples dropped)
     batch_histogram: dict = field(default_factory=lambda: collections.Counter())
+    lora_calls: int = 0  # transformer calls with at least one sample's LoRA
+    mixed_lora_calls: int = 0  # ... whose samples had different LoRAs (the base GEMMs ran once for all)
 
 
 class ContinuousBatcher:
@@ -104,7 +108,7 @@ class ContinuousBatcher:
     engines' profile maximum; PyTorch modules have no profile: 4 unless asked); `max_queue`: samples accepted but
     not finished before `submit` refuses with QueueFull."""
 
-    def __init__(self, pipe: Pipeline, max_batch: int | None = None, max_queue: int = 64, on_step=None):
+    def __init__(self, pipe: Pipeline, max_batch: int | None = None, max_queue: int = 64, on_step=None, loras=None):
         profile_max = pipe.manifest.shape_range["max"][0] if pipe.manifest is not None else max_batch or 4
         if max_batch is not None and max_batch < 1:
             raise RequestError(f"--max-batch must be at least 1, got {max_batch}")
@@ -112,6 +116,7 @@ class ContinuousBatcher:
             raise RequestError(f"--max-queue must be at least 1, got {max_queue}")
         self.pipe, self.max_batch, self.max_queue = pipe, min(max_batch or profile_max, profile_max), max_queue
         self.on_step = on_step  # callback(Stats) after every transformer call (metrics)
+        self.loras = loras  # runtime/lora.LoraBank: per-request LoRAs (None: none served)
         self.stats = Stats()
         self._incoming: collections.deque = collections.deque()
         self._active: list[Sample] = []
@@ -124,7 +129,7 @@ class ContinuousBatcher:
 
     # -- the API ------------------------------------------------------------------------------------------------
     def submit(self, prompt: str, height: int, width: int, steps: int, guidance: float = 3.5, *, seed: int = 0,
-               n: int = 1, cache_threshold: float = 0.0) -> Future:
+               n: int = 1, cache_threshold: float = 0.0, lora=()) -> Future:
         """Queue a request; the future's result is a `Finished` with n uint8 [H, W, 3] images. Checks the request now
         (one-line RequestError) and refuses with QueueFull when `max_queue` samples are already pending."""
         if not isinstance(prompt, str) or not prompt.strip():
@@ -133,10 +138,16 @@ class ContinuousBatcher:
             raise RequestError(f"n must be at least 1, got {n}")
         self.pipe.check_request(1, height, width, steps)
         self.pipe.steps.step_cache(cache_threshold)  # one line where the executor cannot run the cache's parts
+        lora = tuple(lora)
+        if lora:
+            if self.loras is None:
+                raise RequestError("this server serves no LoRAs: start it with --lora-dir DIR")
+            for name, _ in lora:
+                self.loras.check(name)  # read and checked now: a bad file is this request's error, not the batch's
         if self._stop.is_set():
             raise ShuttingDown("the server is shutting down")
         job = Job(prompt=prompt, height=height, width=width, steps=steps, guidance=guidance, seed=seed, n=n,
-                  cache_threshold=cache_threshold)
+                  cache_threshold=cache_threshold, lora=lora)
         with self._lock:
             if self._pending + n > self.max_queue:
                 raise QueueFull(f"{self._pending} images are queued (max {self.max_queue}); retry shortly")
@@ -232,7 +243,12 @@ class ContinuousBatcher:
             with self._lock:
                 if not self._incoming:
                     return
-                job = self._incoming.popleft()
+                job = self._incoming[0]
+                if job.lora:
+                    job.slots = self.loras.acquire(job.lora)
+                    if job.slots is None:  # every slot holds an adapter a running sample uses: wait for one
+                        return
+                self._incoming.popleft()
             try:
                 with self.pipe.on_stream():
                     pooled, text = self.pipe.prompts.encode([job.prompt])
@@ -268,10 +284,20 @@ class ContinuousBatcher:
                                      torch.cat([s.text for s in batch]), torch.cat([s.pooled for s in batch]),
                                      torch.stack([s.t_in[s.step] for s in batch]), first.img_ids,
                                      guidance=torch.cat([s.guidance for s in batch]) if pipe.geo.guidance else None)
-            if any(s.cache is not None for s in batch):  # each sample decides for itself (module doc)
-                out = pipe.steps.cached_transformer(feeds, [(s.cache, slice(i, i + 1)) for i, s in enumerate(batch)])
-            else:
-                out = pipe.executors["transformer"].infer(feeds)["noise_pred"]
+            adapters = [s.job.slots or [] for s in batch]
+            if self.loras is not None:
+                self.loras.use(adapters, dev)
+                if any(adapters):
+                    self.stats.lora_calls += 1
+                    self.stats.mixed_lora_calls += len({tuple(a) for a in adapters}) > 1
+            try:
+                if any(s.cache is not None for s in batch):  # each sample decides for itself (module doc)
+                    out = pipe.steps.cached_transformer(feeds, [(s.cache, slice(i, i + 1)) for i, s in enumerate(batch)])
+                else:
+                    out = pipe.executors["transformer"].infer(feeds)["noise_pred"]
+            finally:
+                if self.loras is not None:
+                    self.loras.use(None)
             tokens = first.latents.shape[1]
             for i, s in enumerate(batch):  # each sample's own Euler step (its own dt)
                 s.latents = fm.euler_step(s.latents, out[i:i + 1, :tokens].float(), s.dts[s.step])
@@ -313,6 +339,8 @@ class ContinuousBatcher:
                 return False
             job.settled = True
             self._pending -= job.n
+            if job.slots:
+                self.loras.release(job.slots)
             self.stats.queued = self._pending
         if job.future.cancelled():  # its client went away: nobody waits for the result
             return True

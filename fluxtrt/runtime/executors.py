@@ -326,6 +326,19 @@ class TorchExecutor(Executor):
             self._fn = torch.compile(self.module, fullgraph=False, dynamic=False)
         self.active = True
 
+    def serve_loras(self, bank) -> int:
+        """Per-request LoRAs (runtime/lora.LoraBank) on this transformer: its layers get the bank's mixed low-rank
+        terms, before anything is compiled. Returns the bank's slots."""
+        if not self.active:
+            self.activate()
+        slots = bank.attach(self.module.model, self.dtype)
+        self._parts = {}
+        if self.compile:
+            import torch
+
+            self._fn = torch.compile(self.module, fullgraph=False, dynamic=False)
+        return slots
+
     def _quantize(self, raw) -> str:
         """The build's fp8 recipe on the PyTorch transformer (fp8.py): scales recorded by the build, or from a
         calibration and the module's weights, grouped as the graph fuses its projections."""

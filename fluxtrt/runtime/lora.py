@@ -8,6 +8,7 @@ low-rank term beside each quantized GEMM (`add_side_paths`: the base stays E4M3 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -222,3 +223,215 @@ def lora_side(base, down, up):
             return self.base(x) + f.linear(f.linear(x, self.down), self.up)
 
     return LoraSide()
+
+
+MAX_STACK = 4  # LoRAs one request may stack
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+class LoraBank:
+    """The LoRAs a server serves per request (`fluxtrt serve --lora-dir DIR`) on a PyTorch transformer: the files
+    DIR/<name>.safetensors, named by their stem (inside DIR only). An adapter is loaded into a slot of GPU memory
+    on first use and kept while the slots (`cache_bytes` in all) hold it, least recently used evicted when a new one
+    needs its slot and no running sample uses it. Each layer a LoRA of DIR targets computes base(x) plus, for each
+    sample of the batch, the low-rank terms of that sample's adapters (a batched gather-GEMM over the slots: the
+    base GEMM runs once for the batch, samples with different adapters share the call). Set per call with
+    `use(assignment)`: one [(slot, scale), ...] per sample; empty for a sample without LoRA."""
+
+    def __init__(self, folder, cache_bytes: int):
+        import collections
+        import threading
+
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise FluxtrtError(f"--lora-dir {folder} is not a folder; pass the folder that holds the LoRA files")
+        self.cache_bytes = int(cache_bytes)
+        self.hosts: dict = {}  # host layer -> its MixedLora module
+        self.slots = 0
+        self.loaded: collections.OrderedDict = collections.OrderedDict()  # name -> slot (least recent first)
+        self.pinned: collections.Counter = collections.Counter()  # slot -> samples using it
+        self.files: dict = {}  # name -> LoraFile read and checked (host memory)
+        self.idx = self.scale = None
+        self._layers: dict = {}
+        self._lock = threading.Lock()
+
+    def names(self) -> list[str]:
+        return sorted(p.stem for p in self.folder.glob("*.safetensors") if _NAME.fullmatch(p.stem))
+
+    def listing(self) -> list[dict]:
+        """GET /v1/loras: every servable name, whether it is in GPU memory, its file size."""
+        return [{"name": n, "loaded": n in self.loaded, "bytes": (self.folder / f"{n}.safetensors").stat().st_size}
+                for n in self.names()]
+
+    def path(self, name) -> Path:
+        """DIR/<name>.safetensors for a request's name; one line (the caller answers 4xx) for any other name."""
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise FluxtrtError(f"lora name {str(name)[:60]!r} is not a LoRA of this server: a name is a file stem of "
+                               "its --lora-dir (letters, digits, . _ -); GET /v1/loras lists them")
+        path = self.folder / f"{name}.safetensors"
+        if not path.is_file():
+            raise FluxtrtError(f"lora {name!r} is not a LoRA of this server; GET /v1/loras lists them")
+        return path
+
+    def check(self, name: str) -> LoraFile:
+        """The adapter `name` read and checked against the transformer's layers (kept in host memory); one line
+        for a missing, damaged or foreign file."""
+        with self._lock:
+            if name in self.files:
+                return self.files[name]
+        lf = LoraFile(self.path(name))
+        for module, (a, b, _) in lf.factors.items():
+            host, offset, rows = self._layers.get(module, (None, 0, 0))
+            if host is None or (rows, self.hosts[host].in_features) != (b.shape[0], a.shape[1]):
+                raise FluxtrtError(f"lora {name!r} targets {module}, which this transformer does not have in that shape")
+            if module not in self.hosts[host].ranks or a.shape[0] > self.hosts[host].ranks[module]:
+                raise FluxtrtError(f"lora {name!r}: {module} has rank {a.shape[0]}, more than the server planned for "
+                                   "when it started; restart it to serve this file")
+        with self._lock:
+            self.files[name] = lf
+        return lf
+
+    def attach(self, module, dtype) -> int:
+        """Put a MixedLora on every layer a LoRA of DIR targets (after the projections are joined and quantized),
+        with room for each layer's largest rank among the files, and as many slots as `cache_bytes` holds.
+        Returns the slots."""
+        import torch
+
+        from ..fp8_layers import JOINED
+
+        where = {}
+        for host, parts in getattr(module, JOINED, {}).items():
+            offset = 0
+            for part, rows in parts:
+                where[part] = (host, offset, rows)
+                offset += rows
+        ranks: dict = {}  # host -> {layer: largest rank}
+        for name in self.names():
+            try:
+                header = read_header(self.folder / f"{name}.safetensors")
+            except FluxtrtError:
+                continue  # a damaged file is refused when a request names it; the others are served
+            for key, t in header.items():
+                layer = key[len("transformer."):] if key.startswith("transformer.") else key
+                if layer.endswith(".lora_A.weight") and len(t.shape) == 2:
+                    layer = layer[: -len(".lora_A.weight")]
+                    host = where.get(layer, (layer, 0, 0))[0]
+                    try:
+                        base = module.get_submodule(host)
+                    except AttributeError:
+                        continue  # refused when a request names the file
+                    if not hasattr(base, "in_features"):
+                        continue
+                    where.setdefault(layer, (layer, 0, base.out_features))
+                    r = ranks.setdefault(host, {})
+                    r[layer] = max(r.get(layer, 0), int(t.shape[0]))
+        self._layers = {k: v for k, v in where.items() if v[0] in ranks}
+        elem = torch.empty((), dtype=dtype).element_size()
+        per_slot = sum(sum(r.values()) * (module.get_submodule(h).in_features + module.get_submodule(h).out_features)
+                       for h, r in ranks.items()) * elem
+        # at least a full stack's worth, so every request can run (over cache_bytes only where that is smaller)
+        self.slots = max(MAX_STACK, min(256, self.cache_bytes // max(per_slot, 1))) if ranks else 0
+        for host, r in ranks.items():
+            parent, _, leaf = host.rpartition(".")
+            owner = module.get_submodule(parent) if parent else module
+            base = getattr(owner, leaf)
+            device = next((t.device for t in base.buffers()), None) or next(base.parameters()).device
+            mixed = _mixed_lora(base, self, dict(r), slots=self.slots, dtype=dtype, device=device)
+            setattr(owner, leaf, mixed)
+            self.hosts[host] = mixed
+        return self.slots
+
+    def acquire(self, loras) -> list | None:
+        """Slots for a request's [(name, scale)], loading what is not in GPU memory (evicting the least recently
+        used adapter no sample uses); pinned until `release`. None when every slot is in use (try again later)."""
+        import torch
+
+        with self._lock:
+            need = [n for n, _ in loras if n not in self.loaded]
+            free = [s for s in range(1, self.slots + 1) if s not in self.loaded.values()]
+            idle = [n for n, s in self.loaded.items() if not self.pinned[s] and n not in dict(loras)]
+            if len(need) > len(free) + len(idle):
+                return None
+            for name in need:
+                if free:
+                    slot = free.pop()
+                else:
+                    slot = self.loaded.pop(idle.pop(0))
+                lf = self.files[name]
+                with torch.no_grad():
+                    for mixed in self.hosts.values():
+                        mixed.clear(slot)
+                    for layer, (a, b, s) in lf.factors.items():
+                        host, offset, _ = self._layers[layer]
+                        self.hosts[host].put(slot, layer, offset, a, b * s)
+                self.loaded[name] = slot
+            out = []
+            for name, scale in loras:
+                self.loaded.move_to_end(name)
+                self.pinned[self.loaded[name]] += 1
+                out.append((self.loaded[name], scale))
+            return out
+
+    def release(self, slots) -> None:
+        with self._lock:
+            for slot, _ in slots:
+                self.pinned[slot] -= 1
+
+    def use(self, assignment: list | None, device=None) -> None:
+        """The next transformer calls' adapters: one [(slot, scale), ...] per sample (None: no LoRA at all)."""
+        import torch
+
+        if not assignment or not any(assignment):
+            self.idx = self.scale = None
+            return
+        k = max(len(a) for a in assignment)
+        idx = [[s for s, _ in a] + [0] * (k - len(a)) for a in assignment]
+        scale = [[c for _, c in a] + [0.0] * (k - len(a)) for a in assignment]
+        dtype = next(iter(self.hosts.values())).up.dtype
+        self.idx = torch.tensor(idx, dtype=torch.long, device=device)
+        self.scale = torch.tensor(scale, dtype=dtype, device=device)
+
+
+def _mixed_lora(base, bank: LoraBank, ranks: dict, *, slots: int, dtype, device):
+    """`base` plus, per sample, the low-rank terms of its adapters' slots (LoraBank)."""
+    import torch
+
+    rank = sum(ranks.values())
+    columns, col = {}, 0
+    for layer, r in ranks.items():
+        columns[layer] = col
+        col += r
+
+    class MixedLora(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.base, self.ranks, self.columns = base, ranks, columns
+            self.in_features, self.out_features = base.in_features, base.out_features
+            # slot 0 holds zeros: a sample's unused stack places point there
+            self.register_buffer("down", torch.zeros(slots + 1, rank, base.in_features, dtype=dtype, device=device))
+            self.register_buffer("up", torch.zeros(slots + 1, base.out_features, rank, dtype=dtype, device=device))
+
+        def clear(self, slot):
+            self.down[slot].zero_()
+            self.up[slot].zero_()
+
+        def put(self, slot, layer, offset, a, b):
+            c, r = self.columns[layer], a.shape[0]
+            self.down[slot, c:c + r] = torch.from_numpy(a).to(self.down.device, self.down.dtype)
+            self.up[slot, offset:offset + b.shape[0], c:c + r] = torch.from_numpy(b).to(self.up.device, self.up.dtype)
+
+        def forward(self, x):
+            y = self.base(x)
+            if bank.idx is None:
+                return y
+            n = x.shape[0]
+            idx, scale = bank.idx, bank.scale
+            if idx.shape[0] < n:  # a batch padded to its bucket: the padding repeats the last sample
+                idx = torch.cat([idx, idx[-1:].expand(n - idx.shape[0], -1)])
+                scale = torch.cat([scale, scale[-1:].expand(n - scale.shape[0], -1)])
+            x3 = x.reshape(n, -1, x.shape[-1])
+            down = self.down[idx].reshape(n, -1, x.shape[-1])  # [n, K*R, in]
+            up = (self.up[idx] * scale[:, :, None, None]).permute(0, 2, 1, 3).reshape(n, self.out_features, -1)
+            return y + torch.bmm(torch.bmm(x3, down.transpose(1, 2)), up.transpose(1, 2)).reshape(y.shape)
+
+    return MixedLora()
