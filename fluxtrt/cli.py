@@ -158,7 +158,7 @@ HEIGHT = _opt(None, "--height", help="Pixels, a multiple of 16 (default: the pro
 WIDTH = _opt(None, "--width", help="Pixels, a multiple of 16 (default: the profile's opt).")
 WS_BUDGET = _opt(None, "--weight-streaming-budget", help="MB of transformer weights kept on the GPU (engines built "
                  "with weight streaming).")
-LORA = _opt(None, "--lora", help="FILE[:SCALE]: a transformer LoRA (diffusers/peft), repeatable (stacked): merged "
+LORA = _opt(None, "--lora", help="FILE[:SCALE]: a transformer LoRA (diffusers/peft or kohya), repeatable (stacked): merged "
             "into --weights for engines and ONNX, into the PyTorch transformer (bf16) or beside its fp8 GEMMs.")
 WEIGHTS = _opt(None, "--weights", help="Your FLUX.1 folder: weights come from it through the build's weight map "
                "(weightless engines are refitted; ONNX Runtime fills them).")

@@ -52,27 +52,34 @@ class LoraRef:
 
 
 class LoraFile:
-    """A transformer LoRA's factors as stored: {module: (A [r, in], B [out, r], alpha / r)} in fp32, every tensor
-    checked finite. The file is untrusted: anything that is not a transformer LoRA is one line."""
+    """A transformer LoRA's factors as stored: {module: (A [r, in], B [out, r], alpha / r)} in fp32 with diffusers'
+    module names, every tensor checked finite. Two formats: diffusers/peft (`transformer.<module>.lora_A.weight`,
+    `.lora_B.weight`, optional `.alpha`) and kohya's FLUX format (`lora_unet_<BFL module>.lora_down.weight`,
+    `.lora_up.weight`, `.alpha`; a joined BFL layer such as `double_blocks_0_img_attn_qkv` or a single block's
+    `linear1` splits into the diffusers layers it holds, the rows of its up matrix to each). The file is untrusted:
+    anything that is not a transformer LoRA is one line."""
 
     def __init__(self, path):
         stored = read_header(path)
         self.path, self.factors = Path(path), {}
         pairs: dict[str, dict] = {}
+        parts = {"lora_A": "lora_A", "lora_B": "lora_B", "lora_down": "lora_A", "lora_up": "lora_B"}
         for key, t in stored.items():
             name = key[len("transformer."):] if key.startswith("transformer.") else key
-            for part in ("lora_A", "lora_B"):
+            for part, role in parts.items():
                 if name.endswith(f".{part}.weight"):
-                    pairs.setdefault(name[: -len(f".{part}.weight")], {})[part] = t
+                    pairs.setdefault(name[: -len(f".{part}.weight")], {})[role] = t
+                    pairs[name[: -len(f".{part}.weight")]][role + " name"] = name
             if name.endswith(".alpha"):
                 pairs.setdefault(name[: -len(".alpha")], {})["alpha"] = t
         if not pairs or any(key.startswith(("text_encoder", "lora_te")) for key in stored):
             raise FluxtrtError(f"{path} is not a transformer LoRA in diffusers/peft format "
-                               "(transformer.<module>.lora_A.weight / lora_B.weight)")
+                               "(transformer.<module>.lora_A.weight / lora_B.weight) or kohya's "
+                               "(lora_unet_<module>.lora_down.weight / lora_up.weight)")
         for module, p in pairs.items():
             if "lora_A" not in p or "lora_B" not in p:
                 raise FluxtrtError(f"{path}: {module} lacks lora_A or lora_B")
-            a, b = (check_finite(read_stored(p[part]), path, f"{module}.{part}.weight").astype("float32")
+            a, b = (check_finite(read_stored(p[part]), path, p[part + " name"]).astype("float32")
                     for part in ("lora_A", "lora_B"))
             if a.ndim != 2 or b.ndim != 2 or b.shape[1] != a.shape[0]:
                 raise FluxtrtError(f"{path}: {module}'s lora_A {list(a.shape)} and lora_B {list(b.shape)} are not "
@@ -80,7 +87,54 @@ class LoraFile:
             rank = a.shape[0]
             alpha = float(check_finite(read_stored(p["alpha"]), path, f"{module}.alpha").reshape(-1)[0]) \
                 if "alpha" in p else rank
-            self.factors[module] = (a, b, alpha / rank)
+            if module.startswith("lora_unet_"):
+                for target, rows in _kohya_targets(module[len("lora_unet_"):], b.shape[0], a.shape[1], path):
+                    self.factors[target] = (a, b[rows], alpha / rank)
+            else:
+                self.factors[module] = (a, b, alpha / rank)
+
+
+# kohya's FLUX LoRA layers (BFL's module names, dots as underscores) -> diffusers' layers; a joined BFL layer
+# lists its parts, each taking an equal share of the up rows unless sized
+_KOHYA_DOUBLE = {"img_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"), "img_attn_proj": ("attn.to_out.0",),
+                 "img_mlp_0": ("ff.net.0.proj",), "img_mlp_2": ("ff.net.2",), "img_mod_lin": ("norm1.linear",),
+                 "txt_attn_qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+                 "txt_attn_proj": ("attn.to_add_out",), "txt_mlp_0": ("ff_context.net.0.proj",),
+                 "txt_mlp_2": ("ff_context.net.2",), "txt_mod_lin": ("norm1_context.linear",)}
+_KOHYA_SINGLE = {"linear2": "proj_out", "modulation_lin": "norm.linear"}
+_KOHYA_TOP = {"img_in": "x_embedder", "txt_in": "context_embedder", "final_layer_linear": "proj_out",
+              "time_in_in_layer": "time_text_embed.timestep_embedder.linear_1",
+              "time_in_out_layer": "time_text_embed.timestep_embedder.linear_2",
+              "vector_in_in_layer": "time_text_embed.text_embedder.linear_1",
+              "vector_in_out_layer": "time_text_embed.text_embedder.linear_2",
+              "guidance_in_in_layer": "time_text_embed.guidance_embedder.linear_1",
+              "guidance_in_out_layer": "time_text_embed.guidance_embedder.linear_2"}
+
+
+def _kohya_targets(name: str, rows: int, in_features: int, path) -> list:
+    """[(diffusers layer, rows of the up matrix)] for kohya's FLUX layer `name` (without `lora_unet_`)."""
+    m = re.fullmatch(r"double_blocks_(\d+)_(\w+)", name)
+    if m and m[2] in _KOHYA_DOUBLE:
+        targets = [f"transformer_blocks.{m[1]}.{t}" for t in _KOHYA_DOUBLE[m[2]]]
+        share = rows // len(targets)
+        if share * len(targets) != rows:
+            raise FluxtrtError(f"{path}: {name} has {rows} rows, not {len(targets)} equal parts")
+        return [(t, slice(i * share, (i + 1) * share)) for i, t in enumerate(targets)]
+    m = re.fullmatch(r"single_blocks_(\d+)_(\w+)", name)
+    if m and m[2] == "linear1":  # q, k, v (the hidden size each) and the MLP input (the rest)
+        block, h = f"single_transformer_blocks.{m[1]}", in_features
+        if rows <= 3 * h:
+            raise FluxtrtError(f"{path}: {name} has {rows} rows; a single block's linear1 has 3 x {h} and the MLP's")
+        return [(f"{block}.attn.to_q", slice(0, h)), (f"{block}.attn.to_k", slice(h, 2 * h)),
+                (f"{block}.attn.to_v", slice(2 * h, 3 * h)), (f"{block}.proj_mlp", slice(3 * h, rows))]
+    if m and m[2] in _KOHYA_SINGLE:
+        return [(f"single_transformer_blocks.{m[1]}.{_KOHYA_SINGLE[m[2]]}", slice(0, rows))]
+    if name in _KOHYA_TOP:
+        return [(_KOHYA_TOP[name], slice(0, rows))]
+    if name == "final_layer_adaLN_modulation_1":  # BFL's (shift, scale) are diffusers' norm_out (scale, shift)
+        half = rows // 2
+        return [("norm_out.linear", [*range(half, rows), *range(half)])]
+    raise FluxtrtError(f"{path}: lora_unet_{name} is not a FLUX transformer layer kohya's format names")
 
 
 def read_loras(refs) -> list[tuple[LoraFile, float]]:

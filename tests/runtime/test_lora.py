@@ -97,7 +97,7 @@ def test_stacked_loras_beside_joined_and_fp8_gemms_equal_merged_weights(tiny_bf1
     assert lora.add_side_paths(raw, plan, torch.float32) == 6  # to_qkv, to_added_qkv, proj_qkv_mlp, 3 alone
     beside = run(raw)
     rel = lambda a, b: float((a - b).abs().max() / b.abs().max())  # noqa: E731
-    assert rel(merged, plain) > 0.05, rel(merged, plain)  # the LoRAs matter
+    assert rel(merged, plain) > 0.01, rel(merged, plain)  # the LoRAs matter (1000x the bound below)
     assert rel(beside, merged) <= 1e-5, rel(beside, merged)
     groups = fp8.linear_groups(spec.wrap(load()), args, root=load())
     amax = {m: float(np.random.default_rng().uniform(2.0, 8.0)) for group in groups for m in group}
@@ -204,5 +204,45 @@ def test_one_batch_mixes_adapters_on_joined_gemms_as_merged_weights_would(tiny_b
         got = mixed[i:i + 1]
         assert float((got - want).abs().max() / want.abs().max()) <= 1e-5, i
         if stack:
-            assert float((got - base[i:i + 1]).abs().max() / want.abs().max()) > 0.05
+            assert float((got - base[i:i + 1]).abs().max() / want.abs().max()) > 0.01  # 1000x the bound
     assert float((base[0:1] - mixed[0:1]).abs().max()) == 0
+
+
+def test_a_kohya_flux_lora_reads_as_the_diffusers_layers_it_holds(tmp_path):
+    """kohya's FLUX format (BFL layer names; joined q/k/v and a single block's linear1 split by rows; the final
+    modulation's halves swapped): each diffusers layer gets its rows of the up matrix and the shared down matrix,
+    and the whole file merges into the tiny transformer."""
+    from fluxtrt.models.source import resolve_model
+    from fluxtrt.runtime import lora
+
+    raw = resolve_model("tiny").load_component("transformer", torch.float32, "cpu")
+    h = raw.config.num_attention_heads * raw.config.attention_head_dim
+    mlp = raw.get_submodule("single_transformer_blocks.0.proj_mlp").out_features
+    norm_out = raw.get_submodule("norm_out.linear").out_features
+    g = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    layers = {"double_blocks_0_img_attn_qkv": 3 * h, "double_blocks_0_txt_attn_proj": h,
+              "single_blocks_0_linear1": 3 * h + mlp, "final_layer_adaLN_modulation_1": norm_out}
+    in_of = {"double_blocks_0_img_attn_qkv": h, "double_blocks_0_txt_attn_proj": h, "single_blocks_0_linear1": h,
+             "final_layer_adaLN_modulation_1": raw.get_submodule("norm_out.linear").in_features}
+    tensors = {}
+    for name, rows in layers.items():
+        tensors[f"lora_unet_{name}.lora_down.weight"] = torch.randn(2, in_of[name], generator=g)
+        tensors[f"lora_unet_{name}.lora_up.weight"] = torch.randn(rows, 2, generator=g)
+        tensors[f"lora_unet_{name}.alpha"] = torch.tensor(1.0)
+    save_file(tensors, tmp_path / "k.safetensors")
+    f = lora.LoraFile(tmp_path / "k.safetensors")
+    up = lambda name: tensors[f"lora_unet_{name}.lora_up.weight"].numpy()  # noqa: E731
+    want = {"transformer_blocks.0.attn.to_k": up("double_blocks_0_img_attn_qkv")[h:2 * h],
+            "transformer_blocks.0.attn.to_add_out": up("double_blocks_0_txt_attn_proj"),
+            "single_transformer_blocks.0.attn.to_v": up("single_blocks_0_linear1")[2 * h:3 * h],
+            "single_transformer_blocks.0.proj_mlp": up("single_blocks_0_linear1")[3 * h:],
+            "norm_out.linear": np.concatenate([up("final_layer_adaLN_modulation_1")[norm_out // 2:],
+                                               up("final_layer_adaLN_modulation_1")[:norm_out // 2]])}
+    assert len(f.factors) == 3 + 1 + 4 + 1
+    for layer, b in want.items():
+        assert np.array_equal(f.factors[layer][1], b) and f.factors[layer][2] == 0.5, layer
+    assert lora.merge_into(raw, [(f, 1.0)]) == 9
+    save_file({"lora_unet_double_blocks_0_nothing.lora_down.weight": torch.randn(2, h),
+               "lora_unet_double_blocks_0_nothing.lora_up.weight": torch.randn(h, 2)}, tmp_path / "bad.safetensors")
+    with pytest.raises(FluxtrtError, match="lora_unet_double_blocks_0_nothing is not a FLUX transformer layer"):
+        lora.LoraFile(tmp_path / "bad.safetensors")
