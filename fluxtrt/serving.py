@@ -1,4 +1,4 @@
-"""`fluxtrt serve`: text-to-image over HTTP on Ray Serve, each replica a `Pipeline` with a continuous
+"""`fluxtrt serve`: text-to-image and image edits over HTTP on Ray Serve, each replica a `Pipeline` with a continuous
 batcher (runtime/batching.py). On one machine Ray runs embedded (a local runtime started in-process); with
 `--address` the same app joins an existing Ray cluster, one replica per GPU.
 
@@ -12,6 +12,11 @@ HTTP API (OpenAI-style images):
     400 {"error": {"message": one line}} for anything `fluxtrt run` refuses and for unknown fields; 503 +
     Retry-After when the queue is full; 500 when a generation fails (the server keeps serving); a client that
     disconnects cancels its samples at the next step. 404 / 405 / 414 (long URLs) in the same JSON shape.
+  POST /v1/images/edits  multipart (OpenAI's images.edit): "image" (a file), optional "mask" (a file: with
+                                alpha, transparent = edit; without, white = edit), "prompt", "strength" and the
+                                fields above as form text ("lora" a name or JSON); img2img, Fill (a mask, on Fill
+                                engines) or Kontext, as the engines' model serves; the size defaults to the image's
+    200 / 4xx as above; 413 past 32 MB
   GET /v1/loras  the LoRAs --lora-dir serves: {"data": [{"name", "loaded", "bytes"}], "slots": n}
   GET /health  200 {"status": "ok", ...} once the engines are loaded (with --lora-dir: LoRA calls, mixed calls)
   GET /metrics the answering replica's queue depth, running batch, step time and batch sizes (Prometheus text)
@@ -41,11 +46,14 @@ MAX_N = 8
 MAX_BODY_BYTES = 64 << 10  # a request is a prompt and a few numbers: 64 KiB is far more than the largest
 MAX_JSON_DEPTH = 8
 ROUTE = "/v1/images/generations"
+EDITS_ROUTE = "/v1/images/edits"
+MAX_EDIT_BYTES = 32 << 20  # an edit uploads an image and a mask: a few MB each at most
 MAX_URL_CHARS = 2048  # path and query: the API's URLs are short; a longer one is refused before routing
 # The request's fields. "model" and "user" are OpenAI's own (its clients may send them): accepted, and they change
 # nothing (the engines decide the model). Any other name is refused, with the nearest known one.
 FIELDS = ("prompt", "n", "size", "steps", "guidance", "seed", "cache_threshold", "lora", "response_format", "model",
           "user")
+EDIT_FIELDS = ("image", "mask", "strength") + FIELDS  # POST /v1/images/edits (multipart): OpenAI's and fluxtrt's
 
 
 def too_large(size: str | int) -> TooLarge:
@@ -76,8 +84,8 @@ class Generation:
     n: int
     width: int
     height: int
-    steps: int
-    guidance: float
+    steps: int | None
+    guidance: float | None
     seed: int
     cache_threshold: float = 0.0
     lora: tuple = ()  # ((name, scale), ...)
@@ -107,12 +115,22 @@ def parse_request(body: bytes, default_size: tuple[int, int], default_steps: int
         raise BadRequest(f"the body is not valid JSON ({e.__class__.__name__}); send a JSON object") from None
     if not isinstance(data, dict):
         raise BadRequest("the body must be a JSON object with at least \"prompt\"")
+    return generation(data, default_size, default_steps, default_cache_threshold)
+
+
+def generation(data: dict, default_size: tuple[int, int], default_steps: int | None,
+               default_cache_threshold: float = 0.0, fields: tuple = FIELDS,
+               default_guidance: float | None = 3.5) -> Generation:
+    """A request's fields (a JSON object, or an edit's form with its numbers parsed) as a Generation (steps and
+    guidance None where not given and no default: the workflow's); BadRequest naming the field otherwise."""
     for key in data:
-        if key not in FIELDS:
-            raise BadRequest(unknown_field(key))
+        if key not in fields:
+            raise BadRequest(unknown_field(key, fields))
 
     def number(key, default, kind, lo, hi):
         value = data.get(key, default)
+        if value is None and key not in data:
+            return None
         ok = isinstance(value, int) if kind is int else isinstance(value, (int, float))
         if isinstance(value, bool) or not ok or (kind is float and not math.isfinite(value)):
             raise BadRequest(f"\"{key}\" must be {'an integer' if kind is int else 'a number'}, got {value!r}")
@@ -131,9 +149,70 @@ def parse_request(body: bytes, default_size: tuple[int, int], default_steps: int
     lora = parse_lora(data.get("lora"))
     return Generation(lora=lora, prompt=prompt, n=number("n", 1, int, 1, MAX_N), width=width, height=height,
                       steps=number("steps", default_steps, int, 1, MAX_STEPS),
-                      guidance=number("guidance", 3.5, float, 0.0, MAX_GUIDANCE),
+                      guidance=number("guidance", default_guidance, float, 0.0, MAX_GUIDANCE),
                       seed=number("seed", 0, int, 0, 2**63 - 1 - MAX_N),
                       cache_threshold=number("cache_threshold", default_cache_threshold, float, 0.0, MAX_CACHE_THRESHOLD))
+
+
+def parse_edit(form: dict, default_size: tuple[int, int], default_cache_threshold: float = 0.0):
+    """POST /v1/images/edits' multipart form ({field: str, or bytes for the files}) as (Generation, ImageInputs):
+    `image` (the image to change, or Kontext's reference), optional `mask` (alpha: transparent = edit; none:
+    white = edit), `strength`; the rest as /v1/images/generations takes them (numbers as form text). The size
+    defaults to the image's. BadRequest naming the field otherwise."""
+    from .core.image_inputs import load_image, load_upload_mask
+    from .core.workflows import ImageInputs
+    from .errors import WorkflowError
+
+    for key in form:
+        if key not in EDIT_FIELDS:
+            raise BadRequest(unknown_field(key, EDIT_FIELDS))
+    for key in ("image", "mask"):
+        if key in form and not isinstance(form[key], bytes):
+            raise BadRequest(f"\"{key}\" must be an uploaded file (multipart), a PNG or JPEG")
+    if "image" not in form:
+        raise BadRequest("\"image\" is required: the image to edit, uploaded as a file")
+    data = {}
+    for key, value in form.items():
+        if key in ("image", "mask"):
+            continue
+        if not isinstance(value, str):
+            raise BadRequest(f"\"{key}\" must be a form field (text), not a file")
+        if key in ("n", "steps", "seed"):
+            value = _form_number(key, value, int)
+        elif key in ("guidance", "cache_threshold", "strength"):
+            value = _form_number(key, value, float)
+        elif key == "lora" and value.lstrip().startswith(("[", "{")):
+            value = parse_json_field(key, value)
+        data[key] = value
+    strength = data.pop("strength", None)
+    if strength is not None and not 0 < strength <= 1:
+        raise BadRequest(f"\"strength\" must be in (0, 1], got {strength}")
+    try:
+        image = load_image(form["image"], "image")
+        mask = load_upload_mask(form["mask"]) if "mask" in form else None
+    except WorkflowError as e:
+        raise BadRequest(str(e)) from None
+    size = data.get("size") or f"{image.width}x{image.height}"
+    req = generation({**data, "size": size}, default_size, None, default_cache_threshold, fields=EDIT_FIELDS,
+                     default_guidance=None)  # the workflow's steps and guidance, as `fluxtrt run`
+    return req, ImageInputs(image=image, mask=mask, strength=strength)
+
+
+def _form_number(key: str, value: str, kind):
+    try:
+        return kind(value.strip())
+    except ValueError:
+        raise BadRequest(f"\"{key}\" must be {'an integer' if kind is int else 'a number'}, got {value[:40]!r}") \
+            from None
+
+
+def parse_json_field(key: str, value: str):
+    if len(value) > 4096 or _depth(value.encode()) > MAX_JSON_DEPTH:
+        raise BadRequest(f"\"{key}\" is too long or nests too deeply; send a short JSON value")
+    try:
+        return json.loads(value)
+    except ValueError:
+        raise BadRequest(f"\"{key}\" is not valid JSON; send a name or a JSON list") from None
 
 
 def parse_lora(value) -> tuple:
@@ -163,13 +242,13 @@ def parse_lora(value) -> tuple:
     return tuple(out)
 
 
-def unknown_field(key: str) -> str:
+def unknown_field(key: str, fields: tuple = FIELDS) -> str:
     """The line for a field the API does not take: the nearest known name, and the list."""
     import difflib
 
-    near = difflib.get_close_matches(key.lower(), FIELDS, n=1, cutoff=0.5)
+    near = difflib.get_close_matches(key.lower(), fields, n=1, cutoff=0.5)
     hint = f' (did you mean "{near[0]}"?)' if near else ""
-    return f"unknown field {json.dumps(key[:40])}{hint}; the fields are {', '.join(FIELDS)}"  # escaped: one line
+    return f"unknown field {json.dumps(key[:40])}{hint}; the fields are {', '.join(fields)}"  # escaped: one line
 
 
 def png_b64(image) -> str:
@@ -209,7 +288,10 @@ class Service:
             log.info("compiled the transformer for batches %s at %dx%d in %.0f s", buckets, *self.default_size,
                      seconds)
         self.batcher.start()
-        self.default_steps = self.pipe.plan(*self.default_size)[0].default_steps(self.pipe.geo)  # the workflow's
+        try:  # text-to-image's; Fill engines have none (their requests bring an image and name their workflow)
+            self.default_steps = self.pipe.plan(*self.default_size)[0].default_steps(self.pipe.geo)
+        except FluxtrtError:
+            self.default_steps = None
         self.pipe.steps.step_cache(cache_threshold)  # refused now where the executor cannot run the cache's parts
         self.default_cache_threshold = cache_threshold
 
@@ -262,21 +344,34 @@ class Service:
 
     async def generate(self, body: bytes) -> tuple[int, dict, dict]:
         """(status, JSON payload, headers) for a POST body. Never raises for a client's mistake."""
+        return await self._answer(lambda: (parse_request(body, self.default_size, self.default_steps,
+                                                         self.default_cache_threshold), None))
+
+    async def edit(self, form: dict) -> tuple[int, dict, dict]:
+        """(status, JSON payload, headers) for POST /v1/images/edits' form ({field: text, or bytes for `image` and
+        `mask`}): img2img, Fill (with a mask, on Fill engines) or Kontext, as the engines' model serves."""
+        return await self._answer(lambda: parse_edit(form, self.default_size, self.default_cache_threshold))
+
+    async def _answer(self, parse) -> tuple[int, dict, dict]:
         from .runtime.batching import QueueFull, ShuttingDown
         from .runtime.pipeline import RequestError
 
         t0 = time.perf_counter()
         try:
-            req = parse_request(body, self.default_size, self.default_steps, self.default_cache_threshold)
+            req, inputs = parse()
+            if req.steps is None or req.guidance is None:  # an edit that names none: its workflow's, as `run`
+                wf = self.pipe.plan(req.height, req.width, inputs)[0]
+                req.steps = wf.default_steps(self.pipe.geo) if req.steps is None else req.steps
+                req.guidance = wf.guidance if req.guidance is None else req.guidance
             future = self.batcher.submit(req.prompt, req.height, req.width, req.steps, req.guidance, seed=req.seed, n=req.n,
-                                         cache_threshold=req.cache_threshold, lora=req.lora)
+                                         cache_threshold=req.cache_threshold, lora=req.lora, inputs=inputs)
         except QueueFull as e:
             return 503, _error(e), {"Retry-After": "2"}
         except ShuttingDown as e:
             return 503, _error(e), {"Retry-After": "5"}
         except BadRequest as e:
             return e.status, _error(e), {}
-        except (RequestError, FluxtrtError) as e:  # a LoRA name outside --lora-dir, a damaged LoRA file, ...
+        except (RequestError, FluxtrtError) as e:  # a LoRA name outside --lora-dir, a workflow the model lacks, ...
             return 400, _error(e), {}
         try:
             done = await asyncio.wrap_future(future)
@@ -449,6 +544,16 @@ class FluxService:
         status, payload, headers = await self.service.generate(body)
         return JSONResponse(payload, status_code=status, headers=headers)
 
+    async def edits(self, request):
+        from fastapi.responses import JSONResponse
+
+        try:
+            form = await read_form(request)
+        except BadRequest as e:
+            return JSONResponse(_error(e), status_code=e.status)
+        status, payload, headers = await self.service.edit(form)
+        return JSONResponse(payload, status_code=status, headers=headers)
+
     def health(self):
         return self.service.health()
 
@@ -492,6 +597,10 @@ def app(args: dict | ServeArgs):
         async def generations(self, request: Request):
             return await FluxService.generations(self, request)
 
+        @api.post(EDITS_ROUTE)
+        async def edits(self, request: Request):
+            return await FluxService.edits(self, request)
+
         @api.get("/health")
         def health(self):
             return FluxService.health(self)
@@ -524,7 +633,8 @@ def http_api():
     async def http_error(request, exc):
         path = request.url.path[:80]
         if exc.status_code == 404:
-            return answer(404, f"no route {path}; POST {ROUTE}, GET /v1/loras, GET /health or GET /metrics")
+            return answer(404, f"no route {path}; POST {ROUTE}, POST {EDITS_ROUTE}, GET /v1/loras, GET /health or "
+                          "GET /metrics")
         if exc.status_code == 405:
             allowed = (exc.headers or {}).get("Allow", "")
             return answer(405, f"{request.method} {path} is not allowed; use {allowed or 'POST'}"
@@ -546,15 +656,73 @@ def http_api():
     return api
 
 
-async def bounded_body(request) -> bytes | None:
-    """The request's body, or None once it passes MAX_BODY_BYTES (read no further: a 100 MB body is not taken)."""
+# the HTTP API: (method, path, FluxService method), as `app`'s Ray deployment declares its routes; `local_app`
+# routes these
+ROUTES = (("POST", ROUTE, "generations"), ("POST", EDITS_ROUTE, "edits"), ("GET", "/v1/loras", "loras"),
+          ("GET", "/health", "health"), ("GET", "/metrics", "metrics"))
+
+
+def local_app(service: "Service"):
+    """The HTTP API (ROUTES) over one Service in this process, without Ray: an ASGI app for tests and tools."""
+    from types import SimpleNamespace
+
+    from fastapi import Request
+
+    api, holder = http_api(), SimpleNamespace(service=service)
+
+    def endpoint(name):
+        handler = getattr(FluxService, name)
+        if name in ("generations", "edits"):  # the ones that read the request
+            async def call(request: Request):
+                return await handler(holder, request)
+        else:
+            def call():
+                return handler(holder)
+        return call
+
+    for method, path, name in ROUTES:
+        api.add_api_route(path, endpoint(name), methods=[method])
+    return api
+
+
+async def read_form(request) -> dict:
+    """POST /v1/images/edits' multipart body as {field: text, or bytes for a file}, read within MAX_EDIT_BYTES;
+    BadRequest / TooLarge otherwise (one line)."""
+    from starlette.formparsers import MultiPartException, MultiPartParser
+
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise BadRequest("send the edit as multipart/form-data (OpenAI's images.edit): image, prompt, ...")
+    body = await bounded_body(request, MAX_EDIT_BYTES)
+    if body is None:
+        raise TooLarge(f"the body is over the {MAX_EDIT_BYTES >> 20} MB limit for an edit; send smaller images")
+
+    async def stream():
+        yield body
+
+    try:
+        form = await MultiPartParser(request.headers, stream(), max_files=2, max_fields=32,
+                                     max_part_size=MAX_EDIT_BYTES).parse()
+    except MultiPartException as e:
+        raise BadRequest(f"the multipart body is not valid ({str(e)[:80]}); send it as OpenAI's images.edit "
+                         "does") from None
+    out = {}
+    for key, value in form.multi_items():
+        key = key[:-2] if key.endswith("[]") else key  # OpenAI's clients send image[] for a list of images
+        if key in out:
+            raise BadRequest(f"\"{key[:40]}\" is given twice; one image (and one mask) per edit")
+        out[key] = await value.read() if hasattr(value, "read") else value
+    return out
+
+
+async def bounded_body(request, limit: int = MAX_BODY_BYTES) -> bytes | None:
+    """The request's body, or None once it passes `limit` (read no further: a 100 MB body is not taken)."""
     length = request.headers.get("content-length", "")
-    if length.isascii() and length.isdigit() and int(length) > MAX_BODY_BYTES:
+    if length.isascii() and length.isdigit() and int(length) > limit:
         return None
     chunks, n = [], 0
     async for chunk in request.stream():
         n += len(chunk)
-        if n > MAX_BODY_BYTES:
+        if n > limit:
             return None
         chunks.append(chunk)
     return b"".join(chunks)
@@ -601,9 +769,9 @@ def check_servable(engines: Path | None, model: str | None, backend: str) -> Non
             raise FluxtrtError("--model serves the PyTorch modules: add --backend torch (or pass --engines DIR)")
         geo = resolve_model(model).geometry
         model_class, workflows = geo.model_class, [w.name for w in for_model(geo)]
-    if "txt2img" not in workflows:
-        raise FluxtrtError(f"fluxtrt serve runs text-to-image; these are {model_class} engines ({', '.join(workflows)}): "
-                           "use `fluxtrt run` for them")
+    if not {"txt2img", "fill", "kontext"} & set(workflows):
+        raise FluxtrtError(f"fluxtrt serve runs text-to-image, img2img, Fill and Kontext; these are {model_class} "
+                           f"engines ({', '.join(workflows)}): use `fluxtrt run` for them")
 
 
 SERVE_SHUTDOWN_S = 15  # Ray Serve's own shutdown, at most; then Ray itself is stopped (its processes killed)

@@ -27,7 +27,7 @@ from fluxtrt.errors import FluxtrtError
 from fluxtrt.runtime.assembly import open_pipeline
 from fluxtrt.runtime.batching import ContinuousBatcher
 from fluxtrt.runtime.options import PipelineOptions
-from fluxtrt.serving import BadRequest, Service, parse_request
+from fluxtrt.serving import BadRequest, Service, parse_edit, parse_request
 from tests.runtime.test_batching import MAX_UINT8_DIFF, check_batched_equals_single, diff, random_requests
 
 
@@ -65,6 +65,46 @@ def test_request_defaults_are_run_defaults():
 def test_openai_fields_that_change_nothing_are_accepted():
     g = parse_request(b'{"prompt": "a cat", "model": "dall-e-3", "user": "u1", "steps": 3}', (256, 256), 4)
     assert (g.prompt, g.steps) == ("a cat", 3)
+
+
+def _png(array, mode) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(array, mode).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_edit_forms_parse_and_refuse_in_one_line():
+    """POST /v1/images/edits' form: numbers from form text, the size from the image, the workflow's steps and
+    guidance left to it; an alpha mask follows OpenAI (transparent = edit, as `run --mask` white), one without
+    alpha is taken as is; each bad form is one line naming its field."""
+    rng = np.random.default_rng()
+    image = _png(rng.integers(0, 256, (48, 80, 3), dtype=np.uint8), "RGB")
+    alpha = rng.integers(0, 2, (48, 80)).astype(np.uint8) * 255
+    rgba = np.concatenate([rng.integers(0, 256, (48, 80, 3), dtype=np.uint8), alpha[..., None]], -1)
+    req, inputs = parse_edit({"image": image, "mask": _png(rgba, "RGBA"), "prompt": "a fox", "n": "2",
+                              "seed": " 7", "strength": "0.5", "lora": '[{"name": "a", "scale": 0.5}]'}, (1024, 1024))
+    assert (req.width, req.height, req.n, req.seed, req.steps, req.guidance) == (80, 48, 2, 7, None, None)
+    assert req.lora == (("a", 0.5),) and inputs.strength == 0.5 and inputs.image.size == (80, 48)
+    assert np.array_equal(np.asarray(inputs.mask.convert("L")), np.where(alpha == 0, 255, 0))
+    gray = rng.integers(0, 256, (48, 80), dtype=np.uint8)
+    _, inputs = parse_edit({"image": image, "mask": _png(gray, "L"), "prompt": "a", "size": "64x32",
+                            "steps": "3", "guidance": "2.5"}, (1024, 1024))
+    assert np.array_equal(np.asarray(inputs.mask.convert("L")), gray)
+    for form, message in [
+        ({"prompt": "a"}, '"image" is required'),
+        ({"image": "photo.png", "prompt": "a"}, '"image" must be an uploaded file'),
+        ({"image": b"GIF89a nope", "prompt": "a"}, "image (11 bytes uploaded) is not a readable image"),
+        ({"image": image, "prompt": "a", "strength": "1.5"}, '"strength" must be in (0, 1]'),
+        ({"image": image, "prompt": "a", "steps": "four"}, '"steps" must be an integer'),
+        ({"image": image, "prompt": "a", "n": "9"}, '"n" must be in 1..8'),
+        ({"image": image, "prompt": "a", "strenght": "0.5"}, 'unknown field "strenght" (did you mean "strength"?)'),
+        ({"image": image, "prompt": "a", "seed": b"7"}, '"seed" must be a form field'),
+        ({"image": image, "prompt": "a", "lora": "[{"}, '"lora" is not valid JSON'),
+        ({"image": image}, '"prompt" must be a non-empty string'),
+    ]:
+        with pytest.raises(BadRequest) as e:
+            parse_edit(form, (1024, 1024))
+        assert message in str(e.value) and "\n" not in str(e.value), (form.keys(), str(e.value))
 
 
 def test_service_cancels_the_work_of_clients_that_gave_up():
@@ -140,7 +180,8 @@ def test_the_apps_own_answers_are_the_json_error_shape():
 @pytest.mark.parametrize("args,message", [
     (dict(engines=None, model=None, backend="auto"), "pass --engines DIR"),
     (dict(engines=None, model="tiny", backend="auto"), "add --backend torch"),
-    (dict(engines=None, model="tiny-fill", backend="torch"), "serve runs text-to-image; these are FluxFillPipeline"),
+    (dict(engines=None, model="tiny-control", backend="torch"),
+     "serve runs text-to-image, img2img, Fill and Kontext; these are FluxControlPipeline"),
     (dict(engines=Path("/nonexistent"), model=None, backend="auto"), "no manifest.json in /nonexistent"),
 ])
 def test_what_cannot_be_served_is_one_line_before_ray_starts(args, message):
@@ -610,3 +651,57 @@ def test_requests_with_different_loras_share_batches_and_equal_their_single_runs
         pipe = open_pipeline(model="tiny-schnell", backend="torch", torch_dtype="fp32", lora=refs)
         alone = pipe.generate(["a red fox"], 256, 256, 3, 0.0, seed=40 + i).images[0]
         assert np.abs(decode(answers[i][1]["data"][0]).astype(int) - alone.astype(int)).max() <= 2, (i, r)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny", "tiny-fill", "tiny-kontext"])
+def test_openai_client_edits_equal_fluxtrt_run(engines, tmp_path, model):
+    """The official OpenAI client's images.edit (multipart) on tiny engines, through the server's HTTP API in
+    this process: img2img (tiny, with strength), Fill (a mask with alpha: transparent = edit) and Kontext. Each
+    image equals `fluxtrt run` with the same inputs within 2/255 (the Fill run given the same mask as white =
+    edit); a missing image, a corrupt upload and a text field for the image are JSON 400s first, and the
+    server keeps serving."""
+    openai = pytest.importorskip("openai")
+    import httpx2
+    from typer.testing import CliRunner
+
+    from fluxtrt.cli import app
+    from fluxtrt.serving import local_app
+    from tests.core.test_workflows import random_image, random_mask
+
+    _, folder, _ = engines(model)
+    rng = np.random.default_rng()
+    random_image(rng, 256, 256).save(tmp_path / "in.png")
+    white = random_mask(rng, 256, 256)
+    white.save(tmp_path / "mask.png")
+    alpha = np.full((256, 256, 4), 255, np.uint8)
+    alpha[..., 3] = np.where(np.asarray(white) == 255, 0, 255)  # OpenAI: transparent = edit
+    Image.fromarray(alpha, "RGBA").save(tmp_path / "mask-alpha.png")
+    extra = {"steps": 2, "seed": 9, **({"strength": 0.7} if model == "tiny" else {})}
+    svc = Service(PipelineOptions(engines=folder, backend="onnxruntime"), max_batch=2, max_queue=8)
+    try:
+        async def scenario():
+            http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=local_app(svc)), base_url="http://fluxtrt")
+            client = openai.AsyncOpenAI(api_key="unused", base_url="http://fluxtrt/v1", http_client=http)
+            mask = {"mask": (tmp_path / "mask-alpha.png").read_bytes()} if model == "tiny-fill" else {}
+            bad = [await http.post("/v1/images/edits", files=files, data={"prompt": "x"})
+                   for files in ({}, {"image": ("x.png", b"not an image", "image/png")})]
+            bad.append(await http.post("/v1/images/edits", data={"prompt": "x", "image": "a path"}))
+            got = await client.images.edit(image=("in.png", (tmp_path / "in.png").read_bytes(), "image/png"),
+                                           prompt="a red fox", size="256x256", response_format="b64_json",
+                                           extra_body=extra, **mask)  # after the 400s: it kept serving
+            return got, bad
+
+        got, bad = asyncio.run(scenario())
+    finally:
+        svc.close()
+    assert [r.status_code for r in bad] == [400] * 3, [r.text for r in bad]
+    assert all(set(r.json()) == {"error"} for r in bad)
+    served = decode({"b64_json": got.data[0].b64_json})
+    args = ["run", "--engines", str(folder), "--backend", "onnxruntime", "--prompt", "a red fox", "--image",
+            str(tmp_path / "in.png"), "--height", "256", "--width", "256", "--steps", "2", "--seed", "9",
+            "--out", str(tmp_path / "run.png")]
+    args += ["--strength", "0.7"] if model == "tiny" else ["--mask", str(tmp_path / "mask.png")] if model == "tiny-fill" else []
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert np.abs(served.astype(int) - np.asarray(Image.open(tmp_path / "run.png")).astype(int)).max() <= 2

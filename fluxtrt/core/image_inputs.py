@@ -26,33 +26,58 @@ MIN_IMAGE_SIDE = 16  # the pixel multiple: a smaller image holds no latent pixel
 
 
 def load_image(value, flag: str):
-    """An RGB PIL image from a path (or a PIL image as is), checked as untrusted input: a pixel limit read from the
-    header before decoding, at least 16 px a side, 16-bit and float images scaled to 8 bits (not clipped), alpha
-    dropped and the EXIF orientation applied as diffusers' load_image does. One line naming the flag otherwise."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
+    """An RGB PIL image from a path or the bytes of an uploaded file (or a PIL image as is), checked as untrusted
+    input: a pixel limit read from the header before decoding, at least 16 px a side, 16-bit and float images scaled
+    to 8 bits (not clipped), alpha dropped and the EXIF orientation applied as diffusers' load_image does. One line
+    naming the flag otherwise."""
+    from PIL import Image
 
     if isinstance(value, Image.Image):
         return value
-    path = Path(value)
-    if not path.is_file():
-        raise WorkflowError(f"{flag} {path}: no such file; pass a PNG or JPEG image")
+    return _to_rgb(_open(value, flag))
+
+
+def load_upload_mask(data: bytes, flag: str = "mask"):
+    """An uploaded mask (OpenAI's images.edit) as `run --mask` takes it (white = repaint): one with an alpha channel
+    follows OpenAI (fully transparent = edit), one without is taken as is (white = edit)."""
+    import numpy as np
+    from PIL import Image
+
+    img = _open(data, flag)
+    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
+        alpha = np.asarray(img.convert("RGBA"))[..., 3]
+        return Image.fromarray(np.where(alpha == 0, 255, 0).astype(np.uint8), "L").convert("RGB")
+    return _to_rgb(img)
+
+
+def _open(value, flag: str):
+    """The decoded PIL image (its own mode, EXIF orientation applied) of a path or uploaded bytes, within the
+    limits; one line naming the flag otherwise."""
+    import io
+
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    upload = isinstance(value, (bytes, bytearray))
+    what = f"{flag} ({len(value)} bytes uploaded)" if upload else f"{flag} {Path(value)}"
+    if not upload and not Path(value).is_file():
+        raise WorkflowError(f"{flag} {Path(value)}: no such file; pass a PNG or JPEG image")
     try:
-        with Image.open(path) as img:
+        with Image.open(io.BytesIO(value) if upload else Path(value)) as img:
             w, h = img.size
             if w * h > MAX_IMAGE_PIXELS:
-                raise WorkflowError(f"{flag} {path} is {w}x{h} px, over the {MAX_IMAGE_PIXELS >> 20} MP limit; "
+                raise WorkflowError(f"{what} is {w}x{h} px, over the {MAX_IMAGE_PIXELS >> 20} MP limit; "
                                     "pass an image of at most a few megapixels")
             if min(w, h) < MIN_IMAGE_SIDE:
-                raise WorkflowError(f"{flag} {path} is {w}x{h} px; pass an image at least {MIN_IMAGE_SIDE} px a side")
+                raise WorkflowError(f"{what} is {w}x{h} px; pass an image at least {MIN_IMAGE_SIDE} px a side")
             img.load()
-            return _to_rgb(ImageOps.exif_transpose(img))  # a camera's orientation tag applied, as diffusers does
+            return ImageOps.exif_transpose(img)  # a camera's orientation tag applied, as diffusers does
     except WorkflowError:
         raise
     except Image.DecompressionBombError:  # Pillow refuses before reading the size out: the same limit, said so
-        raise WorkflowError(f"{flag} {path} is over the {MAX_IMAGE_PIXELS >> 20} MP limit; pass an image of at most "
+        raise WorkflowError(f"{what} is over the {MAX_IMAGE_PIXELS >> 20} MP limit; pass an image of at most "
                             "a few megapixels") from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError) as e:
-        raise WorkflowError(f"{flag} {path} is not a readable image ({type(e).__name__}); pass a PNG or JPEG") from None
+        raise WorkflowError(f"{what} is not a readable image ({type(e).__name__}); pass a PNG or JPEG") from None
 
 
 def _to_rgb(img):

@@ -55,6 +55,7 @@ class Job:
     started: float | None = None  # first step
     cache_threshold: float = 0.0  # First-Block Cache, per sample (0: off)
     lora: tuple = ()  # ((name, scale), ...): the request's LoRAs (runtime/lora.LoraBank), stacked
+    inputs: ImageInputs | None = None  # the image workflows' images and settings (None: text-to-image)
     slots: list | None = None  # [(bank slot, scale)] while its samples run
     settled: bool = False  # counted out of the queue (finished, failed or cancelled): exactly once
 
@@ -129,14 +130,15 @@ class ContinuousBatcher:
 
     # -- the API ------------------------------------------------------------------------------------------------
     def submit(self, prompt: str, height: int, width: int, steps: int, guidance: float = 3.5, *, seed: int = 0,
-               n: int = 1, cache_threshold: float = 0.0, lora=()) -> Future:
+               n: int = 1, cache_threshold: float = 0.0, lora=(), inputs: ImageInputs | None = None) -> Future:
         """Queue a request; the future's result is a `Finished` with n uint8 [H, W, 3] images. Checks the request now
         (one-line RequestError) and refuses with QueueFull when `max_queue` samples are already pending."""
         if not isinstance(prompt, str) or not prompt.strip():
             raise RequestError("prompt must be a non-empty string")
         if n < 1:
             raise RequestError(f"n must be at least 1, got {n}")
-        self.pipe.check_request(1, height, width, steps)
+        _, out_h, out_w, reference = self.pipe.plan(height, width, inputs)  # the model and inputs pick the workflow
+        self.pipe.check_request(1, out_h, out_w, steps, reference)
         self.pipe.steps.step_cache(cache_threshold)  # one line where the executor cannot run the cache's parts
         lora = tuple(lora)
         if lora:
@@ -147,7 +149,7 @@ class ContinuousBatcher:
         if self._stop.is_set():
             raise ShuttingDown("the server is shutting down")
         job = Job(prompt=prompt, height=height, width=width, steps=steps, guidance=guidance, seed=seed, n=n,
-                  cache_threshold=cache_threshold, lora=lora)
+                  cache_threshold=cache_threshold, lora=lora, inputs=inputs)
         with self._lock:
             if self._pending + n > self.max_queue:
                 raise QueueFull(f"{self._pending} images are queued (max {self.max_queue}); retry shortly")
@@ -260,8 +262,9 @@ class ContinuousBatcher:
 
     def _sample(self, job: Job, index: int, pooled, text, torch) -> Sample:
         pipe, dev = self.pipe, self.pipe.device
-        wf, height, width, reference = pipe.plan(job.height, job.width, ImageInputs())
-        prep = pipe.prepare(wf, 1, height, width, job.steps, seed=job.seed + index, inputs=ImageInputs())
+        inputs = job.inputs or ImageInputs()
+        wf, height, width, reference = pipe.plan(job.height, job.width, inputs)
+        prep = pipe.prepare(wf, 1, height, width, job.steps, seed=job.seed + index, inputs=inputs)
         cond = prep.to(dev)
         guidance = torch.full([1], job.guidance, dtype=torch.float32).to(dev) if pipe.geo.guidance else None
         self._order += 1
