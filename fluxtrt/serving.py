@@ -119,7 +119,7 @@ def parse_request(body: bytes, default_size: tuple[int, int], default_steps: int
 
 
 def generation(data: dict, default_size: tuple[int, int], default_steps: int | None,
-               default_cache_threshold: float = 0.0, fields: tuple = FIELDS,
+               default_cache_threshold: float = 0.0, *, fields: tuple = FIELDS,
                default_guidance: float | None = 3.5) -> Generation:
     """A request's fields (a JSON object, or an edit's form with its numbers parsed) as a Generation (steps and
     guidance None where not given and no default: the workflow's); BadRequest naming the field otherwise."""
