@@ -189,12 +189,56 @@ def read_calibration(path, model_hash: str) -> dict:
     return amax
 
 
-def recipe_record(scales: dict) -> dict:
-    """The fp8 recipe as a manifest records it (`ComponentEntry.recipe`): {"name", "scales": {module: [sx, sw]}}."""
-    return {"name": "fp8", "scales": {m: [float(sx), float(sw)] for m, (sx, sw) in sorted(scales.items())}}
+def recipe_record(scales: dict, attention: list | None = None) -> dict:
+    """The fp8 recipe as a manifest records it (`ComponentEntry.recipe`): {"name", "scales": {module: [sx, sw]}};
+    with `attention` (fp8-attn: attention_scales_from_graph) also "attention": [[sq, sk, sp, sv], ...]."""
+    out = {"name": "fp8", "scales": {m: [float(sx), float(sw)] for m, (sx, sw) in sorted(scales.items())}}
+    if attention:
+        out.update(name="fp8-attn", attention=[[float(x) for x in a] for a in attention])
+    return out
 
 
 def scales_from_record(recipe: dict) -> dict:
     """recipe_record's inverse: {module: (sx, sw)}."""
     return {m: tuple(v) for m, v in recipe["scales"].items()}
+
+
+# --- fp8-attn: E4M3 on both inputs of attention's two MatMuls ------------------------------------------------------
+# The exported graph computes attention as torch.onnx decomposes scaled_dot_product_attention: q and k^T each
+# multiplied by sqrt(1/sqrt(d)), MatMul, Softmax, MatMul with v. The recipe puts a Q/DQ pair (static per-tensor
+# scale from calibration, bf16-rounded as activation_scale) on each MatMul input: q*c, (k*c)^T, p and v.
+
+def attention_scales_from_graph(header) -> list[tuple]:
+    """[(sq, sk, sp, sv), ...], one per attention in forward order (double-stream blocks, then single-stream), of an
+    fp8-attn graph (quantize.qdq recorded which MatMul of which attention each Q/DQ pair feeds); [] for others."""
+    from onnx import numpy_helper
+
+    record = [r for r in read_qdq(header).values() if "attention" in r]
+    wanted = {n for r in record for n in r["input_scales"]}
+    values = {t.name: float(numpy_helper.to_array(t).astype("float32")) for t in header.graph.initializer
+              if t.name in wanted}
+    out: dict[int, list] = {}
+    for r in record:
+        out.setdefault(r["attention"], [None] * 4)[2 * r["matmul"]: 2 * r["matmul"] + 2] = \
+            [values[n] for n in r["input_scales"]]
+    if sorted(out) != list(range(len(out))) or any(None in v for v in out.values()):
+        raise FluxtrtError("the transformer's fp8-attn ONNX records its attention scales incompletely; rebuild it "
+                           "with `fluxtrt build --force`")
+    return [tuple(out[i]) for i in range(len(out))]
+
+
+def sdpa_root_scale(head_dim: int):
+    """sqrt(1/sqrt(d)) in fp32, as the exported graph computes the factor it multiplies q and k^T by."""
+    import torch
+
+    return torch.tensor(float(head_dim)).sqrt().reciprocal().sqrt()
+
+
+def attention_recipe(q, k, v, scales):
+    """fp8-attn's attention as the graph computes it, in fp32: q, k, v [..., S, D] (after RoPE), `scales`
+    (sq, sk, sp, sv). softmax(fq(q c) fq(k c)^T) quantized, times fq(v); fq = E4M3 quantize-dequantize."""
+    sq, sk, sp, sv = scales
+    c = sdpa_root_scale(q.shape[-1])
+    s = fp8_fake_quant(q.float() * c, sq) @ fp8_fake_quant(k.float() * c, sk).transpose(-1, -2)
+    return fp8_fake_quant(s.softmax(-1), sp) @ fp8_fake_quant(v.float(), sv)
 

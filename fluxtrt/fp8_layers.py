@@ -5,6 +5,7 @@ operands, with the projections that read one activation joined into one GEMM as 
 
 from __future__ import annotations
 
+from .errors import FluxtrtError
 from .fp8 import emulate, to_e4m3
 
 
@@ -138,11 +139,49 @@ def fuse_projections(module, by_module: dict | None = None) -> int:
     return count
 
 
-def quantize_module(module, by_module: dict, device, fuse: bool = True, scaled_mm: bool | None = None) -> str:
+def quantize_attention(module, attention: list, device) -> str:
+    """fp8-attn's attention on the transformer `module`, in place: each attention (forward order) gets its scales
+    (sq, sk, sp, sv) and computes on FP8 tensor cores where `device` has them (kernels/fp8_attention.py: a Triton
+    kernel over E4M3 Q, K, V and P), else fp8.attention_recipe emulated (E4M3 quantize-dequantize, fp32 MatMuls and
+    softmax: the graph's arithmetic). Returns what it did, in words."""
+    from .attention import use_attention
+    from .fp8 import attention_recipe
+
+    kernel = tensor_cores(device)
+
+    def fn_of(scales):
+        def emulated(q, k, v):  # [B, S, H, D], as diffusers' processor holds them
+            t = (1, 2)
+            return attention_recipe(q.transpose(*t), k.transpose(*t), v.transpose(*t), scales).transpose(*t)
+
+        def on_tensor_cores(q, k, v):
+            from .kernels.fp8_attention import attention as fp8_attention
+
+            return fp8_attention(q, k, v, scales)
+        return on_tensor_cores if kernel else emulated
+
+    try:
+        n = use_attention(module, [fn_of(tuple(s)) for s in attention])
+    except ValueError as e:
+        raise FluxtrtError(f"the fp8-attn recipe does not fit this transformer ({e}): it was built for another "
+                           "model; build the engines again for this one") from None
+    if kernel:
+        return f"attention in E4M3 on FP8 tensor cores in {n} attentions (Triton kernel)"
+    return f"attention in E4M3 emulated in {n} attentions (fp32 MatMuls of dequantized E4M3)"
+
+
+def quantize_module(module, by_module: dict, device, fuse: bool = True, scaled_mm: bool | None = None, *,
+                    attention: list | None = None) -> str:
     """Make the transformer `module` compute the recipe `by_module` ({module: (sx, sw)}), in place: on FP8 tensor
     cores where `device` has them (projections of one input joined into one E4M3 GEMM where they share their
     scales, as in the graph), else emulated. `scaled_mm` forces one or the other (tests: torch._scaled_mm also
-    runs on a CPU). Returns which, in words."""
+    runs on a CPU). `attention` (fp8-attn: [(sq, sk, sp, sv)] in forward order): quantize_attention too. Returns
+    which, in words."""
+    linear = _quantize_linear(module, by_module, device, fuse, scaled_mm)
+    return f"{linear}; {quantize_attention(module, attention, device)}" if attention else linear
+
+
+def _quantize_linear(module, by_module: dict, device, fuse: bool, scaled_mm: bool | None) -> str:
     import torch
 
     if not (tensor_cores(device) if scaled_mm is None else scaled_mm):

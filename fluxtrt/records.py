@@ -103,7 +103,8 @@ class ComponentEntry(JsonRecord):
     weightfree_sha256: str | None = None
     memory: dict | None = None  # device memory the builder reported: activations (profile max), weights, persistent
     computed_layers: int | None = None  # layers that depend on an input (engine.build.computed_layers)
-    # the quantization recipe's numbers a runtime needs to compute it (fp8: {"name", "scales": {module: [sx, sw]}}),
+    # the quantization recipe's numbers a runtime needs to compute it (fp8: {"name", "scales": {module: [sx, sw]}};
+    # fp8-attn adds "attention": [[sq, sk, sp, sv], ...], one per attention in forward order),
     # recorded at build time so that an unpacked archive runs on every backend that computes the recipe
     recipe: dict | None = None
     constants: dict | None = None  # a compiled package's weights file: {"file", "sha256", "bytes"}
@@ -387,13 +388,17 @@ def check_manifest(m: Manifest, folder: Path) -> None:
 
 
 def _recipe_ok(recipe: dict) -> bool:
-    """A recorded recipe: its name and its scales by module, each pair finite and positive."""
+    """A recorded recipe: its name and its scales by module, each pair finite and positive; fp8-attn's attention
+    scales too (a list, in forward order, of four finite positive numbers each)."""
     import math
 
-    scales = recipe.get("scales")
-    return (isinstance(recipe.get("name"), str) and isinstance(scales, dict) and all(
-        isinstance(k, str) and isinstance(v, list) and len(v) == 2
-        and all(is_number(x) and math.isfinite(x) and x > 0 for x in v) for k, v in scales.items()))
+    def scales_ok(v, n):
+        return isinstance(v, list) and len(v) == n and all(is_number(x) and math.isfinite(x) and x > 0 for x in v)
+
+    scales, attention = recipe.get("scales"), recipe.get("attention", [])
+    return (isinstance(recipe.get("name"), str) and isinstance(scales, dict)
+            and all(isinstance(k, str) and scales_ok(v, 2) for k, v in scales.items())
+            and isinstance(attention, list) and all(scales_ok(v, 4) for v in attention))
 
 
 def build_root(engine_dir: Path) -> Path:

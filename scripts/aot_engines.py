@@ -145,12 +145,12 @@ def load(a) -> None:
 def read(a) -> None:
     """The weights files of a package folder read as the runtime reads them (core/packages.read_constants: read,
     sha256 and the copy to the device overlapped), each timed: GB/s."""
+    import hashlib
+
     import torch
 
     from fluxtrt.core import packages
     from fluxtrt.records import read_manifest
-
-    import hashlib
 
     folder = Path(a.engines)
     manifest = read_manifest(folder)

@@ -10,6 +10,8 @@ python3 -c "import torch, diffusers, transformers; print('torch', torch.__versio
 
 echo "== GPU tests"
 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -s 2>&1 | tail -40 | tee "$OUTDIR/gpu_tests.txt"
+echo "== our Triton kernels against their arithmetic"
+python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tail -20 | tee -a "$OUTDIR/gpu_tests.txt"
 
 echo "== fluxtrt run --backend torch on tiny"
 $FLUXTRT run --backend torch --model tiny --prompt "a red fox in the snow" --steps 8 --height 512 --width 512 \

@@ -193,11 +193,28 @@ def packages(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def fp8_attn_build(tmp_path_factory):
+    """The fp8-attn transformer engine of tiny for the 4090 (the copying path: tiny is fp32; 3 prompts, 2 steps of
+    calibration), once per test run (shared): (source, GPU folder, manifest)."""
+    pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx not installed (pip install -e '.[rtx]')")
+    from fluxtrt.gpus import load_gpu
+    from fluxtrt.models.source import resolve_model
+    from fluxtrt.records import CalibrationSettings, read_manifest
+    from fluxtrt.stages.build import build_gpu
+
+    src = resolve_model("tiny")
+    cfg = load_gpu("4090").with_precision({"transformer": "fp8-attn"})
+    root = shared_folder(tmp_path_factory, "fp8-attn", lambda root: build_gpu(
+        src, cfg, root, components=["transformer"], calibration=CalibrationSettings(size=3, steps=2)))
+    return src, root / "4090", read_manifest(root / "4090")
+
+
 # Fixtures that export or build (tens of seconds to minutes each on 2 cores): a test using one is slow, so the
 # fast set (`-m "not slow"`, under 5 minutes) never pays for them. CI runs everything.
 EXPENSIVE_FIXTURES = {
     "exported", "fp8_build", "engines", "built", "fp4_zero_copy", "deep_tiny", "zero_copy_exports", "packed",
-    "fp32_transformer", "bf16_transformer", "two_checkpoints", "tiny_fp32_engines", "packages",
+    "fp32_transformer", "bf16_transformer", "two_checkpoints", "tiny_fp32_engines", "packages", "fp8_attn_build",
 }
 
 

@@ -25,7 +25,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..core import weightmap
 from ..errors import FluxtrtError
-from ..fp8 import FP8_MAX, QDQ_KEY, activation_scale, quantize_weight
+from ..fp8 import QDQ_KEY, activation_scale, quantize_weight
 from ..precisions import RECIPES
 
 INT4_BLOCK = 128
@@ -215,12 +215,19 @@ def quantize_model(model: onnx.ModelProto, recipe: str, act_amax: dict | None = 
     out = _Writer()
     new_nodes = []
     prov, record = weightmap.read(model), {}
+    softmax_in = {n.input[0] for n in g.node if n.op_type == "Softmax"}
+    attention_index = -1  # which attention (forward order: each block's follows the one before it)
     for n in g.node:
         if n.name in attention:
+            first = n.output[0] in softmax_in  # q.k^T (its output goes to the Softmax), else p.v
+            attention_index += first
             for k in (0, 1):
                 out.nodes = []
-                n.input[k] = out.qdq(n.input[k], f"{n.name}__in{k}", amax_of(n.input[k], n.name) / FP8_MAX, "fp8")
+                n.input[k] = out.qdq(n.input[k], f"{n.name}__in{k}", activation_scale(amax_of(n.input[k], n.name)), "fp8")
                 new_nodes += out.nodes
+            # for the torch executor (fp8.attention_scales_from_graph): which attention, which MatMul, its scales
+            record[n.name] = {"attention": attention_index, "matmul": 0 if first else 1,
+                              "input_scales": [f"{n.name}__in0__scale", f"{n.name}__in1__scale"]}
         elif n.name in linear and n.input[1] in inits:
             out.nodes = []
             w = numpy_helper.to_array(inits[n.input[1]]).astype(np.float32)

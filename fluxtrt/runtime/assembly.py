@@ -160,22 +160,27 @@ class Assembly:
         from .. import fp8
 
         entry = self.manifest.components.get("transformer") if self.manifest is not None else None
-        if entry is not None and entry.precision in ("fp8-attn", "fp4"):
-            raise FluxtrtError(f"the PyTorch transformer runs the fp8 recipe but not {entry.precision} (fp4: NVFP4 "
-                               "tensor cores, sm100/sm120; fp8-attn: attention in E4M3): use --backend onnxruntime "
-                               "or TensorRT engines")
-        if entry is not None and entry.precision == "fp8":
+        if entry is not None and entry.precision == "fp4":
+            raise FluxtrtError("the PyTorch transformer runs the fp8 and fp8-attn recipes but not fp4 (NVFP4 tensor "
+                               "cores, sm100/sm120): use --backend onnxruntime or TensorRT engines")
+        if entry is not None and entry.precision in ("fp8", "fp8-attn"):
             if calibration is not None:
-                raise FluxtrtError("--calibration: these engines' fp8 graph already holds its scales; drop it")
-            if entry.recipe is not None:  # recorded by the build: an unpacked archive has them too
-                return {"scales": fp8.scales_from_record(entry.recipe)}
+                raise FluxtrtError(f"--calibration: these engines' {entry.precision} graph already holds its scales; "
+                                   "drop it")
+            attention = entry.precision == "fp8-attn"
+            if entry.recipe is not None and (entry.recipe.get("attention") or not attention):
+                # recorded by the build: an unpacked archive has them too
+                return {"scales": fp8.scales_from_record(entry.recipe), "attention": entry.recipe.get("attention")}
             from ..onnxio import load_header
 
             path = built_onnx(self.dir, entry)
             if not path.is_file():
-                raise ManifestError(f"the fp8 transformer's ONNX {path} is not here (an unpacked archive of a build "
-                                    "that recorded no scales in its manifest): build it again with this fluxtrt")
-            return {"scales": fp8.scales_from_graph(load_header(path))}
+                raise ManifestError(f"the {entry.precision} transformer's ONNX {path} is not here (an unpacked archive "
+                                    "of a build that recorded no scales in its manifest): build it again with this "
+                                    "fluxtrt")
+            header = load_header(path)
+            return {"scales": fp8.scales_from_graph(header),
+                    "attention": fp8.attention_scales_from_graph(header) if attention else None}
         if calibration is not None:
             return {"amax": fp8.read_calibration(calibration, model.content_hash)}
         return None

@@ -273,7 +273,9 @@ class TorchExecutor(Executor):
         # a server's compiled transformer (batching.warm_up_batches sets them): batches padded to the smallest of
         # these that holds them, so the compiled module sees a few batch sizes, each compiled once
         self.batch_buckets = tuple(sorted(batch_buckets))
-        self.fp8 = fp8  # the transformer's fp8 recipe: {"scales": {module: (sx, sw)}} or {"amax": {module: amax}}
+        # the transformer's fp8 recipe: {"scales": {module: (sx, sw)}} or {"amax": {module: amax}}; fp8-attn adds
+        # "attention": [(sq, sk, sp, sv)] in forward order
+        self.fp8 = fp8
         self.fp8_note = None
         self._device = device
         self.dtype_name = dtype
@@ -348,7 +350,7 @@ class TorchExecutor(Executor):
         if scales is None:
             scales = fp8_layers.calibrated_scales(raw, self.spec, self.source.geometry, self.fp8["amax"],
                                                   device=self.device, dtype=self.dtype)
-        return fp8_layers.quantize_module(raw, scales, self.device)
+        return fp8_layers.quantize_module(raw, scales, self.device, attention=self.fp8.get("attention"))
 
     def infer_part(self, spec, feeds: dict) -> dict:
         """One of the transformer's First-Block Cache parts (components.TRANSFORMER_PARTS) on this module:

@@ -103,13 +103,16 @@ def write_weight_files(onnx_path: Path, gpu_dir: Path, name: str, subfolder: str
 
 def recorded_recipe(onnx_path: Path, precision: str) -> dict | None:
     """The recipe's numbers the manifest carries, so that a runtime needs no build ONNX to compute it (fp8: the
-    scales by module that the graph's Q/DQ hold, which the torch executor applies to the model's weights)."""
-    if precision != "fp8":
+    scales by module that the graph's Q/DQ hold, which the torch executor applies to the model's weights; fp8-attn:
+    its attentions' scales too)."""
+    if precision not in ("fp8", "fp8-attn"):
         return None
-    from ..fp8 import recipe_record, scales_from_graph
+    from ..fp8 import attention_scales_from_graph, recipe_record, scales_from_graph
     from ..onnxio import load_header
 
-    return recipe_record(scales_from_graph(load_header(onnx_path)))
+    header = load_header(onnx_path)
+    return recipe_record(scales_from_graph(header),
+                         attention_scales_from_graph(header) if precision == "fp8-attn" else None)
 
 
 def build_gpu(source: ModelSource, cfg: GpuConfig, request: BuildRequest | Path, *,
