@@ -181,8 +181,9 @@ def calibrate(model: str, out_dir: Path, recipe: str = "fp8", settings: Calibrat
     `run --calibration`) finds them.
 
     Args: model; out_dir: the build root; recipe: a calibrated recipe (fp8, fp8-attn, int8, fp4); settings:
-        CalibrationSettings; zero_copy: from a bf16 checkpoint, ranges per nn.Linear measured in PyTorch (else
-        ranges of the optimized fp32 graph measured in ONNX Runtime); on_prompt: (done, total) callback.
+        CalibrationSettings; zero_copy: from a bf16 checkpoint, ranges per nn.Linear measured in PyTorch
+        (fp8-attn: and per attention, for `run --backend torch --calibration`; else ranges of the optimized fp32
+        graph measured in ONNX Runtime, which an fp8-attn build reads); on_prompt: (done, total) callback.
     Returns: CalibrationSummary (source, calibration, graph): `calibration` is the file `run --backend torch
         --calibration` takes (fp8: ranges by module, whatever the checkpoint's dtype); for a checkpoint the zero-copy
         plan refuses (e.g. stored in fp32), `graph` holds the graph's ranges the build reuses.
@@ -200,6 +201,8 @@ def calibrate(model: str, out_dir: Path, recipe: str = "fp8", settings: Calibrat
     settings = (settings or CalibrationSettings()).check()
     check_out_folder(Path(out_dir))
     source = resolve_model(model)
+    if zero_copy and recipe == "fp8-attn":  # what `run --backend torch --calibration` computes it from
+        return CalibrationSummary(source, calibrate_zero_copy(source, Path(out_dir), settings, on_prompt, recipe))
     if zero_copy and zero_copy_plan_refusal(source, "transformer", recipe) is None:
         return CalibrationSummary(source, calibrate_zero_copy(source, Path(out_dir), settings, on_prompt))
     graph = optimized_fp32_transformer(source, Path(out_dir))

@@ -257,8 +257,9 @@ def calibrate(
         if cal is not None:
             state = "reused the cache" if cal.cached else f"measured {cal.samples} transformer calls"
             what = "graph ranges for `fluxtrt build`" if cal is done.graph else "activation ranges"
-            use = " (for `fluxtrt build`, and `run --backend torch --calibration`)" if cal is done.calibration and \
-                recipe == "fp8" else ""
+            use = {"fp8": " (for `fluxtrt build`, and `run --backend torch --calibration`)",
+                   "fp8-attn": " (for `run --backend torch --calibration`)"}.get(recipe, "") \
+                if cal is done.calibration else ""
             r.out.print(f"{recipe} calibration for {done.source.id}: {len(cal.amax)} {what}, {state} -> {cal.path}{use}")
 
 

@@ -173,20 +173,26 @@ def scales_from_calibration(module, module_amax: dict, groups: list[list[str]]) 
 
 
 def read_calibration(path, model_hash: str) -> dict:
-    """The activation ranges by module of a `fluxtrt calibrate` cache file (untrusted: checked), for this model."""
+    """The recipe of a `fluxtrt calibrate` cache file (untrusted: checked), for this model: {"amax": {module:
+    amax}}; a file calibrated for fp8-attn adds "attention": [(sq, sk, sp, sv)] in forward order (its
+    "attention_amax" as activation_scale takes them)."""
     from .fileio import read_json
     from .records import is_number
 
     data = read_json(path, "a calibration file", "pass --calibration the file `fluxtrt calibrate` wrote")
     amax = data.get("amax") if isinstance(data, dict) else None
+    ranges = data.get("attention_amax") if data.get("recipe") == "fp8-attn" else []
     if not isinstance(amax, dict) or data.get("method") != "linear-inputs" or not all(
-            isinstance(k, str) and is_number(v) and v >= 0 for k, v in amax.items()):
+            isinstance(k, str) and is_number(v) and v >= 0 for k, v in amax.items()) or not isinstance(ranges, list) \
+            or not all(isinstance(r, list) and len(r) == 4 and all(is_number(x) and x >= 0 for x in r) for r in ranges):
         raise FluxtrtError(f"--calibration {path} holds no ranges by module; make one with `fluxtrt calibrate` (the "
                            "default zero-copy path)")
     if data.get("model_hash") != model_hash:
         raise FluxtrtError(f"--calibration {path} was made for another model; run `fluxtrt calibrate --model ...` "
                            "for this one")
-    return amax
+    if data.get("recipe") == "fp8-attn":
+        return {"amax": amax, "attention": [tuple(activation_scale(x) for x in r) for r in ranges]}
+    return {"amax": amax}
 
 
 def recipe_record(scales: dict, attention: list | None = None) -> dict:

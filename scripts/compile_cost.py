@@ -39,7 +39,7 @@ def executor(a):
     if a.calibration:  # as Pipeline reads `--calibration` for the PyTorch transformer
         from fluxtrt import fp8
 
-        recipe = {"amax": fp8.read_calibration(Path(a.calibration), src.content_hash)}
+        recipe = fp8.read_calibration(Path(a.calibration), src.content_hash)
     ex = TorchExecutor("transformer", src, spec, a.device, "bf16" if a.device == "cuda" else "fp32", compile=True,
                        fp8=recipe)
     t0 = time.perf_counter()

@@ -193,3 +193,38 @@ def test_run_torch_fp8_attn_equals_onnxruntime_and_differs_from_fp8(fp8_attn_bui
                                       trace=True).latents_per_step[-1].float()
     rel = float((latents["fp8-attn"] - latents["fp8"]).abs().mean() / latents["fp8"].abs().mean())
     assert rel > 1e-4, rel  # 1.3e-3 seen: the attention recipe acts on the whole run
+
+
+@pytest.mark.slow
+def test_calibrate_fp8_attn_then_run_torch(tmp_path):
+    """`fluxtrt calibrate --recipe fp8-attn` (the PyTorch path: ranges by module and by attention) then `fluxtrt run
+    --backend torch --calibration FILE` computes fp8-attn (the note says so) and its image differs from the fp8
+    calibration's; a file whose attention ranges are damaged is one line."""
+    import json
+
+    from PIL import Image
+
+    files = {}
+    for recipe in ("fp8", "fp8-attn"):
+        res = CliRunner().invoke(app, ["calibrate", "--model", "tiny", "--out", str(tmp_path), "--recipe", recipe,
+                                       "--calibration-size", "2", "--calibration-steps", "1", "--resolution", "256"])
+        assert res.exit_code == 0, res.output
+        files[recipe] = next(p for p in (tmp_path / "calibration").glob("*.json")  # the ranges by module
+                             if json.loads(p.read_text())["recipe"] == recipe
+                             and json.loads(p.read_text()).get("method") == "linear-inputs")
+    assert len(json.loads(files["fp8-attn"].read_text())["attention_amax"]) == 4
+    images = {}
+    for recipe, path in files.items():
+        res = CliRunner().invoke(app, ["run", "--model", "tiny", "--backend", "torch", "--calibration", str(path),
+                                       "--prompt", "a fox", "--steps", "2", "--height", "256", "--width", "256",
+                                       "--torch-dtype", "fp32", "--out", str(tmp_path / f"{recipe}.png")])
+        assert res.exit_code == 0, res.output
+        assert ("attention in E4M3 emulated in 4 attentions" in res.output) == (recipe == "fp8-attn"), res.output
+        images[recipe] = np.asarray(Image.open(tmp_path / f"{recipe}.png")).astype(int)
+    assert np.abs(images["fp8"] - images["fp8-attn"]).max() > 0
+    data = json.loads(files["fp8-attn"].read_text())
+    data["attention_amax"][1] = [1.0, "x", 1.0, 1.0]
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    res = CliRunner().invoke(app, ["run", "--model", "tiny", "--backend", "torch", "--calibration",
+                                   str(tmp_path / "bad.json"), "--prompt", "a fox", "--out", str(tmp_path / "o.png")])
+    assert res.exit_code == 2 and "holds no ranges by module" in res.output and "Traceback" not in res.output

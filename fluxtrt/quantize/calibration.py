@@ -91,12 +91,15 @@ def collect_inputs(source, prompts: list[str], sizes: list[tuple[int, int]], ste
 
 
 def linear_input_ranges(source, prompts: list[str], sizes: list[tuple[int, int]], steps: int, dtype: str,
-                        *, device: str, on_prompt: Callable[[int, int], None] = lambda done, total: None) -> tuple[dict, int]:
+                        *, device: str, on_prompt: Callable[[int, int], None] = lambda done, total: None,
+                        attention: bool = False) -> tuple[dict, int, list | None]:
     """max |input| of every nn.Linear in the transformer (by module name) over the pipeline's denoising steps,
-    in PyTorch at `dtype` on `device`: ({module: amax}, transformer calls). The maxima stay on the device
-    until the end (no host sync per layer)."""
+    in PyTorch at `dtype` on `device`: ({module: amax}, transformer calls, attention ranges). With `attention`
+    (fp8-attn) also each attention's [max |q c|, max |k c|, max P, max |v|] in forward order (attention_ranges),
+    else None. The maxima stay on the device until the end (no host sync per layer)."""
     import torch
 
+    from ..attention import attention_modules, sdpa, use_attention
     from ..dtypes import torch_dtype
 
     pipe = source.load_pipeline(torch_dtype(dtype), device, diffusers_pipeline="FluxPipeline")
@@ -113,12 +116,41 @@ def linear_input_ranges(source, prompts: list[str], sizes: list[tuple[int, int]]
     for name, m in pipe.transformer.named_modules():
         if isinstance(m, torch.nn.Linear):
             handles.append(m.register_forward_pre_hook(hook(name)))
+    ranges = [None] * len(attention_modules(pipe.transformer)) if attention else None
+
+    def measuring(i):
+        def fn(q, k, v):
+            r = attention_ranges(q, k, v)
+            ranges[i] = r if ranges[i] is None else torch.maximum(ranges[i], r)
+            return sdpa(q, k, v)
+        return fn
+
+    if attention:
+        use_attention(pipe.transformer, [measuring(i) for i in range(len(ranges))])
     try:
         _run_pipeline(pipe, source, prompts, sizes, steps, on_prompt=on_prompt)
     finally:
         for h in handles:
             h.remove()
-    return {k: float(v) for k, v in amax.items()}, calls[0]
+    return ({k: float(v) for k, v in amax.items()}, calls[0],
+            [[float(x) for x in r] for r in ranges] if attention else None)
+
+
+def attention_ranges(q, k, v, chunk: int = 1024):
+    """The ranges fp8-attn's four Q/DQ pairs quantize, of one attention call (q, k, v [B, S, H, D] after RoPE):
+    tensor [max |q c|, max |k c|, max P, max |v|] (c = fp8.sdpa_root_scale; P = softmax(q k^T c^2), whose row
+    maximum is 1 / sum_j exp(s_j - max s), computed over `chunk` queries at a time in fp32)."""
+    import torch
+
+    from ..fp8 import sdpa_root_scale
+
+    c = sdpa_root_scale(q.shape[-1]).to(q.device)
+    qh, kh = (t.transpose(1, 2).float() * c for t in (q, k))
+    p_max = torch.zeros((), device=q.device)
+    for i in range(0, qh.shape[2], chunk):
+        s = qh[:, :, i: i + chunk] @ kh.transpose(-1, -2)
+        p_max = torch.maximum(p_max, (1.0 / torch.exp(s - s.amax(-1, keepdim=True)).sum(-1)).amax())
+    return torch.stack([qh.abs().amax(), kh.abs().amax(), p_max, v.detach().float().abs().amax()])
 
 
 def activation_ranges(model, names: list[str], samples: list[dict], per_channel: bool = False):
@@ -201,13 +233,15 @@ def calibrate(source, model, onnx_sha: str, recipe: str, cache_dir: Path, *, pro
 def calibrate_modules(source, recipe: str, cache_dir: Path, prompts_file: Path | None = None, size: int = 32,
                       *, steps: int = 4, opt_resolution: int = 1024, dtype: str = "bf16", device: str = "cpu",
                       on_prompt: Callable[[int, int], None] = lambda done, total: None) -> Calibration:
-    """Activation ranges by module name (linear_input_ranges), cached under a key of the model, prompts,
-    recipe, sizes, steps and dtype: not of the device, so a cache filled on a GPU machine (`fluxtrt calibrate
-    --device cuda`) serves builds on CPU-only machines. Read by quantize.zerocopy."""
+    """Activation ranges by module name (linear_input_ranges; fp8-attn: each attention's too, the file's
+    "attention_amax"), cached under a key of the model, prompts, recipe, sizes, steps and dtype: not of the
+    device, so a cache filled on a GPU machine (`fluxtrt calibrate --device cuda`) serves builds on CPU-only
+    machines. Read by quantize.zerocopy and `run --backend torch --calibration`."""
 
     def measure(prompts, sizes):
-        amax, calls = linear_input_ranges(source, prompts, sizes, steps, dtype, device=device, on_prompt=on_prompt)
-        return amax, None, calls, {"device": device}
+        amax, calls, attention = linear_input_ranges(source, prompts, sizes, steps, dtype, device=device,
+                                                     on_prompt=on_prompt, attention=recipe == "fp8-attn")
+        return amax, None, calls, {"device": device, **({"attention_amax": attention} if attention else {})}
 
     return _cached(source, recipe, cache_dir, prompts_file, size, steps=steps, opt_resolution=opt_resolution,
                    key_extra={"dtype": dtype, "method": "linear-inputs"}, measure=measure)

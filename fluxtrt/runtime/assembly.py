@@ -182,7 +182,7 @@ class Assembly:
             return {"scales": fp8.scales_from_graph(header),
                     "attention": fp8.attention_scales_from_graph(header) if attention else None}
         if calibration is not None:
-            return {"amax": fp8.read_calibration(calibration, model.content_hash)}
+            return fp8.read_calibration(calibration, model.content_hash)
         return None
 
     def _weight_sources(self, engine_names, weights, refs) -> dict:

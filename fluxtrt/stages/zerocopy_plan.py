@@ -125,10 +125,11 @@ def _ensure_quantized(source, component, recipe, zc_path, out_root, *, force, on
     return path, made[0]
 
 
-def calibrate_zero_copy(source, out_root: Path, calib: CalibrationSettings, on_prompt=lambda done, total: None):
+def calibrate_zero_copy(source, out_root: Path, calib: CalibrationSettings, on_prompt=lambda done, total: None,
+                        recipe: str = "fp8"):
     """Module calibration for the zero-copy fp8 and fp4 paths (fp4 reads fp8's ranges), cached in
-    OUT/calibration/ (`fluxtrt calibrate` and
-    `fluxtrt build` both come through here)."""
+    OUT/calibration/ (`fluxtrt calibrate` and `fluxtrt build` both come through here); recipe "fp8-attn": the
+    attentions' ranges too, for `run --backend torch --calibration` (no zero-copy graph computes it)."""
     import torch
 
     from ..quantize.calibration import calibrate_modules
@@ -137,6 +138,6 @@ def calibrate_zero_copy(source, out_root: Path, calib: CalibrationSettings, on_p
     if device == "cuda" and not torch.cuda.is_available():
         raise FluxtrtError("--device cuda: this machine has no CUDA GPU (or this torch has no CUDA); use --device "
                            "cpu, or calibrate on a GPU machine and copy its OUT/calibration/ here")
-    return calibrate_modules(source, "fp8", Path(out_root) / "calibration", calib.prompts_file,
+    return calibrate_modules(source, recipe, Path(out_root) / "calibration", calib.prompts_file,
                              calib.size, steps=calib.steps, opt_resolution=calib.opt_resolution,
                              dtype=graph_dtype("fp8"), device=device, on_prompt=on_prompt)

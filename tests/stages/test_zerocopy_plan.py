@@ -92,7 +92,7 @@ def test_module_ranges_match_onnx_runtime_ranges(tiny_dev, tmp_path):
     from fluxtrt.stages.fp32_plan import optimized_fp32_transformer
 
     prompts, sizes = ["a red fox in the snow", "a lighthouse at night"], [(64, 64), (48, 80)]
-    amax, calls = linear_input_ranges(tiny_dev, prompts, sizes, 2, "fp32", device="cpu")
+    amax, calls, _ = linear_input_ranges(tiny_dev, prompts, sizes, 2, "fp32", device="cpu")
     assert calls == 4
     model = optimized_fp32_transformer(tiny_dev, tmp_path)
     p = plan(model, "fp8")
