@@ -590,15 +590,16 @@ def inspect(engine_dir: Path) -> Inspection:
     return Inspection(m, rows, _folder_problems(engine_dir, m))
 
 
-def _file_state(path: Path, size: int, sha256: str) -> str:
-    """An engine folder's file against its manifest: ok, or what is wrong and the fix."""
-    from .fileio import sha256_file
+def _file_state(path: Path, size: int, sha256: str, *, tree: bool = False) -> str:
+    """An engine folder's file against its manifest (its sha256, or with `tree` its tree_sha256): ok, or what is
+    wrong and the fix."""
+    from .fileio import sha256_file, tree_sha256
 
     if not path.exists():
         return "MISSING"
     if path.stat().st_size != size:
         return f"WRONG SIZE ({path.stat().st_size} bytes, manifest {size}): rebuild or unpack again"
-    if sha256_file(path) != sha256:
+    if (tree_sha256 if tree else sha256_file)(path) != sha256:
         return "SHA256 MISMATCH (corrupt or replaced): rebuild or unpack again"
     return "ok"
 
@@ -614,7 +615,7 @@ def _package_checks(engine_dir: Path, m: Manifest) -> list:
         state = _file_state(Path(engine_dir) / e.engine, e.bytes, e.sha256)
         if state == "ok" and e.constants:
             weights = _file_state(inside(engine_dir, e.constants["file"], f"{name}.constants"), e.constants["bytes"],
-                                  e.constants["sha256"])
+                                  e.constants["tree_sha256"], tree=True)
             state = "ok" if weights == "ok" else f"weights {e.constants['file']}: {weights}"
         device = run_device(m.runtime)
         try:

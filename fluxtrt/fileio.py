@@ -27,6 +27,36 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+TREE_CHUNK = 64 << 20  # tree_sha256's piece size (its record's name would change with it)
+
+
+def tree_sha256(path: Path, workers: int | None = None) -> str:
+    """sha256 of the concatenated sha256 digests of the file's consecutive 64 MiB pieces, the pieces hashed on
+    `workers` threads at once (hashlib releases the GIL): a large file's check at several cores' rate, where one
+    sha256 stream is one core's (about 0.5-1.5 GB/s). Not what `sha256sum` prints: records name it tree_sha256."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    import threading
+
+    fd = os.open(path, os.O_RDONLY)
+    local = threading.local()  # one reused buffer per thread: a fresh 64 MiB object per piece costs as much as the hash
+    try:
+        pieces = max(1, -(-os.fstat(fd).st_size // TREE_CHUNK))
+
+        def piece(i):
+            if not hasattr(local, "buf"):
+                local.buf = bytearray(TREE_CHUNK)
+            n = os.preadv(fd, [local.buf], i * TREE_CHUNK)
+            return hashlib.sha256(memoryview(local.buf)[:n]).digest()
+
+        with ThreadPoolExecutor(workers or min(8, os.cpu_count() or 1)) as pool:
+            digests = list(pool.map(piece, range(pieces)))
+    finally:
+        os.close(fd)
+    return hashlib.sha256(b"".join(digests)).hexdigest()
+
+
 def sha256_json(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 

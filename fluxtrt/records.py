@@ -107,7 +107,7 @@ class ComponentEntry(JsonRecord):
     # fp8-attn adds "attention": [[sq, sk, sp, sv], ...], one per attention in forward order),
     # recorded at build time so that an unpacked archive runs on every backend that computes the recipe
     recipe: dict | None = None
-    constants: dict | None = None  # a compiled package's weights file: {"file", "sha256", "bytes"}
+    constants: dict | None = None  # a compiled package's weights file: {"file", "tree_sha256", "bytes"}
 
     def dtype_of(self, tensor: str) -> str:
         for t in self.inputs + self.outputs:
@@ -376,7 +376,7 @@ def check_manifest(m: Manifest, folder: Path) -> None:
             raise bad(f"component {name!r} recipe", "not a recipe of scales")
         if e.constants is not None:
             c = e.constants
-            if not (isinstance(c.get("file"), str) and isinstance(c.get("sha256"), str) and _is_int(c.get("bytes"))):
+            if not (isinstance(c.get("file"), str) and isinstance(c.get("tree_sha256"), str) and _is_int(c.get("bytes"))):
                 raise bad(f"component {name!r} constants", c)
             inside(folder, c["file"], f"{name}.constants")
         inside(folder, e.engine, f"{name}.engine")

@@ -1,6 +1,6 @@
 """A package weights file (2.1 GB: 100 bf16 tensors, written by core/packages.save_constants) read to the CPU by
-the sequential read_constants of git revision REV and by this checkout's overlapped one, twice each (the first
-read of each is cold). Run: python3 scripts/read_overlap.py REV"""
+the read_constants of git revision REV and by this checkout's, twice each (the first read of each is cold). The
+record carries both digests (sha256 for revisions before tree_sha256). Run: python3 scripts/read_overlap.py REV"""
 
 import importlib.util
 import json
@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from fluxtrt.core import packages as new
+from fluxtrt.fileio import sha256_file
 
 
 def old_module(rev: str):
@@ -34,7 +35,8 @@ def main():
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "w.constants.safetensors"
         rec = new.save_constants({f"w{i}": torch.randn(2560, 4096).to(torch.bfloat16) for i in range(100)}, path)
-        for name, mod in (("sequential", old), ("overlapped", new), ("sequential", old), ("overlapped", new)):
+        rec["sha256"] = sha256_file(path)
+        for name, mod in ((sys.argv[1], old), ("this checkout", new), (sys.argv[1], old), ("this checkout", new)):
             t0 = time.perf_counter()
             mod.read_constants(path, rec, "cpu", "w")
             print(json.dumps({"implementation": name, "read_s": round(time.perf_counter() - t0, 2),

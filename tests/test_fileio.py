@@ -69,3 +69,21 @@ def test_a_stale_temp_file_of_a_killed_build_is_removed_by_the_next(tmp_path):
     (gpu / "keep.engine").write_bytes(b"1")
     assert remove_stale_staging(tmp_path) == 2
     assert sorted(p.name for p in gpu.iterdir()) == ["keep.engine"]
+
+
+def test_tree_sha256_is_the_sha256_of_its_pieces_digests(tmp_path):
+    """tree_sha256 of a file of one 64 MiB piece and a partial one: sha256 of the two pieces' sha256 digests, the
+    same on one thread or eight; a flipped byte in the last piece changes it."""
+    import hashlib
+    import os
+
+    from fluxtrt.fileio import TREE_CHUNK, tree_sha256
+
+    data = bytearray(os.urandom(TREE_CHUNK + 1234))
+    (tmp_path / "w").write_bytes(data)
+    want = hashlib.sha256(hashlib.sha256(data[:TREE_CHUNK]).digest()
+                          + hashlib.sha256(data[TREE_CHUNK:]).digest()).hexdigest()
+    assert tree_sha256(tmp_path / "w", workers=1) == tree_sha256(tmp_path / "w", workers=8) == want
+    data[-1] ^= 1
+    (tmp_path / "w").write_bytes(data)
+    assert tree_sha256(tmp_path / "w") != want

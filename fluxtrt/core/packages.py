@@ -91,27 +91,36 @@ def load_package(path: Path, component: str, device):
                             f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}") from None
 
 
-# what the child process of probe_load runs: the package's kernels loaded (a CUDA package needs no weights for that)
-_PROBE = "import sys, torch; torch._inductor.aoti_load_package(sys.argv[1], device_index=int(sys.argv[2]))"
+# what the child process of probe_load runs: each package's kernels loaded in turn (a CUDA package needs no weights
+# for that), its index printed first, so that a crash names the package it died in
+_PROBE = """import sys, torch
+for i, path in enumerate(sys.argv[2:]):
+    print(i, flush=True)
+    torch._inductor.aoti_load_package(path, device_index=int(sys.argv[1]))
+"""
 
 
-def probe_load(path: Path, component: str, device) -> None:
-    """Load the package's kernels once in a child process: a package that crashes the process on load (every one
-    whose wrapper linked libstdc++ statically SIGSEGVed in aoti_load_package on the H200, docs/bench/aot_engines.json;
-    the build now avoids such compilers, engine/aoti.cxx_compiler) is one line here, not a dead `fluxtrt run` or
-    server replica. The caller remembers a package that loaded."""
+def probe_load(paths: dict, device) -> None:
+    """Load the packages' kernels ({component: path}) once in one child process: a package that crashes the
+    process on load (every one whose wrapper linked libstdc++ statically SIGSEGVed in aoti_load_package on the H200,
+    docs/bench/aot_engines.json; the build now avoids such compilers, engine/aoti.cxx_compiler) is one line here,
+    not a dead `fluxtrt run` or server replica. The caller remembers packages that loaded."""
     import signal
     import subprocess
     import sys
 
     import torch
 
+    names = list(paths)
     try:
-        p = subprocess.run([sys.executable, "-c", _PROBE, str(path), str(_index(device))], capture_output=True,
-                           text=True, timeout=900)
+        p = subprocess.run([sys.executable, "-c", _PROBE, str(_index(device)), *map(str, paths.values())],
+                           capture_output=True, text=True, timeout=900)
     except subprocess.TimeoutExpired:
-        raise FluxtrtError(f"{component}: loading {path.name} did not finish in 15 minutes; check the GPU with "
-                           "nvidia-smi") from None
+        raise FluxtrtError(f"{', '.join(names)}: loading their packages did not finish in 15 minutes; check the GPU "
+                           "with nvidia-smi") from None
+    done = p.stdout.split()
+    component = names[int(done[-1])] if done and done[-1].isdigit() and int(done[-1]) < len(names) else names[0]
+    path = Path(paths[component])
     if p.returncode < 0:
         sig = signal.Signals(-p.returncode).name
         raise FluxtrtError(f"{component}: this torch {torch.__version__} crashes loading {path.name} ({sig} inside "
@@ -137,76 +146,76 @@ def _index(device) -> int:
 
 
 def save_constants(tensors: dict, path: Path) -> dict:
-    """The package's constants {name: tensor} as one safetensors file (temp name, renamed): {"file", "sha256",
-    "bytes"} for the manifest."""
+    """The package's constants {name: tensor} as one safetensors file (temp name, renamed): {"file",
+    "tree_sha256", "bytes"} for the manifest (fileio.tree_sha256: checked at load on several cores)."""
     import torch
     from safetensors.torch import save_file
 
-    from ..fileio import atomic_path, sha256_file
+    from ..fileio import atomic_path, tree_sha256
 
     path = Path(path)
     host = {k: (v.detach().cpu() if v.device.type != "cpu" else v.detach().clone()).contiguous()
             for k, v in tensors.items() if isinstance(v, torch.Tensor)}
     with atomic_path(path) as tmp:
         save_file(host, str(tmp))
-    return {"file": path.name, "sha256": sha256_file(path), "bytes": path.stat().st_size}
+    return {"file": path.name, "tree_sha256": tree_sha256(path), "bytes": path.stat().st_size}
 
 
-IN_FLIGHT_BYTES = 1 << 30  # read ahead of the hash and the copy to the device by at most this much
+IN_FLIGHT_BYTES = 1 << 30  # read ahead of the copy to the device by at most this much
 
 
 def read_constants(path: Path, recorded: dict, device, component: str) -> dict:
-    """The constants file read once, in file order, each tensor's bytes hashed on the way and copied to `device`;
-    the size and sha256 must be the manifest's (a truncated or changed file is one line, nothing kept). Reading,
-    hashing and the copy to the device overlap (one thread each: hashlib and the copy release the GIL), so the
-    load runs at the slowest of the three rather than their sum (0.55 GB/s sequential on the H200's disk)."""
-    import hashlib
+    """The constants file read once, in file order, each tensor copied to `device` while its bytes' check
+    (fileio.tree_sha256, on several threads) runs beside: the size and tree_sha256 must be the manifest's (a
+    truncated or changed file is one line, nothing kept). Reading and the copy overlap too (the copy on its own
+    thread), so the load runs at the slowest of the three rather than their sum. One sha256 stream ran at 0.55
+    GB/s on the H200's machine (docs/bench/aot_engines.json)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
 
     from ..checkpoint import read_header
     from ..dtypes import BY_SAFETENSORS
+    from ..fileio import tree_sha256
 
     path = Path(path)
     fix = "build the packages again with `fluxtrt build --backend torch`, or unpack the archive again"
     if not path.is_file() or path.stat().st_size != recorded.get("bytes"):
         raise FluxtrtError(f"{component}: {path} is missing or not the size the manifest records; {fix}")
     stored = sorted(read_header(path).items(), key=lambda kv: kv[1].offset)
-    digest, copies, pos, in_flight = hashlib.sha256(), {}, 0, []
+    copies, in_flight = {}, []
 
     def to_device(buf, t):
         dtype = getattr(torch, BY_SAFETENSORS[t.dtype].numpy)
         host = torch.frombuffer(buf, dtype=torch.uint8) if t.length else torch.empty(0, dtype=torch.uint8)
         return host.view(dtype).reshape(t.shape).to(device)
 
-    with open(path, "rb") as f, ThreadPoolExecutor(1) as hasher, ThreadPoolExecutor(1) as copier:
+    with open(path, "rb") as f, ThreadPoolExecutor(1) as checker, ThreadPoolExecutor(1) as copier:
+        digest = checker.submit(tree_sha256, path)
         for key, t in stored:
-            hasher.submit(digest.update, f.read(t.offset - pos))
+            f.seek(t.offset)
             buf = bytearray(t.length)
             if f.readinto(buf) != t.length:
                 raise FluxtrtError(f"{component}: {path} is truncated; {fix}")
-            pos = t.offset + t.length
-            done = hasher.submit(digest.update, buf)
             copies[key] = copier.submit(to_device, buf, t)
-            in_flight.append((t.length, done, copies[key]))
-            while sum(n for n, _, _ in in_flight) > IN_FLIGHT_BYTES:  # bounded host memory
-                _, h, c = in_flight.pop(0)
-                h.result()
-                c.result()
-        hasher.submit(digest.update, f.read()).result()
+            in_flight.append((t.length, copies[key]))
+            while sum(n for n, _ in in_flight) > IN_FLIGHT_BYTES:  # bounded host memory
+                in_flight.pop(0)[1].result()
         out = {key: c.result() for key, c in copies.items()}
-    if digest.hexdigest() != recorded.get("sha256"):
-        raise FluxtrtError(f"{component}: {path} is not the file the manifest records (sha256 differs: corrupted or "
-                           f"replaced); {fix}")
+        if digest.result() != recorded.get("tree_sha256"):
+            raise FluxtrtError(f"{component}: {path} is not the file the manifest records (tree_sha256 differs: "
+                               f"corrupted or replaced); {fix}")
     return out
 
 
-def open_package(path: Path, constants: Path, recorded: dict, device, component: str):
-    """A package ready to run: its kernels loaded and its weights file (`recorded`: the manifest's {"file", "sha256",
-    "bytes"}) read to `device` and handed over as user-managed constants. Returns (compiled module, weights): the
-    module reads the weights in place, so the caller keeps both alive together."""
+def open_package(path: Path, constants: Path, recorded: dict, device, component: str, *, before_load=None):
+    """A package ready to run: its kernels loaded and its weights file (`recorded`: the manifest's {"file",
+    "tree_sha256", "bytes"}) read to `device` and handed over as user-managed constants; `before_load()` (the
+    folder's probe, running beside) is awaited after the read, before the kernels load here. Returns (compiled
+    module, weights): the module reads the weights in place, so the caller keeps both alive together."""
     weights = read_constants(constants, recorded, device, component)
+    if before_load is not None:
+        before_load()
     fn = load_package(path, component, device)
     wanted = fn.get_constant_fqns()
     missing = sorted(set(wanted) - set(weights))

@@ -28,7 +28,7 @@ class BuiltPackage:
     inputs: list[dict]  # {"name", "dtype" (the manifest's engine I/O names: float, bf16, int64, ...), "shape"}
     outputs: list[dict]
     profile: dict  # input name -> {"min": [...], "opt": [...], "max": [...]}
-    constants: dict  # the weights file beside the package: {"file", "sha256", "bytes"} (core/packages.py)
+    constants: dict  # the weights file beside the package: {"file", "tree_sha256", "bytes"} (core/packages.py)
     export_seconds: float
     compile_seconds: float
 

@@ -14,7 +14,7 @@ from .. import flux_math as fm
 from ..components import TRANSFORMER_PARTS, Geometry, specs_for
 from ..errors import FluxtrtError
 from ..records import IMAGE_COMPONENTS, RUN_COMPONENTS, ManifestError, built_onnx, is_number, read_manifest
-from .executors import OnnxRuntimeExecutor, PackageExecutor, TorchExecutor, WeightSource, check_gpu_for
+from .executors import LoadProbe, OnnxRuntimeExecutor, PackageExecutor, TorchExecutor, WeightSource, check_gpu_for
 from .options import FIELDS, PipelineOptions
 from .tensorrt import SharedActivations, TensorRTExecutor
 
@@ -219,11 +219,15 @@ class Assembly:
                 weights=sources[name], kernel_specialization=kernel_specialization, low_vram=self.low_vram)
 
     def _package_executors(self, names, device) -> None:
+        from ..core.packages import run_device
+
         specs = specs_for(self.geo, names)
-        for name in names:
-            e = self.manifest.component(name)
+        entries = {name: self.manifest.component(name) for name in names}
+        probe = None if (device or run_device(self.manifest.runtime)) == "cpu" else LoadProbe(
+            {name: (self.dir / e.engine, e.sha256) for name, e in entries.items()}, device or "cuda")
+        for name, e in entries.items():
             self.executors[name] = PackageExecutor(name, e, self.dir / e.engine, specs[name],
-                                                   runtime=self.manifest.runtime, device=device)
+                                                   runtime=self.manifest.runtime, device=device, probe=probe)
 
     def _onnxruntime_executors(self, names, sources, provider) -> None:
         specs = specs_for(self.geo, names)

@@ -418,6 +418,46 @@ class TorchExecutor(Executor):
         return {self.spec.outputs[0].name: out[:batch] if batch else out}
 
 
+class LoadProbe:
+    """A folder's CUDA packages ({component: (path, sha256)}) loaded once in one child process
+    (core/packages.probe_load) before any loads in this one: some torch builds crash the process there, and a
+    crash must be one line. Started by the first package's activation, beside its weights' read; each package
+    waits for it before its own load. Packages that loaded are remembered per sha256 and torch build (the cache
+    folder), so a later process skips them."""
+
+    def __init__(self, packages: dict, device):
+        self.packages, self.device = packages, device
+        self._pool = self._done = None
+
+    def start(self) -> None:
+        if self._done is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(1)
+            self._done = self._pool.submit(self._run)
+
+    def wait(self) -> None:
+        self.start()
+        self._done.result()
+
+    def _marker(self, sha256: str):
+        import torch
+
+        from ..models.tiny import cache_root
+
+        return cache_root() / "pt2-loads" / f"{sha256[:24]}-{torch.__version__}"
+
+    def _run(self) -> None:
+        from ..core.packages import probe_load
+
+        todo = {name: path for name, (path, sha) in self.packages.items() if not self._marker(sha).exists()}
+        if todo:
+            probe_load(todo, self.device)
+        for _, sha in self.packages.values():
+            self._marker(sha).parent.mkdir(parents=True, exist_ok=True)
+            self._marker(sha).touch()
+
+
 class PackageExecutor(Executor):
     """A compiled PyTorch engine: an AOTInductor package (`<component>.pt2`, `fluxtrt build --backend torch`),
     checked before it loads (the manifest's sha256, and the torch, CUDA and device it was compiled for) and run
@@ -427,11 +467,12 @@ class PackageExecutor(Executor):
     kind = "pt2"
 
     def __init__(self, component: str, entry: ComponentEntry, path: Path, spec, *, runtime: dict | None,
-                 device: str | None = None):
+                 device: str | None = None, probe: LoadProbe | None = None):
         super().__init__(component, entry)
         self.path, self.spec, self.runtime = Path(path), spec, runtime or {}
         from ..core.packages import run_device
 
+        self.probe = probe  # the folder's CUDA packages loaded once in a child process first (LoadProbe)
         self._device = device or run_device(self.runtime)
         self.stream = None
         self._fn = self._weights = None
@@ -479,26 +520,11 @@ class PackageExecutor(Executor):
                 raise ManifestError(f"{self.component}: the manifest names no weights file for {self.path.name}; build "
                                     "it again with `fluxtrt build --backend torch`")
             weights = inside(self.path.parent, self.entry.constants["file"], f"{self.component}.constants")
-            self._probe()
+            if self.probe is not None:
+                self.probe.start()  # its child loads the kernels while this process reads the weights
             self._fn, self._weights = open_package(self.path, weights, self.entry.constants, self.device,
-                                                   self.component)
+                                                   self.component, before_load=self.probe and self.probe.wait)
         self.active = True
-
-    def _probe(self) -> None:
-        """A CUDA package is first loaded in a child process (core/packages.probe_load), once per package and
-        torch build: some torch builds crash the process there."""
-        if self.device.type == "cpu":
-            return
-        import torch
-
-        from ..core.packages import probe_load
-        from ..models.tiny import cache_root
-
-        marker = cache_root() / "pt2-loads" / f"{self.entry.sha256[:24]}-{torch.__version__}"
-        if not marker.exists():
-            probe_load(self.path, self.component, self.device)
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.touch()
 
     def infer_impl(self, feeds: dict) -> dict:
         import contextlib

@@ -14,7 +14,7 @@ from .. import __version__
 from ..components import family
 from ..core.workflows import profile_range
 from ..dtypes import torch_dtype
-from ..fileio import peak_rss_mb, sha256_json
+from ..fileio import peak_rss_mb, sha256_json, tree_sha256
 from ..records import ComponentEntry
 from .base import StageResult, calibration_inputs, unchanged
 
@@ -58,8 +58,9 @@ def package_stage(source, cfg, request, *, spec, rng, manifest, gpu_dir: Path, l
     path = gpu_dir / f"{name}{EXTENSION}"
     prev = manifest.components.get(name)
     if not request.force and prev is not None and prev.constants and unchanged(
-            path, prev.sha256, {"build_key": prev.build_key}, {"build_key": key}) and unchanged(
-            gpu_dir / prev.constants["file"], prev.constants["sha256"], {}, {}):
+            path, prev.sha256, {"build_key": prev.build_key}, {"build_key": key}) and \
+            (gpu_dir / prev.constants["file"]).is_file() and \
+            tree_sha256(gpu_dir / prev.constants["file"]) == prev.constants.get("tree_sha256"):
         on_phase("reused")
         return StageResult(name, "package", "reused", 0.0, "same model, precision, profile and torch")
     on_phase("load")

@@ -63,7 +63,8 @@ def test_the_build_compiles_with_a_compiler_of_the_libstdcxx_torch_runs_on(tmp_p
 
 def test_constants_round_trip_in_their_dtypes_and_a_damaged_file_is_one_line(tmp_path):
     """A package's weights file: E4M3, bf16 and fp32 tensors (fresh random values) read back bit for bit, hashed
-    on the way; a flipped byte or a truncated file is refused naming the file and the fix, nothing returned."""
+    on the way (tree_sha256, checked beside the read); a flipped byte or a truncated file is refused naming the
+    file and the fix, nothing returned."""
     import pytest
 
     from fluxtrt.core.packages import read_constants, save_constants
@@ -83,7 +84,7 @@ def test_constants_round_trip_in_their_dtypes_and_a_damaged_file_is_one_line(tmp
     data = bytearray((tmp_path / rec["file"]).read_bytes())
     data[-40] ^= 0x01
     (tmp_path / rec["file"]).write_bytes(bytes(data))
-    with pytest.raises(FluxtrtError, match=r"^transformer: .* is not the file the manifest records \(sha256 differs"):
+    with pytest.raises(FluxtrtError, match=r"^transformer: .* is not the file the manifest records \(tree_sha256 differs"):
         read_constants(tmp_path / rec["file"], rec, "cpu", "transformer")
     (tmp_path / rec["file"]).write_bytes(bytes(data[:-100]))
     with pytest.raises(FluxtrtError, match="missing or not the size the manifest records"):
@@ -91,9 +92,9 @@ def test_constants_round_trip_in_their_dtypes_and_a_damaged_file_is_one_line(tmp
 
 
 def test_a_torch_that_crashes_loading_a_package_is_one_line_and_a_good_package_loads(packages, monkeypatch):
-    """probe_load: the package's kernels loaded in a child process. A real tiny package loads there; a child that
-    dies of a signal (as every CUDA package's load did with torch 2.11.0+cu130 on the H200) is one line naming
-    the torch and the JIT path, and this process lives on."""
+    """probe_load: the packages' kernels loaded in one child process. Real tiny packages load there; a child that
+    dies of a signal (as every CUDA package's load did with torch 2.11.0+cu130 on the H200) is one line naming the
+    package it died in, the torch and the JIT path, and this process lives on."""
     import re
 
     import pytest
@@ -102,11 +103,16 @@ def test_a_torch_that_crashes_loading_a_package_is_one_line_and_a_good_package_l
     from fluxtrt.errors import FluxtrtError
 
     _, folder, _ = packages("tiny-schnell", ("transformer",), first_block_cache=True)
-    pk.probe_load(folder / "transformer.pt2", "transformer", "cpu")
+    both = {"transformer": folder / "transformer.pt2", "transformer_head": folder / "transformer_head.pt2"}
+    pk.probe_load(both, "cpu")  # one child loads both
     monkeypatch.setattr(pk, "_PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
     with pytest.raises(FluxtrtError, match=rf"^transformer: this torch {re.escape(torch.__version__)} crashes loading "
                                            r"transformer\.pt2 \(SIGSEGV .*--backend torch --model MODEL --compile"):
-        pk.probe_load(folder / "transformer.pt2", "transformer", "cpu")
+        pk.probe_load(both, "cpu")
+    # the child dies in the second package: the line names that one
+    monkeypatch.setattr(pk, "_PROBE", "import os, signal; print(0); print(1, flush=True); os.kill(os.getpid(), 11)")
+    with pytest.raises(FluxtrtError, match=r"^transformer_head: this torch .* crashes loading transformer_head\.pt2"):
+        pk.probe_load(both, "cpu")
     monkeypatch.setattr(pk, "_PROBE", "raise SystemExit('bad archive')")
     with pytest.raises(FluxtrtError, match=r"is not a package this torch can load \(bad archive\)"):
-        pk.probe_load(folder / "transformer.pt2", "transformer", "cpu")
+        pk.probe_load(both, "cpu")

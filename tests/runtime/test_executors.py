@@ -213,3 +213,30 @@ def test_compiled_modules_keep_their_kernels_in_fluxtrts_cache(tmp_path, monkeyp
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     TorchExecutor("vae_decoder", src, spec, "cpu", "fp32", compile=True).activate()
     assert seen[-1] == str(tmp_path / "mine")
+
+
+def test_load_probe_runs_one_child_for_the_folder_and_remembers(packages, tmp_path, monkeypatch):
+    """LoadProbe: the folder's packages loaded in one child process, once; a later probe of the same packages
+    (another process, the same torch) starts no child; a crash in the child is the probe's one line, raised by
+    wait() and by every wait after it."""
+    from fluxtrt.core import packages as pk
+    from fluxtrt.errors import FluxtrtError
+    from fluxtrt.runtime.executors import LoadProbe
+
+    _, folder, manifest = packages("tiny-schnell", ("transformer",), first_block_cache=True)
+    monkeypatch.setenv("FLUXTRT_CACHE", str(tmp_path))  # where loaded packages are remembered
+    entries = {n: (folder / manifest.components[n].engine, manifest.components[n].sha256)
+               for n in ("transformer", "transformer_head")}
+    calls = []
+    real = pk.probe_load
+    monkeypatch.setattr(pk, "probe_load", lambda paths, device: calls.append(sorted(paths)) or real(paths, device))
+    probe = LoadProbe(entries, "cpu")
+    probe.start()
+    probe.wait()
+    LoadProbe(entries, "cpu").wait()
+    assert calls == [["transformer", "transformer_head"]]
+    crashing = LoadProbe({"transformer_out": (folder / "transformer_out.pt2", "f" * 64)}, "cpu")
+    monkeypatch.setattr(pk, "_PROBE", "import os; os.kill(os.getpid(), 11)")
+    for _ in range(2):
+        with pytest.raises(FluxtrtError, match="^transformer_out: this torch .* crashes loading transformer_out.pt2"):
+            crashing.wait()

@@ -115,7 +115,7 @@ def test_a_package_that_cannot_run_here_is_refused_in_one_line(packages, tmp_pat
     data = bytearray((flipped / "transformer.constants.safetensors").read_bytes())
     data[-8] ^= 0xFF
     (flipped / "transformer.constants.safetensors").write_bytes(bytes(data))
-    assert "is not the file the manifest records (sha256 differs" in run(flipped)
+    assert "is not the file the manifest records (tree_sha256 differs" in run(flipped)
     swapped = tmp_path / "swap" / "cpu"  # tiny-dev's folder with tiny-schnell's transformer package and entry
     shutil.copytree(tiny, swapped)
     shutil.copy(folder / "transformer.pt2", swapped / "transformer.pt2")
