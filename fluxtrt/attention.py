@@ -66,3 +66,38 @@ def sdpa(query, key, value):
     out = torch.nn.functional.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2),
                                                            value.transpose(1, 2))
     return out.transpose(1, 2)
+
+
+def gather_sequence(x, group, dim: int = 1):
+    """Every rank's `x` of `group` joined along `dim` in rank order (the slices may differ in length: padded for
+    torch.distributed's all_gather, trimmed after)."""
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    size = torch.tensor([x.shape[dim]], device=x.device)
+    sizes = [torch.zeros_like(size) for _ in range(n)]
+    dist.all_gather(sizes, size, group=group)
+    sizes = [int(s) for s in sizes]
+    pad = max(sizes) - x.shape[dim]
+    if pad:
+        x = torch.cat([x, x.new_zeros(*x.shape[:dim], pad, *x.shape[dim + 1:])], dim)
+    parts = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat([p.narrow(dim, 0, s) for p, s in zip(parts, sizes)], dim)
+
+
+def context_parallel(transformer, group) -> int:
+    """Context parallelism on `transformer`, in place: each attention gathers every rank's keys and values along
+    the sequence (gather_sequence) and computes this rank's queries against all of them, with the function it had
+    (fp8-attn's, or torch's SDPA). Exact for any number of ranks and any head count: attention's softmax runs over
+    the whole sequence; every other layer of FLUX acts on each token alone. Returns the modules changed."""
+    def gathered(fn):
+        return lambda q, k, v: fn(q, gather_sequence(k, group), gather_sequence(v, group))
+
+    names = attention_modules(transformer)
+    for name in names:
+        module = transformer.get_submodule(name)
+        inner = module.processor.fn if isinstance(module.processor, Processor) else sdpa
+        module.set_processor(Processor(gathered(inner)))
+    return len(names)

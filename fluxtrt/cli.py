@@ -348,6 +348,8 @@ def run(
     negative_prompt: Optional[str] = _opt(None, "--negative-prompt", help="What to steer away from (with --true-cfg)."),
     true_cfg: float = TRUE_CFG,
     calibration: Optional[Path] = CALIBRATION, cache_threshold: float = CACHE_THRESHOLD,
+    parallel: int = _opt(1, "--parallel", help="Split the PyTorch transformer's tokens over N processes (one GPU "
+                         "each, or CPU processes): context parallelism, 1 to 8."),
 ):
     """Generate images from built engines, with the diffusers pipeline's semantics seed for seed: text-to-image,
     img2img (--image), Fill (--image --mask), Control (--control-image), Kontext (--image), as the engines serve."""
@@ -363,7 +365,8 @@ def run(
         batch=batch, out=out_path, low_vram=low_vram, weight_streaming_budget=weight_streaming_budget,
         cuda_graph=cuda_graph, allow_host_code=allow_host_code, weights=weights, lora=tuple(lora or ()),
         negative_prompt=negative_prompt, true_cfg=true_cfg, image=image, mask=mask, control_image=control_image,
-        strength=strength, max_area=max_area, calibration=calibration, cache_threshold=cache_threshold)
+        strength=strength, max_area=max_area, calibration=calibration, cache_threshold=cache_threshold,
+        parallel=parallel)
     logging.getLogger("fluxtrt").addHandler(_WarningLine())
     with r.phases(["denoise"]) as update:
         done = api.generate(prompts, opts, on_step=lambda i: update("denoise", f"step {i + 1}"), say=r.note)

@@ -35,9 +35,8 @@ def tree_sha256(path: Path, workers: int | None = None) -> str:
     `workers` threads at once (hashlib releases the GIL): a large file's check at several cores' rate, where one
     sha256 stream is one core's (about 0.5-1.5 GB/s). Not what `sha256sum` prints: records name it tree_sha256."""
     import os
-    from concurrent.futures import ThreadPoolExecutor
-
     import threading
+    from concurrent.futures import ThreadPoolExecutor
 
     fd = os.open(path, os.O_RDONLY)
     local = threading.local()  # one reused buffer per thread: a fresh 64 MiB object per piece costs as much as the hash

@@ -68,6 +68,14 @@ class Assembly:
         compile, calibration, cuda_graph = o.compile, o.calibration, o.cuda_graph
         budget = o.weight_streaming_budget << 20 if o.weight_streaming_budget is not None else None
         self.low_vram, self.backend = o.low_vram, backend
+        self.context = None  # context parallelism: this process's rank (runtime/parallel.py)
+        if o.parallel > 1:
+            from .parallel import current
+
+            self.context = current()
+            if self.context is None or self.context.size != o.parallel:
+                raise FluxtrtError(f"--parallel {o.parallel} opens its pipeline in each of its ranks "
+                                   "(runtime.parallel.launch, as `fluxtrt run --parallel` does)")
         self.executors: dict = {}
         self.manifest = self.dir = None
         self._open_assets(engine_dir, model)
@@ -102,6 +110,9 @@ class Assembly:
         if self.loras and packages and "transformer" in engine_names:
             raise FluxtrtError("--lora on compiled PyTorch packages: not yet (their joined weights are compiled in); "
                                "run the transformer in PyTorch beside them with --fallback transformer")
+        if self.context is not None and "transformer" in engine_names:
+            raise FluxtrtError("--parallel splits the PyTorch transformer: add --backend torch (engines, ONNX and "
+                               "compiled packages run it whole)")
         sources = self._weight_sources(engine_names, o.weights, o.lora)
         if engine_names and packages:
             self._package_executors(engine_names, device)
@@ -152,7 +163,8 @@ class Assembly:
             dtype = "fp32" if dev_name == "cpu" and name in on_cpu else torch_dtype
             recipe = self._fp8_recipe(model, calibration) if name == "transformer" else None
             self.executors[name] = TorchExecutor(name, model, specs[name], dev_name, dtype, compile=compile, fp8=recipe,
-                                                 loras=self.loras if name == "transformer" else ())
+                                                 loras=self.loras if name == "transformer" else (),
+                                                 context=self.context if name == "transformer" else None)
 
     def _fp8_recipe(self, model, calibration: Path | None) -> dict | None:
         """The transformer's fp8 recipe for PyTorch: the scales the engines' fp8 graph recorded, or a calibration

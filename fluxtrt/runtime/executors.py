@@ -18,6 +18,7 @@ from ..dtypes import from_ort_type, onnx_enum, torch_dtype
 from ..errors import (
     BackendUnavailableError,
     FluxtrtError,
+    RequestError,
     ShapeError,  # noqa: F401 - defined in errors.py, raised here
 )
 from ..records import ComponentEntry, ManifestError
@@ -265,8 +266,9 @@ class TorchExecutor(Executor):
     kind = "torch"
 
     def __init__(self, component: str, source, spec, device: str = "cuda", dtype: str = "bf16",
-                 *, compile: bool = False, fp8=None, batch_buckets: tuple = (), loras=()):
+                 *, compile: bool = False, fp8=None, batch_buckets: tuple = (), loras=(), context=None):
         super().__init__(component, None)
+        self.context = context  # runtime/parallel.Rank: this rank's slice of the tokens (context parallelism)
         self.source, self.spec, self.compile = source, spec, compile
         self.loras = list(loras)  # [(runtime/lora.LoraFile, scale)]: the transformer's LoRAs, stacked
         self.lora_note = None
@@ -319,6 +321,10 @@ class TorchExecutor(Executor):
             if plan:
                 hosts = lora.add_side_paths(raw, plan, self.dtype)
                 self.lora_note = f"LoRA as low-rank terms beside {hosts} fp8 GEMMs ({len(plan)} linear layers)"
+            if self.context is not None:  # attention gathers every rank's keys and values
+                from ..attention import context_parallel
+
+                context_parallel(raw, self.context.group)
             self.module = self.spec.wrap(raw).eval()
         self._fn = self.module
         if self.compile:
@@ -357,6 +363,9 @@ class TorchExecutor(Executor):
         {output name: tensor}."""
         import torch
 
+        if self.context is not None:
+            raise RequestError("--cache-threshold with --parallel: First-Block Cache's decision is not yet shared "
+                               "between ranks; drop one of them")
         if not self.active:
             self.activate()
         if spec.name not in self._parts:
@@ -403,6 +412,15 @@ class TorchExecutor(Executor):
             torch.cuda.empty_cache()
 
     def infer_impl(self, feeds: dict) -> dict:
+
+        if self.context is not None:  # this rank's tokens in, every rank's out
+            from .parallel import gather, shard
+
+            out = self._infer_local(shard(self.spec, feeds, self.context))
+            return {k: gather(v, self.context) for k, v in out.items()}
+        return self._infer_local(feeds)
+
+    def _infer_local(self, feeds: dict) -> dict:
         import torch
 
         feeds, batch = self.padded(self.spec, feeds)

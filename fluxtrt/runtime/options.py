@@ -29,6 +29,7 @@ class PipelineOptions:
     weights: Path | None = None  # the user's checkpoint, refitted into weightless engines / weight-free ONNX
     lora: tuple = ()  # transformer LoRAs, stacked (runtime/lora.LoraRef: `--lora FILE[:SCALE]`, repeatable)
     calibration: Path | None = None  # `fluxtrt calibrate`'s file: the fp8 recipe for the PyTorch transformer
+    parallel: int = 1  # ranks the PyTorch transformer's tokens are split over (runtime/parallel.py)
 
     def check(self) -> "PipelineOptions":
         """These options checked and normalised (paths as Path, fallback as a tuple); one line per problem."""
@@ -41,6 +42,15 @@ class PipelineOptions:
         if self.kernel_specialization not in ("eager", "lazy"):
             raise FluxtrtError(f"kernel specialization is eager or lazy, got {self.kernel_specialization!r}")
         check_float(self.torch_dtype, "--torch-dtype")
+        if self.parallel != 1:
+            from .parallel import MAX_RANKS
+
+            if not isinstance(self.parallel, int) or isinstance(self.parallel, bool) or \
+                    not 1 <= self.parallel <= MAX_RANKS:
+                raise FluxtrtError(f"--parallel takes 1 to {MAX_RANKS} ranks, got {self.parallel}")
+            if self.cuda_graph or self.low_vram:
+                raise FluxtrtError("--parallel: --cuda-graph and --low-vram are not yet for a split transformer; drop "
+                                   "them")
         given = (self.fallback,) if isinstance(self.fallback, str) else self.fallback or ()  # "clip,t5" too
         fallback = [v.strip() for item in given for v in str(item).split(",") if v.strip()]
         twice = sorted({v for v in fallback if fallback.count(v) > 1})
