@@ -410,21 +410,27 @@ def generate(prompts: list[str], opts: RunOptions | None = None, on_step=None, s
     Returns: Generated (paths, timings per call, backend, notes).
     Raises: FluxtrtError / RequestError (one line) for anything the engines or the options cannot do, before
         any image is written."""
-    from .runtime import parallel
-    from .runtime.images import check_output_path, save_png
+    from .runtime.images import check_output_path
 
     opts = (opts or RunOptions.of(**options)).check()
     n_images = opts.batch if len(prompts) == 1 else len(prompts)
     for dest in _destinations(opts.out, n_images):  # before any work: a read-only folder fails now, not after
         check_output_path(dest, opts.inputs(), opts.input_folders())
-    if opts.pipeline.parallel > 1 and parallel.current() is None:  # this call again in each rank; rank 0 writes
-        done = parallel.launch(opts.pipeline.parallel, generate, prompts, opts, device=opts.pipeline.device)
-        for note in done.notes:
-            say(note)
-        return done
     from .runtime.assembly import open_pipeline
 
     pipe = open_pipeline(options=opts.pipeline)
+    try:
+        done = _generate(pipe, prompts, opts, on_step, say)
+    except BaseException:  # Ctrl-C or a failure may leave the followers inside a call: end them
+        pipe.close(abort=True)
+        raise
+    pipe.close()  # the followers of a split transformer (--parallel) told to stop
+    return done
+
+
+def _generate(pipe, prompts: list[str], opts: RunOptions, on_step, say) -> Generated:
+    from .runtime.images import save_png
+
     if opts.cache_threshold > 0 and opts.pipeline.cuda_graph:
         pipe.notes.append("--cuda-graph has no effect with --cache-threshold: the cache decides on the host every step")
     if opts.negative_prompt is not None and opts.true_cfg <= 1:
@@ -458,15 +464,11 @@ def generate(prompts: list[str], opts: RunOptions | None = None, on_step=None, s
             if res.timings.cache is not None:
                 meta.update(cache_threshold=opts.cache_threshold, steps_computed=res.timings.cache["computed"],
                             steps_skipped=res.timings.cache["skipped"])
-            if parallel.current() is None or parallel.current().rank == 0:
-                save_png(img, dest, meta)
+            save_png(img, dest, meta)
             paths.append(dest)
         timings.append(res.timings)
     for note in transformer_notes(pipe):
         say(note)
-    if parallel.current() is not None:  # the launching process says what rank 0 said
-        return Generated(paths, timings, pipe.backend_name, pipe.notes + transformer_notes(pipe)
-                         + [f"the transformer split over {parallel.current().size} ranks (context parallelism)"])
     return Generated(paths, timings, pipe.backend_name, pipe.notes)
 
 
@@ -476,7 +478,8 @@ def transformer_notes(pipe) -> list[str]:
 
     Args: pipe: a Pipeline. Returns: one line each. Raises: nothing."""
     return [note for ex in pipe.executors.values() for note in (getattr(ex, "fp8_note", None),
-                                                                getattr(ex, "lora_note", None)) if note]
+                                                                getattr(ex, "lora_note", None),
+                                                                getattr(ex, "parallel_note", None)) if note]
 
 
 def _destinations(out: Path, n: int) -> list[Path]:

@@ -68,36 +68,82 @@ def sdpa(query, key, value):
     return out.transpose(1, 2)
 
 
+def _sizes(length: int, group, device) -> list[int]:
+    """Every rank's `length` of `group`, in rank order."""
+    import torch
+    import torch.distributed as dist
+
+    size = torch.tensor([length], device=device)
+    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, size, group=group)
+    return [int(s) for s in sizes]
+
+
 def gather_sequence(x, group, dim: int = 1):
     """Every rank's `x` of `group` joined along `dim` in rank order (the slices may differ in length: padded for
     torch.distributed's all_gather, trimmed after)."""
     import torch
     import torch.distributed as dist
 
-    n = dist.get_world_size(group)
-    size = torch.tensor([x.shape[dim]], device=x.device)
-    sizes = [torch.zeros_like(size) for _ in range(n)]
-    dist.all_gather(sizes, size, group=group)
-    sizes = [int(s) for s in sizes]
+    sizes = _sizes(x.shape[dim], group, x.device)
     pad = max(sizes) - x.shape[dim]
     if pad:
         x = torch.cat([x, x.new_zeros(*x.shape[:dim], pad, *x.shape[dim + 1:])], dim)
-    parts = [torch.empty_like(x) for _ in range(n)]
+    parts = [torch.empty_like(x) for _ in range(len(sizes))]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat([p.narrow(dim, 0, s) for p, s in zip(parts, sizes)], dim)
 
 
-def context_parallel(transformer, group) -> int:
-    """Context parallelism on `transformer`, in place: each attention gathers every rank's keys and values along
-    the sequence (gather_sequence) and computes this rank's queries against all of them, with the function it had
-    (fp8-attn's, or torch's SDPA). Exact for any number of ranks and any head count: attention's softmax runs over
-    the whole sequence; every other layer of FLUX acts on each token alone. Returns the modules changed."""
-    def gathered(fn):
-        return lambda q, k, v: fn(q, gather_sequence(k, group), gather_sequence(v, group))
+def ulysses(fn, group):
+    """`fn`'s attention over the whole sequence by Ulysses' all-to-all: each rank's token slice of q, k, v
+    [B, s_r, H, D] becomes every rank's tokens of its H/n heads [B, S, H/n, D], `fn` runs on those, and the
+    output goes back to token slices of all heads. The heads must divide by the ranks (parallel.attention_mode)."""
+    import torch
+    import torch.distributed as dist
 
+    def attend(q, k, v):
+        sizes = _sizes(q.shape[1], group, q.device)
+        n, mine = len(sizes), q.shape[1]
+        b, heads, d = q.shape[0], q.shape[2] // len(sizes), q.shape[3]
+
+        def exchange(flat, send: list, receive: list):  # all_to_all_single: gloo takes unequal pieces only so
+            out = flat.new_empty(sum(receive))
+            dist.all_to_all_single(out, flat, output_split_sizes=receive, input_split_sizes=send, group=group)
+            return out
+
+        def to_heads(t):  # [B, s_r, H, D] -> [B, S, H/n, D]: head chunk j to rank j, every rank's tokens back
+            flat = t.reshape(b, mine, n, heads, d).permute(2, 0, 1, 3, 4).reshape(-1)
+            got = exchange(flat, [b * mine * heads * d] * n, [b * s * heads * d for s in sizes])
+            return torch.cat([p.view(b, s, heads, d) for p, s in zip(got.split([b * s * heads * d for s in sizes]),
+                                                                      sizes)], dim=1)
+
+        out = fn(to_heads(q), to_heads(k), to_heads(v))
+        flat = torch.cat([o.reshape(-1) for o in out.split(sizes, dim=1)])
+        got = exchange(flat, [b * s * heads * d for s in sizes], [b * mine * heads * d] * n)
+        return got.view(n, b, mine, heads, d).permute(1, 2, 0, 3, 4).reshape(b, mine, n * heads, d)
+
+    return attend
+
+
+def context_parallel_fn(fn, group, mode: str):
+    """`fn`'s attention (q, k, v: this rank's token slice) over the whole sequence of `group`'s ranks: "gather"
+    (every rank's keys and values gathered, this rank's queries against all of them: any number of ranks, any
+    head count) or "ulysses" (the all-to-all over heads, `ulysses`). Either is exact: the softmax runs over the
+    whole sequence."""
+    if mode == "ulysses":
+        return ulysses(fn, group)
+    if mode == "gather":
+        return lambda q, k, v: fn(q, gather_sequence(k, group), gather_sequence(v, group))
+    raise ValueError(f"context parallel attention is ulysses or gather, got {mode!r}")
+
+
+def context_parallel(transformer, group, mode: str = "gather") -> int:
+    """Context parallelism on `transformer`, in place: each attention sees the whole sequence
+    (context_parallel_fn, around the function the module had: fp8-attn's, or torch's SDPA) while every other
+    layer of FLUX acts on this rank's tokens alone. Returns the modules changed."""
     names = attention_modules(transformer)
     for name in names:
         module = transformer.get_submodule(name)
         inner = module.processor.fn if isinstance(module.processor, Processor) else sdpa
-        module.set_processor(Processor(gathered(inner)))
+        module.set_processor(Processor(context_parallel_fn(inner, group, mode)))
     return len(names)

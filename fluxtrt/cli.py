@@ -148,6 +148,10 @@ CACHE_THRESHOLD = _opt(0.0, "--cache-threshold", help="First-Block Cache as diff
                        "remaining blocks when the first block's residual changed less; 0: off. Engines need "
                        "`build --first-block-cache`.")
 STEPS = _opt(None, "--steps", help="Denoising steps (default: 28 dev, 4 schnell; at most 1000).")
+PARALLEL = _opt(1, "--parallel", help="Split the PyTorch transformer's tokens over N ranks (one GPU each, or CPU "
+               "processes): context parallelism, 1 to 8.")
+PARALLEL_ATTENTION = _opt("auto", "--parallel-attention", help="How split attention sees the whole sequence: auto "
+                          "(ulysses where the heads divide by N, else gather), ulysses or gather.")
 CALIBRATION = _opt(None, "--calibration", help="With --backend torch --model: the file `fluxtrt calibrate` wrote; the "
                    "PyTorch transformer computes the fp8 recipe (E4M3 tensor cores on sm89+, emulated elsewhere). "
                    "Engines built with fp8 need none: their graph holds the scales.")
@@ -348,8 +352,7 @@ def run(
     negative_prompt: Optional[str] = _opt(None, "--negative-prompt", help="What to steer away from (with --true-cfg)."),
     true_cfg: float = TRUE_CFG,
     calibration: Optional[Path] = CALIBRATION, cache_threshold: float = CACHE_THRESHOLD,
-    parallel: int = _opt(1, "--parallel", help="Split the PyTorch transformer's tokens over N processes (one GPU "
-                         "each, or CPU processes): context parallelism, 1 to 8."),
+    parallel: int = PARALLEL, parallel_attention: str = PARALLEL_ATTENTION,
 ):
     """Generate images from built engines, with the diffusers pipeline's semantics seed for seed: text-to-image,
     img2img (--image), Fill (--image --mask), Control (--control-image), Kontext (--image), as the engines serve."""
@@ -366,7 +369,7 @@ def run(
         cuda_graph=cuda_graph, allow_host_code=allow_host_code, weights=weights, lora=tuple(lora or ()),
         negative_prompt=negative_prompt, true_cfg=true_cfg, image=image, mask=mask, control_image=control_image,
         strength=strength, max_area=max_area, calibration=calibration, cache_threshold=cache_threshold,
-        parallel=parallel)
+        parallel=parallel, parallel_attention=parallel_attention)
     logging.getLogger("fluxtrt").addHandler(_WarningLine())
     with r.phases(["denoise"]) as update:
         done = api.generate(prompts, opts, on_step=lambda i: update("denoise", f"step {i + 1}"), say=r.note)
@@ -463,6 +466,7 @@ def serve(
                                     "\"lora\": \"name\" (DIR/name.safetensors), mixed in one batch (--backend torch)."),
     lora_cache_gb: float = _opt(4.0, "--lora-cache-gb", help="GPU memory for the LoRAs in use; least recently used "
                                 "evicted."),
+    parallel: int = PARALLEL, parallel_attention: str = PARALLEL_ATTENTION,
 ):
     """Serve text-to-image over HTTP (Ray Serve) with step-level continuous batching: POST /v1/images/generations,
     GET /health. Prints the URL when ready; Ctrl-C stops."""
@@ -472,7 +476,8 @@ def serve(
     args = ServeArgs.of(engines=engines, model=model, backend=backend, max_batch=max_batch, max_queue=max_queue,
                         replicas=replicas, torch_dtype=torch_dtype, calibration=calibration,
                         cache_threshold=cache_threshold, compile=compile, size=size, lora=tuple(lora or ()),
-                        lora_dir=str(lora_dir) if lora_dir is not None else None, lora_cache_gb=lora_cache_gb)
+                        lora_dir=str(lora_dir) if lora_dir is not None else None, lora_cache_gb=lora_cache_gb,
+                        parallel=parallel, parallel_attention=parallel_attention)
     serve_forever(args, host, port, address, r.out.print)
 
 

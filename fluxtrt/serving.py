@@ -391,6 +391,7 @@ class Service:
 
     def close(self) -> None:
         self.batcher.stop()
+        self.pipe.close()  # a split transformer's followers (--parallel)
 
 
 def _error(e: Exception) -> dict:
@@ -502,6 +503,15 @@ class ServeArgs:
                                "(on engines, `fluxtrt run --lora FILE --weights DIR` merges one)")
         if self.lora_dir is not None and not Path(self.lora_dir).is_dir():
             raise FluxtrtError(f"--lora-dir {self.lora_dir} is not a folder; pass the folder that holds the LoRA files")
+        if o.parallel > 1:
+            if o.backend != "torch":
+                raise FluxtrtError("--parallel splits the PyTorch transformer: add --backend torch")
+            if self.lora_dir is not None:
+                raise FluxtrtError("--lora-dir with --parallel: per-request LoRAs are not yet on a split transformer; "
+                                   "drop one of them")
+            if self.gpus_per_replica not in (None, 0) and self.gpus_per_replica < o.parallel:
+                raise FluxtrtError(f"--parallel {o.parallel} runs one rank per GPU: gpus_per_replica "
+                                   f"{self.gpus_per_replica} is too few; give {o.parallel} (or leave it out)")
         if o.compile and o.backend != "torch":
             raise FluxtrtError("compile=true compiles the PyTorch transformer: use backend torch (engines are "
                                "compiled by `fluxtrt build`)")
@@ -514,6 +524,7 @@ class ServeArgs:
         return self
 
     def gpus(self) -> float:
+        """GPUs per replica: gpus_per_replica, or one per rank where the cluster has GPUs (--parallel N: N)."""
         if self.gpus_per_replica is not None:
             return self.gpus_per_replica
         if self.pipeline.backend == "onnxruntime":
@@ -521,10 +532,20 @@ class ServeArgs:
         import ray
 
         if ray.is_initialized():
-            return 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
+            return self.pipeline.parallel if ray.cluster_resources().get("GPU", 0) > 0 else 0
         import torch
 
-        return 1 if torch.cuda.is_available() else 0
+        return self.pipeline.parallel if torch.cuda.is_available() else 0
+
+    def placement(self) -> dict:
+        """Ray Serve's options for where a replica runs: its GPUs (and CPU), and with --parallel N one placement
+        group bundle that holds all N GPUs on one node (the ranks talk over NVLink / shared memory)."""
+        gpus = self.gpus()
+        options = {"ray_actor_options": {"num_gpus": gpus, "num_cpus": 1}}
+        if self.pipeline.parallel > 1:
+            options.update(placement_group_bundles=[{"CPU": 1, **({"GPU": gpus} if gpus else {})}],
+                           placement_group_strategy="STRICT_PACK")
+        return options
 
 
 class FluxService:
@@ -568,9 +589,13 @@ class FluxService:
 
         return PlainTextResponse(self.service.metrics_text(), media_type="text/plain; version=0.0.4")
 
-    def check_health(self):  # Ray restarts a replica whose batcher thread died
+    def check_health(self):  # Ray restarts a replica whose batcher thread died, or one of whose ranks ended
+        from .runtime import parallel
+
         if not self.service.batcher.alive:
             raise RuntimeError("the batcher thread stopped")
+        if parallel.failure():
+            raise RuntimeError(parallel.failure())
 
     def __del__(self):
         if hasattr(self, "service"):
@@ -590,7 +615,7 @@ def app(args: dict | ServeArgs):
 
     @serve.deployment(name="FluxService", num_replicas=opts.replicas,
                       max_ongoing_requests=opts.max_queue + max(opts.max_batch or 4, 1),
-                      ray_actor_options={"num_gpus": opts.gpus(), "num_cpus": 1}, health_check_period_s=5)
+                      health_check_period_s=5, **opts.placement())
     @serve.ingress(api)
     class Deployment(FluxService):
         @api.post(ROUTE)

@@ -489,6 +489,12 @@ ROOT = Path(__file__).resolve().parents[1]
     ({"engines": "x", "backend": "onnxruntime", "lora_dir": "."}, "--lora-dir serves per-request LoRAs on the PyTorch"),
     ({"model": "tiny", "backend": "torch", "lora_dir": "/no/such/folder"}, "--lora-dir /no/such/folder is not a folder"),
     ({"model": "tiny", "backend": "torch", "lora_cache_gb": "-1"}, "lora_cache_gb"),
+    ({"model": "tiny", "backend": "torch", "parallel": "9"}, "--parallel takes 1 to 8 ranks, got 9"),
+    ({"model": "tiny", "backend": "torch", "parallel": "2", "parallel_attention": "ring"},
+     "--parallel-attention takes auto, ulysses, gather, got 'ring'"),
+    ({"model": "tiny", "backend": "torch", "parallel": "2", "lora_dir": "."}, "--lora-dir with --parallel: per-request"),
+    ({"model": "tiny", "backend": "torch", "parallel": "4", "gpus_per_replica": "2"},
+     "--parallel 4 runs one rank per GPU: gpus_per_replica 2.0 is too few"),
 ])
 def test_app_builder_arguments_are_one_line(args, message):
     from fluxtrt.serving import ServeArgs
@@ -513,6 +519,15 @@ def test_app_builder_types_its_arguments_and_builds_the_application():
     assert [(r.path.name, r.scale) for r in loras.pipeline.lora] == [("a.safetensors", 0.5), ("b.safetensors", 1.0)]
     built = app({"model": "tiny", "backend": "torch", "gpus_per_replica": "0"})
     assert isinstance(built, Application)
+    # --parallel N: one replica owns N GPUs in one placement group bundle on one node
+    split = ServeArgs.parse({"model": "tiny", "backend": "torch", "parallel": "4", "gpus_per_replica": "4"})
+    assert split.placement() == {"ray_actor_options": {"num_gpus": 4.0, "num_cpus": 1},
+                                 "placement_group_bundles": [{"CPU": 1, "GPU": 4.0}],
+                                 "placement_group_strategy": "STRICT_PACK"}
+    assert ServeArgs.parse({"model": "tiny", "backend": "torch", "gpus_per_replica": "1"}).placement() == \
+        {"ray_actor_options": {"num_gpus": 1.0, "num_cpus": 1}}
+    assert isinstance(app({"model": "tiny", "backend": "torch", "parallel": "2", "gpus_per_replica": "0"}),
+                      Application)
 
 
 def test_serve_config_and_kuberay_service_name_the_same_application():

@@ -53,8 +53,14 @@ def open_pipeline(engines=None, options: PipelineOptions | None = None, **fields
             choice.notes.append(f"--ort-provider has no effect with the {choice.backend} backend")
     choice.notes += options.notes(choice.backend, provider)
     fallback = tuple(sorted(set(options.fallback) | set(choice.fallback)))
-    assembly = Assembly(dataclasses.replace(options, fallback=fallback), choice.backend, provider)
-    return Pipeline(assembly, options, choice.notes)
+    try:
+        assembly = Assembly(dataclasses.replace(options, fallback=fallback), choice.backend, provider)
+        return Pipeline(assembly, options, choice.notes)
+    except BaseException:
+        from . import parallel
+
+        parallel.stop()  # the followers a split pipeline started, if it got so far
+        raise
 
 
 class Assembly:
@@ -69,13 +75,9 @@ class Assembly:
         budget = o.weight_streaming_budget << 20 if o.weight_streaming_budget is not None else None
         self.low_vram, self.backend = o.low_vram, backend
         self.context = None  # context parallelism: this process's rank (runtime/parallel.py)
-        if o.parallel > 1:
-            from .parallel import current
-
-            self.context = current()
-            if self.context is None or self.context.size != o.parallel:
-                raise FluxtrtError(f"--parallel {o.parallel} opens its pipeline in each of its ranks "
-                                   "(runtime.parallel.launch, as `fluxtrt run --parallel` does)")
+        if o.parallel > 1 and backend != "torch":
+            raise FluxtrtError("--parallel splits the PyTorch transformer: add --backend torch (engines, ONNX and "
+                               "compiled packages run it whole)")
         self.executors: dict = {}
         self.manifest = self.dir = None
         self._open_assets(engine_dir, model)
@@ -110,7 +112,7 @@ class Assembly:
         if self.loras and packages and "transformer" in engine_names:
             raise FluxtrtError("--lora on compiled PyTorch packages: not yet (their joined weights are compiled in); "
                                "run the transformer in PyTorch beside them with --fallback transformer")
-        if self.context is not None and "transformer" in engine_names:
+        if o.parallel > 1 and "transformer" in engine_names:
             raise FluxtrtError("--parallel splits the PyTorch transformer: add --backend torch (engines, ONNX and "
                                "compiled packages run it whole)")
         sources = self._weight_sources(engine_names, o.weights, o.lora)
@@ -121,6 +123,12 @@ class Assembly:
                                      kernel_specialization=o.kernel_specialization)
         elif engine_names:  # onnxruntime (choose_backend names one of the three)
             self._onnxruntime_executors(engine_names, sources, ort_provider)
+        if o.parallel > 1:  # last: nothing above may refuse once the followers run
+            from . import parallel
+
+            if parallel.current() is None:  # the leader: start the followers, each opens these options too
+                parallel.start(o, open_pipeline)
+            self.context = self.executors["transformer"].context = parallel.current()
 
     def _open_assets(self, engine_dir, model) -> None:
         """Tokenizers and configs: copied beside the engines at build time, or the model folder (torch only)."""
@@ -163,8 +171,7 @@ class Assembly:
             dtype = "fp32" if dev_name == "cpu" and name in on_cpu else torch_dtype
             recipe = self._fp8_recipe(model, calibration) if name == "transformer" else None
             self.executors[name] = TorchExecutor(name, model, specs[name], dev_name, dtype, compile=compile, fp8=recipe,
-                                                 loras=self.loras if name == "transformer" else (),
-                                                 context=self.context if name == "transformer" else None)
+                                                 loras=self.loras if name == "transformer" else ())
 
     def _fp8_recipe(self, model, calibration: Path | None) -> dict | None:
         """The transformer's fp8 recipe for PyTorch: the scales the engines' fp8 graph recorded, or a calibration

@@ -18,7 +18,6 @@ from ..dtypes import from_ort_type, onnx_enum, torch_dtype
 from ..errors import (
     BackendUnavailableError,
     FluxtrtError,
-    RequestError,
     ShapeError,  # noqa: F401 - defined in errors.py, raised here
 )
 from ..records import ComponentEntry, ManifestError
@@ -272,6 +271,7 @@ class TorchExecutor(Executor):
         self.source, self.spec, self.compile = source, spec, compile
         self.loras = list(loras)  # [(runtime/lora.LoraFile, scale)]: the transformer's LoRAs, stacked
         self.lora_note = None
+        self.parallel_note = None
         # a server's compiled transformer (batching.warm_up_batches sets them): batches padded to the smallest of
         # these that holds them, so the compiled module sees a few batch sizes, each compiled once
         self.batch_buckets = tuple(sorted(batch_buckets))
@@ -321,10 +321,13 @@ class TorchExecutor(Executor):
             if plan:
                 hosts = lora.add_side_paths(raw, plan, self.dtype)
                 self.lora_note = f"LoRA as low-rank terms beside {hosts} fp8 GEMMs ({len(plan)} linear layers)"
-            if self.context is not None:  # attention gathers every rank's keys and values
+            if self.context is not None:  # attention over the whole sequence: Ulysses, or keys and values gathered
                 from ..attention import context_parallel
+                from .parallel import attention_mode
 
-                context_parallel(raw, self.context.group)
+                mode = attention_mode(self.context.attention, raw.config.num_attention_heads, self.context.size)
+                context_parallel(raw, self.context.group, mode)
+                self.parallel_note = f"the transformer split over {self.context.size} ranks ({mode} attention)"
             self.module = self.spec.wrap(raw).eval()
         self._fn = self.module
         if self.compile:
@@ -363,21 +366,42 @@ class TorchExecutor(Executor):
         {output name: tensor}."""
         import torch
 
-        if self.context is not None:
-            raise RequestError("--cache-threshold with --parallel: First-Block Cache's decision is not yet shared "
-                               "between ranks; drop one of them")
         if not self.active:
             self.activate()
         if spec.name not in self._parts:
             part = spec.wrap(self.module.model).eval()
             self._parts[spec.name] = torch.compile(part, fullgraph=False, dynamic=False) if self.compile else part
+        return self._call(spec, self._parts[spec.name], feeds)
+
+    def _call(self, spec, fn, feeds: dict) -> dict:
+        """fn (the module, or one of its parts) on `feeds` padded to a batch bucket: {output name: tensor}. With
+        context parallelism the leader sends the call to the followers, each rank computes its slice of the
+        tokens and the outputs are gathered (runtime/parallel.py)."""
+        import torch
+
         feeds, batch = self.padded(spec, feeds)
-        args = [feeds[t.name].to(self.device, self.dtype) if feeds[t.name].is_floating_point()
-                else feeds[t.name].to(self.device) for t in spec.inputs if t.name in feeds]
+        rank = self.context
+        if rank is not None:
+            from . import parallel
+
+            try:
+                parallel.lead(rank, spec.name, feeds)
+            except RuntimeError as e:  # a follower that ended (gloo says so at once)
+                raise parallel.failed(e) from None
+            feeds = parallel.shard(spec, feeds, rank)
+        args = [feeds[t.name].to(self.device, self.dtype, non_blocking=True) if feeds[t.name].is_floating_point()
+                else feeds[t.name].to(self.device, non_blocking=True) for t in spec.inputs if t.name in feeds]
         with torch.inference_mode():
-            out = self._parts[spec.name](*args)
-        out = out if isinstance(out, tuple) else (out,)
-        return {t.name: v[:batch] if batch else v for t, v in zip(spec.outputs, out)}
+            try:
+                out = fn(*args)
+                out = dict(zip((t.name for t in spec.outputs), out if isinstance(out, tuple) else (out,)))
+                if rank is not None:
+                    out = parallel.gather(spec, out, rank)
+            except RuntimeError as e:  # attention's collectives, or the gather, met a follower that ended
+                if rank is None:
+                    raise
+                raise parallel.failed(e) from None
+        return {k: v[:batch] if batch else v for k, v in out.items()}
 
     def padded(self, spec, feeds: dict) -> tuple[dict, int | None]:
         """`feeds` with their batch padded to the smallest batch bucket that holds it (the last sample repeated;
@@ -412,28 +436,7 @@ class TorchExecutor(Executor):
             torch.cuda.empty_cache()
 
     def infer_impl(self, feeds: dict) -> dict:
-
-        if self.context is not None:  # this rank's tokens in, every rank's out
-            from .parallel import gather, shard
-
-            out = self._infer_local(shard(self.spec, feeds, self.context))
-            return {k: gather(v, self.context) for k, v in out.items()}
-        return self._infer_local(feeds)
-
-    def _infer_local(self, feeds: dict) -> dict:
-        import torch
-
-        feeds, batch = self.padded(self.spec, feeds)
-        args = []
-        for t in self.spec.inputs:
-            if t.name not in feeds:
-                continue
-            v = feeds[t.name]
-            args.append(v.to(self.device, self.dtype, non_blocking=True) if v.is_floating_point()
-                        else v.to(self.device, non_blocking=True))
-        with torch.inference_mode():
-            out = self._fn(*args)
-        return {self.spec.outputs[0].name: out[:batch] if batch else out}
+        return self._call(self.spec, self._fn, feeds)
 
 
 class LoadProbe:

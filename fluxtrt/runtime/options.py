@@ -30,6 +30,7 @@ class PipelineOptions:
     lora: tuple = ()  # transformer LoRAs, stacked (runtime/lora.LoraRef: `--lora FILE[:SCALE]`, repeatable)
     calibration: Path | None = None  # `fluxtrt calibrate`'s file: the fp8 recipe for the PyTorch transformer
     parallel: int = 1  # ranks the PyTorch transformer's tokens are split over (runtime/parallel.py)
+    parallel_attention: str = "auto"  # how a split attention sees the whole sequence: auto, ulysses, gather
 
     def check(self) -> "PipelineOptions":
         """These options checked and normalised (paths as Path, fallback as a tuple); one line per problem."""
@@ -48,6 +49,10 @@ class PipelineOptions:
             if not isinstance(self.parallel, int) or isinstance(self.parallel, bool) or \
                     not 1 <= self.parallel <= MAX_RANKS:
                 raise FluxtrtError(f"--parallel takes 1 to {MAX_RANKS} ranks, got {self.parallel}")
+            from .parallel import ATTENTION
+
+            if self.parallel_attention not in ATTENTION:
+                raise FluxtrtError(f"--parallel-attention takes {', '.join(ATTENTION)}, got {self.parallel_attention!r}")
             if self.cuda_graph or self.low_vram:
                 raise FluxtrtError("--parallel: --cuda-graph and --low-vram are not yet for a split transformer; drop "
                                    "them")

@@ -1,26 +1,33 @@
-"""Context parallelism: one image's transformer split over N processes on torch.distributed (one GPU each with
-NCCL, or CPU processes with gloo), `fluxtrt run --parallel N`.
+"""Context parallelism: one image's transformer split over N ranks on torch.distributed (one GPU each with NCCL,
+or CPU processes with gloo), `fluxtrt run --parallel N` and `fluxtrt serve --parallel N`.
 
-Every rank runs the same pipeline on the same seed (text encoders, scheduler and VAE are cheap and identical
-everywhere); only the transformer is split. Its token sequence is cut into N contiguous slices, the image tokens
-and the text tokens each (`shard`): every per-token layer of FLUX (projections, norms, modulation, RoPE from the
-slice's own ids) runs on the rank's slice alone, and attention gathers every rank's keys and values
-(attention.context_parallel), so each rank's queries see the whole sequence and the result is exact for any N up
-to 8 and any head count. The output slices are gathered back (`gather`), so every rank holds the same latents;
-rank 0 writes the images and returns its result to the launching process (`launch`).
+The process that opens the pipeline is rank 0, the leader: it runs everything a pipeline runs (text encoders, the
+loop, the scheduler, the VAE, a server's batcher) and starts N - 1 followers (`Team`: torch.multiprocessing,
+spawned; under Ray Serve inside the replica that owns N GPUs). A follower opens the same pipeline and runs only
+what the leader sends it (`follow`): before each transformer call (the whole transformer, or one of First-Block
+Cache's parts), the leader broadcasts the call's name and inputs (`lead`), so every rank computes the same call;
+the cache's decision is the leader's alone, so the ranks never disagree on it.
 
-Process handling is torch.multiprocessing's: a rank that raises or dies ends the others, and the launch says which
-in one line; Ctrl-C reaches every rank (one process group)."""
+In a call, the token sequence is cut into N contiguous slices, the image tokens and the text tokens each
+(`shard`): every per-token layer of FLUX (projections, norms, modulation, RoPE from the slice's own ids) runs on
+the rank's slice alone. Attention needs the whole sequence (attention.context_parallel): Ulysses (all-to-all from
+token slices to head slices and back; where the heads divide by N) or every rank's keys and values gathered (any
+N, any head count). The outputs' slices are gathered back (`gather`), so the leader holds the whole result.
+
+A follower that dies or fails ends the run with one line naming it (`failure`); Ctrl-C and the end of the run end
+every follower (`Team.close`)."""
 
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 
 from ..errors import FluxtrtError
 
 MAX_RANKS = 8
 TIMEOUT_S = 60  # a collective waiting this long for a rank ends the run
+ATTENTION = ("auto", "ulysses", "gather")  # --parallel-attention: how attention sees the whole sequence
 
 
 @dataclass(frozen=True)
@@ -29,14 +36,24 @@ class Rank:
 
     rank: int
     size: int
+    backend: str = "gloo"
+    attention: str = "auto"  # --parallel-attention (attention_mode resolves auto per model)
     group: object = None  # the torch.distributed process group (None: the default group)
+
+    @property
+    def device(self):
+        """Where the collectives' tensors live: the rank's GPU with NCCL, the CPU with gloo."""
+        import torch
+
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
 
 
 _CURRENT: Rank | None = None
+_TEAM: "Team | None" = None
 
 
 def current() -> Rank | None:
-    """This process's Rank inside a `launch`ed run; None elsewhere."""
+    """This process's Rank in a context-parallel run (the leader's once its Team started); None elsewhere."""
     return _CURRENT
 
 
@@ -60,40 +77,134 @@ def backend_for(n: int, device: str | None) -> str:
     return "nccl"
 
 
-def launch(n: int, fn, *args, device: str | None = None):
-    """fn(*args) on n ranks (spawned processes, `current()` set in each); rank 0's return value. A rank that
-    raises a FluxtrtError ends the run with its line; one that dies (a signal, an exit) with a line naming it."""
-    import signal
+def attention_mode(asked: str, heads: int, n: int) -> str:
+    """How attention sees the whole sequence over n ranks: "ulysses" (all-to-all over heads: each rank moves
+    4 x S/n x H x D per layer against gather's 2 x S x H x D, so a factor n/2 less, and keeps 1/n of the keys and
+    values) where the heads divide by n; "gather" (every rank's keys and values) for any n. `asked`: auto (that
+    rule), or one of the two (ulysses refused in one line where the heads do not divide)."""
+    if asked not in ATTENTION:
+        raise FluxtrtError(f"--parallel-attention takes {', '.join(ATTENTION)}, got {asked!r}")
+    divides = heads % n == 0
+    if asked == "ulysses" and not divides:
+        raise FluxtrtError(f"--parallel-attention ulysses splits the {heads} attention heads over the ranks: "
+                           f"{n} does not divide {heads}; use --parallel-attention gather (or auto)")
+    if asked == "auto":
+        return "ulysses" if divides and n > 1 else "gather"
+    return asked
 
-    import torch.multiprocessing as mp
 
-    backend = backend_for(n, device)
-    queue = mp.get_context("spawn").SimpleQueue()
-    ctx = mp.start_processes(_entry, args=((n, _free_port(), backend, fn, args, queue),), nprocs=n, join=False,
-                             start_method="spawn")
-    answers = []
-    try:
-        while not ctx.join(timeout=0.2):
-            while not queue.empty():
-                answers.append(queue.get())
-    except mp.ProcessExitedException as e:
-        while not queue.empty():
-            answers.append(queue.get())
-        errors = [a[1] for a in answers if a[0] == "error"]
-        if errors:
-            raise FluxtrtError(errors[0]) from None
-        how = (f"killed by {signal.Signals(-e.exit_code).name}" if e.exit_code and e.exit_code < 0
-               else f"exit status {e.exit_code}")
-        raise FluxtrtError(f"rank {e.error_index} of {n} ended ({how}); the run stopped (the other ranks were "
-                           "ended too)") from None
-    except mp.ProcessRaisedException as e:
-        last = str(e).strip().splitlines()[-1][:300]
-        raise FluxtrtError(f"a rank of the --parallel {n} run failed: {last}") from None
-    while not queue.empty():
-        answers.append(queue.get())
-    import pickle
+class Team:
+    """The leader's side of an n-rank run: the followers (spawned processes, each `_follower`), this process as
+    rank 0 of the process group, and a watcher that notices a follower that ended."""
 
-    return pickle.loads(next(a[1] for a in answers if a[0] == "result"))
+    def __init__(self, n: int, options, opener):
+        """Start n - 1 followers, each opening `options` (runtime.options.PipelineOptions) with `opener`
+        (assembly.open_pipeline); this process joins as rank 0. One line for what cannot run (backend_for)."""
+        import datetime
+
+        import torch.distributed as dist
+        import torch.multiprocessing as mp
+
+        global _CURRENT, _TEAM
+        if _TEAM is not None:
+            raise FluxtrtError("one context-parallel pipeline per process: close the other first")
+        self.n, self.backend = n, backend_for(n, options.device)
+        port = _free_port()
+        self.errors = mp.get_context("spawn").SimpleQueue()
+        self.context = mp.start_processes(_follower, args=((n, port, self.backend, options, opener, self.errors),),
+                                          nprocs=n - 1, join=False, start_method="spawn")
+        self.closed, self.line, self.lock = False, None, threading.Lock()
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if self.backend == "nccl":
+            import torch
+
+            torch.cuda.set_device(0)
+        try:
+            dist.init_process_group(self.backend, rank=0, world_size=n,
+                                    timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        except Exception:  # a follower that could not start (its line, where it said one)
+            self.close()
+            raise FluxtrtError(self.failure() or f"the {n} ranks of --parallel did not meet within {TIMEOUT_S} s") \
+                from None
+        _CURRENT, _TEAM = Rank(0, n, self.backend, options.parallel_attention), self
+        watch(self)
+        import atexit
+
+        atexit.register(self.close, True)  # a leader that exits without closing does not wait on its followers
+
+    def failure(self) -> str | None:
+        """One line for a follower that failed or ended before the run's end (the first one seen), None while
+        all run."""
+        import signal
+
+        with self.lock:  # the watcher thread asks too
+            if self.line is None and not self.errors.empty():
+                self.line = self.errors.get()
+        for i, p in enumerate(self.context.processes):
+            if self.line is None and p.exitcode is not None and not self.closed:
+                how = (f"killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0
+                       else f"exit status {p.exitcode}")
+                self.line = f"rank {i + 1} of {self.n} ended ({how}); the run stopped (the other ranks were ended too)"
+        return self.line
+
+    def close(self, abort: bool = False) -> None:
+        """End the run: the followers told to stop and joined, or (`abort`, or one ended) ended."""
+        import torch.distributed as dist
+
+        global _CURRENT, _TEAM
+        if self.closed:
+            return
+        self.closed = True
+        alive = not abort and all(p.exitcode is None for p in self.context.processes)
+        if alive and dist.is_initialized():
+            try:
+                _send_header(current(), ("stop", []))
+            except Exception:  # a follower went away meanwhile: it is ended below
+                pass
+        for p in self.context.processes:
+            p.join(timeout=10 if alive else 0)
+        for p in self.context.processes:
+            if p.exitcode is None:
+                p.terminate()
+        for p in self.context.processes:
+            p.join(timeout=2)
+            if p.exitcode is None:
+                p.kill()
+                p.join(timeout=5)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        _CURRENT, _TEAM = None, None
+
+
+def start(options, opener) -> Team:
+    """The leader's Team for `options.parallel` ranks, its followers opening their pipelines with `opener`
+    (Assembly calls it when it opens a split pipeline, with open_pipeline)."""
+    return Team(options.parallel, options, opener)
+
+
+def stop(abort: bool = False) -> None:
+    """End the leader's Team, if this process leads one (the end of `fluxtrt run`, a server's close); `abort`:
+    without telling the followers (they may be inside a call)."""
+    if _TEAM is not None and _CURRENT is not None and _CURRENT.rank == 0:
+        _TEAM.close(abort)
+
+
+def failure() -> str | None:
+    """The line of a follower of this process's Team that ended, None while all run (or there is no Team)."""
+    return _TEAM.failure() if _TEAM is not None else None
+
+
+def failed(error: Exception) -> FluxtrtError:
+    """A collective that raised in the leader, as one line: the follower that ended, where one did."""
+    import time
+
+    if _TEAM is not None:
+        for _ in range(20):  # the follower's exit may trail the broken connection by a moment
+            line = _TEAM.failure()
+            if line:
+                return FluxtrtError(line)
+            time.sleep(0.1)
+    return FluxtrtError(f"the --parallel run failed: {str(error).strip().splitlines()[0][:300]}")
 
 
 def _free_port() -> int:
@@ -104,50 +215,122 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, job: tuple) -> None:
-    """One rank: its process group, `current()`, fn(*args); rank 0's result (or any rank's one-line error) to
-    the launching process. `job`: (ranks, port, backend, fn, args, queue)."""
+def _follower(index: int, job: tuple) -> None:
+    """Follower `index + 1`: its process group, the same pipeline, then `follow` until the leader stops; a
+    FluxtrtError's line goes to the leader. `job`: (ranks, port, backend, options, opener, errors)."""
     import datetime
-    import pickle
+    import signal
     import sys
 
     import torch
     import torch.distributed as dist
 
     global _CURRENT
-    n, port, backend, fn, args, queue = job
+    n, port, backend, options, opener, errors = job
+    rank = index + 1
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the leader's: it ends the followers (Team.close)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=n, timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    _CURRENT = Rank(rank, n)
+    _CURRENT = Rank(rank, n, backend, options.parallel_attention)
     try:
-        out = fn(*args)
-        if rank == 0:  # pickled by value: torch's queue would share tensors with a process about to exit
-            queue.put(("result", pickle.dumps(out)))
+        follow(opener(options=options))
     except FluxtrtError as e:
-        queue.put(("error", str(e)))
+        errors.put(f"rank {rank} of {n}: {e}")
         sys.exit(2)
     finally:
-        dist.destroy_process_group()
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def follow(pipe) -> None:
+    """A follower's loop: each call the leader sends (the transformer, or one of its parts) computed on this
+    rank's slice, until the leader says stop."""
+    while True:
+        name, feeds = receive(current())
+        if name == "stop":
+            return
+        if name == "transformer":
+            pipe.executors["transformer"].infer(feeds)
+        else:
+            pipe.steps.run_part(name, feeds)
+
+
+def lead(rank: Rank, name: str, feeds: dict) -> None:
+    """The leader's call `name` with `feeds` sent to every follower (no-op on a follower)."""
+    import torch.distributed as dist
+
+    if rank.rank != 0:
+        return
+    items = sorted((k, v) for k, v in feeds.items() if v is not None)
+    _send_header(rank, (name, [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in items]))
+    for _, v in items:
+        dist.broadcast(v.to(rank.device).contiguous(), src=0, group=rank.group)
+
+
+def _send_header(rank: Rank, header: tuple) -> None:
+    import torch.distributed as dist
+
+    dist.broadcast_object_list([header], src=0, group=rank.group, device=rank.device)
+
+
+def receive(rank: Rank) -> tuple[str, dict]:
+    """A follower's next call from the leader: (name, feeds)."""
+    import torch
+    import torch.distributed as dist
+
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=rank.group, device=rank.device)
+    name, layout = box[0]
+    feeds = {}
+    for key, shape, dtype in layout:
+        feeds[key] = torch.empty(shape, dtype=getattr(torch, dtype), device=rank.device)
+        dist.broadcast(feeds[key], src=0, group=rank.group)
+    return name, feeds
+
+
+def _token_axes(tensors) -> dict:
+    return {t.name: next((i for i, d in enumerate(t.dims) if d in ("image_tokens", "geo.t5_length")), None)
+            for t in tensors}
 
 
 def shard(spec, feeds: dict, rank: Rank) -> dict:
-    """This rank's slice of the transformer's inputs: the image tokens (hidden_states, img_ids) and the text
-    tokens (encoder_hidden_states, txt_ids) each cut into `rank.size` contiguous slices (torch.tensor_split: sizes
-    differ by one at most); per-sample inputs whole."""
+    """This rank's slice of a call's inputs: the image tokens and the text tokens each cut into `rank.size`
+    contiguous slices (torch.tensor_split: sizes differ by one at most); per-sample inputs whole."""
     import torch
 
-    axes = {t.name: [i for i, d in enumerate(t.dims) if d in ("image_tokens", "geo.t5_length")] for t in spec.inputs}
-    out = {}
-    for name, v in feeds.items():
-        axis = axes.get(name, [])
-        out[name] = torch.tensor_split(v, rank.size, dim=axis[0])[rank.rank] if axis else v
-    return out
+    axes = _token_axes(spec.inputs)
+    return {name: torch.tensor_split(v, rank.size, dim=axes[name])[rank.rank] if axes.get(name) is not None else v
+            for name, v in feeds.items()}
 
 
-def gather(out, rank: Rank):
-    """The transformer's output slices of every rank joined along the image tokens (dim 1), on every rank."""
+def gather(spec, out: dict, rank: Rank) -> dict:
+    """A call's output slices of every rank joined along their tokens (per-sample outputs are whole already)."""
     from ..attention import gather_sequence
 
-    return gather_sequence(out, rank.group, dim=1)
+    axes = _token_axes(spec.outputs)
+    return {k: gather_sequence(v, rank.group, dim=axes[k]) if axes.get(k) is not None else v for k, v in out.items()}
+
+
+def watch(team: Team, period_s: float = 0.5) -> threading.Thread:
+    """A thread that ends this process in one line when a follower ended and the leader is stuck in a collective
+    that NCCL would hold until its timeout (gloo raises at once; `failed` says the line then)."""
+    import sys
+    import time
+
+    def run():
+        since = None
+        while not team.closed:
+            if since is None and team.failure():
+                since = time.monotonic()
+            if since is not None and time.monotonic() - since > 10 and not team.closed:
+                print(f"error: {team.failure()}", file=sys.stderr, flush=True)
+                os._exit(2)
+            time.sleep(period_s)
+
+    thread = threading.Thread(target=run, name="fluxtrt-parallel-watch", daemon=True)
+    thread.start()
+    return thread

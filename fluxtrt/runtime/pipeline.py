@@ -78,6 +78,7 @@ class Pipeline:
         self.executors, self.manifest, self.stream = assembly.executors, assembly.manifest, None
         self.dir, self.assets, self.geo = assembly.dir, assembly.assets, assembly.geo
         self.scheduler_config = assembly.scheduler_config
+        self.context = assembly.context  # runtime/parallel.Rank of a split transformer, None otherwise
         self.scaling_factor, self.shift_factor = assembly.scaling_factor, assembly.shift_factor
         self._memory_base = None
         if self.device.type == "cuda":
@@ -89,6 +90,14 @@ class Pipeline:
                     ex.stream = self.stream
         self.prompts = PromptEncoder(self.assets, self.geo, self.executors)
         self.steps = TransformerStep(self.executors, self.geo, self.cuda_graph, self.stream)
+
+    def close(self, abort: bool = False) -> None:
+        """End what outlives a call: the followers of a split transformer (runtime/parallel.py), told to stop,
+        or ended at once with `abort` (after Ctrl-C or a failure, when they may be inside a call)."""
+        from . import parallel
+
+        if self.context is not None and self.context.rank == 0:
+            parallel.stop(abort)
 
     def release(self, *names) -> None:
         """--low-vram: free these stages' executors (a TensorRT executor may say its cache was not saved)."""

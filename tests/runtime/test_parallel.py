@@ -1,9 +1,17 @@
-"""runtime/parallel.py: context parallelism on CPU processes (gloo). The transformer split over 2 and 3 ranks
-(token slices of unequal length) gives the single process's latents at every step within 1e-5 (fp32), for
-text-to-image and Fill; a rank that dies ends the run in one line; bad rank counts are one line."""
+"""runtime/parallel.py: context parallelism on CPU processes (gloo). The transformer split over 2, 3 and 4 ranks
+(token slices of unequal length; Ulysses where tiny's 2 heads divide, gathered keys and values elsewhere) gives the
+single process's latents at every step within 1e-5 (fp32), for text-to-image, Fill and First-Block Cache (the same
+steps skipped); Ulysses' all-to-all equals whole-sequence attention on 4 ranks; a follower that dies ends the run
+in one line; Ctrl-C ends every rank; bad rank counts are one line; a served request on a 2-rank replica equals the
+single process's run."""
 
+import asyncio
+import base64
+import io
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -11,55 +19,209 @@ import pytest
 
 from fluxtrt.errors import FluxtrtError
 from fluxtrt.runtime import parallel
+from fluxtrt.runtime.assembly import open_pipeline
+
+RUN = dict(prompts=["a red fox in the snow"], height=256, width=320, guidance=3.5, seed=11)
 
 
-def _latents(model: str, n: int, fill: bool) -> list:
-    """Run in each rank (and once alone with n 1): the latents after every step of a 3-step 256x320 run."""
+def _trace(pipe, steps: int, fill: bool = False, cache: float = 0.0):
     from fluxtrt.core.workflows import ImageInputs
-    from fluxtrt.runtime.assembly import open_pipeline
     from tests.core.test_workflows import random_image, random_mask
 
     rng = np.random.default_rng(5)
     inputs = ImageInputs(image=random_image(rng, 256, 320), mask=random_mask(rng, 256, 320)) if fill else None
-    pipe = open_pipeline(model=model, backend="torch", torch_dtype="fp32", device="cpu", parallel=n)
-    return pipe.generate(["a red fox in the snow"], 256, 320, 3, 3.5, seed=11, trace=True,
-                         inputs=inputs).latents_per_step
+    return pipe.generate(RUN["prompts"], RUN["height"], RUN["width"], steps, RUN["guidance"], seed=RUN["seed"],
+                         trace=True, inputs=inputs, cache_threshold=cache)
 
 
-def _die_on_rank_1() -> None:
-    import torch
-    import torch.distributed as dist
-
-    if parallel.current().rank == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-    dist.all_reduce(torch.ones(1))  # rank 0 waits for the dead rank
+def _open(model: str, n: int, attention: str = "auto"):
+    return open_pipeline(model=model, backend="torch", torch_dtype="fp32", device="cpu", parallel=n,
+                         parallel_attention=attention)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("model,n,fill", [("tiny", 2, False), ("tiny", 3, False), ("tiny-fill", 2, True)])
-def test_split_transformer_gives_the_single_process_latents(model, n, fill):
-    alone = _latents(model, 1, fill)
-    split = parallel.launch(n, _latents, model, n, fill, device="cpu")
-    assert len(split) == len(alone) == 3
+def _close_to(split, alone):
+    assert len(split) == len(alone)
     for i, (a, b) in enumerate(zip(split, alone)):
         err = float((a - b).abs().max() / b.abs().max())
         assert err <= 1e-5, (i, err)
 
 
 @pytest.mark.slow
-def test_a_rank_that_dies_ends_the_run_in_one_line():
+@pytest.mark.parametrize("model,n,fill,mode", [("tiny", 2, False, "ulysses"), ("tiny", 3, False, "gather"),
+                                                ("tiny", 4, False, "gather"), ("tiny-fill", 2, True, "ulysses")])
+def test_split_transformer_gives_the_single_process_latents(model, n, fill, mode):
+    alone = _trace(_open(model, 1), 3, fill).latents_per_step
+    pipe = _open(model, n)
+    try:
+        res = _trace(pipe, 3, fill)
+        assert pipe.executors["transformer"].parallel_note == f"the transformer split over {n} ranks ({mode} attention)"
+        _close_to(res.latents_per_step, alone)
+    finally:
+        pipe.close()
+    assert parallel.current() is None
+
+
+@pytest.mark.slow
+def test_first_block_cache_skips_the_same_steps_when_split():
+    single = _open("tiny", 1)
+    for threshold in (0.05, 0.1, 0.2, 0.3, 0.5, 0.8):
+        alone = _trace(single, 8, cache=threshold)
+        if 1 < alone.timings.cache["computed"] < 8:
+            break
+    else:
+        pytest.fail("tiny skipped no step or all steps at every threshold")
+    pipe = _open("tiny", 2, "gather")
+    try:
+        res = _trace(pipe, 8, cache=threshold)
+    finally:
+        pipe.close()
+    assert res.timings.cache == alone.timings.cache
+    _close_to(res.latents_per_step, alone.latents_per_step)
+
+
+def _ulysses_against_whole(rank: int, n: int, port: int, queue) -> None:
+    """One of n gloo ranks: Ulysses' and the gathered attention of this rank's token slice (unequal slices, 8
+    heads) against torch's SDPA over the whole sequence."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from fluxtrt.attention import context_parallel_fn, sdpa
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=n, timeout=datetime.timedelta(seconds=30))
+    try:
+        gen = torch.Generator().manual_seed(3)  # every rank draws the same whole sequence
+        q, k, v = (torch.randn(2, 23, 8, 16, generator=gen) for _ in range(3))
+        whole = sdpa(q, k, v)
+        mine = [torch.tensor_split(t, n, dim=1)[rank] for t in (q, k, v)]
+        expected = torch.tensor_split(whole, n, dim=1)[rank]
+        errs = [float((context_parallel_fn(sdpa, None, mode)(*mine) - expected).abs().max())
+                for mode in ("ulysses", "gather")]
+        queue.put((rank, errs))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ulysses_and_gathered_attention_equal_whole_sequence_attention_on_4_ranks():
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(_ulysses_against_whole, args=(4, parallel._free_port(), queue), nprocs=4, start_method="spawn")
+    errs = dict(queue.get() for _ in range(4))
+    assert sorted(errs) == [0, 1, 2, 3]
+    assert max(max(e) for e in errs.values()) <= 1e-6, errs
+
+
+@pytest.mark.slow
+def test_a_follower_that_dies_ends_the_run_in_one_line():
+    pipe = _open("tiny", 2)
+    try:
+        follower = parallel._TEAM.context.processes[0]
+        os.kill(follower.pid, signal.SIGKILL)
+        follower.join(timeout=10)
+        t0 = time.monotonic()
+        with pytest.raises(FluxtrtError, match=r"^rank 1 of 2 ended \(killed by SIGKILL\); the run stopped"):
+            _trace(pipe, 2)
+        assert time.monotonic() - t0 < 30
+    finally:
+        pipe.close()
+    assert parallel.current() is None
+
+
+def _children(pid: int) -> set[int]:
+    out = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.add(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_every_rank(tmp_path):
+    """SIGINT to the leader alone (a terminal would send it to every rank): exit 130, followers gone, no image."""
+    proc = subprocess.Popen([sys.executable, "-m", "fluxtrt.cli", "run", "--backend", "torch", "--model", "tiny",
+                             "--torch-dtype", "fp32", "--parallel", "2", "--steps", "200", "--height", "512",
+                             "--width", "512", "--prompt", "a fox", "--out", str(tmp_path / "x.png")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    deadline = time.monotonic() + 120
+    followers = set()
+    while time.monotonic() < deadline and not followers:
+        time.sleep(0.5)
+        followers = {p for p in _children(proc.pid) if "_follower" in _cmdline(p) or "spawn_main" in _cmdline(p)}
+    assert followers, "no follower started"
+    time.sleep(8)  # into the loop
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
     t0 = time.monotonic()
-    with pytest.raises(FluxtrtError, match=r"^rank 1 of 2 ended \(killed by SIGKILL\); the run stopped"):
-        parallel.launch(2, _die_on_rank_1, device="cpu")
-    assert time.monotonic() - t0 < 30
+    while time.monotonic() - t0 < 15 and any(os.path.exists(f"/proc/{p}") and _alive(p) for p in followers):
+        time.sleep(0.2)
+    assert not any(os.path.exists(f"/proc/{p}") and _alive(p) for p in followers)
+    assert not (tmp_path / "x.png").exists()
+    assert "Traceback" not in out
 
 
-def test_rank_counts_are_one_line():
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_served_request_on_a_2_rank_replica_equals_the_run():
+    from PIL import Image
+
+    from fluxtrt.runtime.options import PipelineOptions
+    from fluxtrt.serving import Service
+
+    svc = Service(PipelineOptions(model="tiny-schnell", backend="torch", torch_dtype="fp32", device="cpu", parallel=2),
+                  max_batch=2, max_queue=8)
+    try:
+        status, payload, _ = asyncio.run(svc.generate(b'{"prompt": "a cat", "size": "320x256", "n": 2, "steps": 2, '
+                                                      b'"seed": 7}'))
+        assert status == 200, payload
+        served = [np.asarray(Image.open(io.BytesIO(base64.b64decode(d["b64_json"])))) for d in payload["data"]]
+    finally:
+        svc.close()
+    assert parallel.current() is None
+    alone = _open("tiny-schnell", 1)
+    for seed, img in zip((7, 8), served):
+        ref = alone.generate(["a cat"], 256, 320, 2, 3.5, seed=seed).images[0]
+        assert int(np.abs(img.astype(int) - ref.astype(int)).max()) <= 2
+
+
+def test_rank_counts_and_attention_modes_are_one_line():
     for n in (0, 9):
         with pytest.raises(FluxtrtError, match=f"--parallel takes 1 to 8 ranks, got {n}"):
             parallel.backend_for(n, "cpu")
     assert parallel.backend_for(2, "cpu") == "gloo"
-    from fluxtrt.runtime.assembly import open_pipeline
-
-    with pytest.raises(FluxtrtError, match="opens its pipeline in each of its ranks"):
-        open_pipeline(model="tiny", backend="torch", parallel=2)
+    assert [parallel.attention_mode("auto", 24, n) for n in (1, 2, 3, 4, 5, 6, 7, 8)] == \
+        ["gather", "ulysses", "ulysses", "ulysses", "gather", "ulysses", "gather", "ulysses"]
+    with pytest.raises(FluxtrtError, match="--parallel-attention ulysses splits the 24 attention heads over the ranks: "
+                                           "5 does not divide 24; use --parallel-attention gather"):
+        parallel.attention_mode("ulysses", 24, 5)
+    with pytest.raises(FluxtrtError, match="--parallel-attention takes auto, ulysses, gather, got 'ring'"):
+        open_pipeline(model="tiny", backend="torch", parallel=2, parallel_attention="ring")
+    with pytest.raises(FluxtrtError, match="--parallel: --cuda-graph and --low-vram are not yet"):
+        open_pipeline(model="tiny", backend="torch", parallel=2, cuda_graph=True)
+    assert parallel.current() is None
