@@ -28,6 +28,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="where to draw the random weights (cuda is much faster)")
     ap.add_argument("--shard", default="5GB", help="max shard size, as diffusers' save_pretrained takes it")
     ap.add_argument("--layout-only", action="store_true", help="headers + sparse zero data (see above)")
+    ap.add_argument("--linear-std", type=float, default=None,
+                    help="redraw every Linear layer's weights N(0, STD) (0.005: the full-size transformer is not "
+                    "chaotic, so runs that differ in rounding stay comparable; the default init is)")
     args = ap.parse_args()
 
     from fluxtrt.dtypes import torch_dtype
@@ -47,11 +50,26 @@ def main() -> None:
             print(f"{sub}: layout written in {time.perf_counter() - t0:.1f} s", flush=True)
             continue
         model = src.load_component(sub, torch_dtype(args.dtype), args.device)
+        if args.linear_std is not None:
+            redraw_linears(model, args.linear_std)
         model.to("cpu").save_pretrained(tmp / sub, max_shard_size=args.shard, safe_serialization=True)
         n = sum(p.numel() for p in model.parameters())
         del model
         print(f"{sub}: {n / 1e9:.2f} B parameters written in {time.perf_counter() - t0:.1f} s", flush=True)
     tmp.rename(args.out)
+
+
+def redraw_linears(model, std: float) -> None:
+    """Every nn.Linear's weight and bias drawn N(0, std), seeded (the same folder for the same arguments)."""
+    import torch
+
+    g = torch.Generator(next(model.parameters()).device).manual_seed(1)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                for p in (m.weight, m.bias):
+                    if p is not None:
+                        p.copy_(torch.randn(p.shape, generator=g, device=p.device) * std)
 
 
 def write_layout(folder: Path, sub: str, out: Path, dtype: str, shard_bytes: int) -> None:

@@ -271,7 +271,7 @@ class TorchExecutor(Executor):
         self.source, self.spec, self.compile = source, spec, compile
         self.loras = list(loras)  # [(runtime/lora.LoraFile, scale)]: the transformer's LoRAs, stacked
         self.lora_note = None
-        self.parallel_note = None
+        self.parallel_note = self.parallel_mode = None  # context parallelism: what attention does
         # a server's compiled transformer (batching.warm_up_batches sets them): batches padded to the smallest of
         # these that holds them, so the compiled module sees a few batch sizes, each compiled once
         self.batch_buckets = tuple(sorted(batch_buckets))
@@ -327,6 +327,7 @@ class TorchExecutor(Executor):
 
                 mode = attention_mode(self.context.attention, raw.config.num_attention_heads, self.context.size)
                 context_parallel(raw, self.context.group, mode)
+                self.parallel_mode = mode
                 self.parallel_note = f"the transformer split over {self.context.size} ranks ({mode} attention)"
             self.module = self.spec.wrap(raw).eval()
         self._fn = self.module

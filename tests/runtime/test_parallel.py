@@ -62,6 +62,23 @@ def test_split_transformer_gives_the_single_process_latents(model, n, fill, mode
 
 
 @pytest.mark.slow
+def test_fp8_attn_recipe_split_gives_the_single_process_latents(fp8_attn_build):
+    """The engines' fp8-attn recipe on the PyTorch transformer (fp8 GEMMs and E4M3 attention, emulated on the
+    CPU) split over 2 ranks (Ulysses). Bound 1e-3 relative: an element whose fp32 input differs by rounding from
+    the single process's may round to the neighbouring E4M3 value; a wrong head or token order is O(1)."""
+    _, folder, _ = fp8_attn_build
+    opened = [open_pipeline(folder, backend="torch", torch_dtype="fp32", device="cpu", parallel=n) for n in (1, 2)]
+    try:
+        alone, split = (_trace(p, 2) for p in opened)
+        assert "fp8" in (opened[1].executors["transformer"].fp8_note or "")
+    finally:
+        opened[1].close()
+    for i, (a, b) in enumerate(zip(split.latents_per_step, alone.latents_per_step, strict=True)):
+        err = float((a - b).abs().max() / b.abs().max())
+        assert err <= 1e-3, (i, err)
+
+
+@pytest.mark.slow
 def test_first_block_cache_skips_the_same_steps_when_split():
     single = _open("tiny", 1)
     for threshold in (0.05, 0.1, 0.2, 0.3, 0.5, 0.8):
