@@ -227,6 +227,22 @@ def test_served_request_on_a_2_rank_replica_equals_the_run():
         assert int(np.abs(img.astype(int) - ref.astype(int)).max()) <= 2
 
 
+def test_gpu_counts_and_kinds_are_one_line(monkeypatch):
+    import torch
+
+    names = ["NVIDIA H200", "NVIDIA H200", "NVIDIA H100 80GB HBM3"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: names[i])
+    assert parallel.backend_for(2, None) == "nccl"
+    assert parallel.backend_for(4, "cpu") == "gloo"  # CPU processes need no GPU
+    with pytest.raises(FluxtrtError, match=r"^--parallel 4 needs 4 GPUs, this machine has 3; ask for at most 3$"):
+        parallel.backend_for(4, "cuda")
+    with pytest.raises(FluxtrtError, match=r"^--parallel splits one image over GPUs of one kind; these are NVIDIA "
+                                           r"H100 80GB HBM3, NVIDIA H200: set CUDA_VISIBLE_DEVICES"):
+        parallel.backend_for(3, None)
+
+
 def test_rank_counts_and_attention_modes_are_one_line():
     for n in (0, 9):
         with pytest.raises(FluxtrtError, match=f"--parallel takes 1 to 8 ranks, got {n}"):
