@@ -461,9 +461,10 @@ def serve(
     calibration: Optional[Path] = CALIBRATION, cache_threshold: float = CACHE_THRESHOLD, compile: bool = COMPILE,
     size: Optional[str] = _opt(None, "--size", help="WIDTHxHEIGHT of requests that name none, and the size "
                                "--compile compiles for (default: the profile's, 1024x1024 with --model)."),
-    lora: Optional[list[str]] = LORA,
+    lora: Optional[list[str]] = LORA, weights: Optional[Path] = WEIGHTS,
     lora_dir: Optional[Path] = _opt(None, "--lora-dir", help="Serve the LoRA files of this folder per request: "
-                                    "\"lora\": \"name\" (DIR/name.safetensors), mixed in one batch (--backend torch)."),
+                                    "\"lora\": \"name\" (DIR/name.safetensors); mixed in one batch on --backend torch, "
+                                    "merged into --weights per call on engines."),
     lora_cache_gb: float = _opt(4.0, "--lora-cache-gb", help="GPU memory for the LoRAs in use; least recently used "
                                 "evicted."),
     parallel: int = PARALLEL, parallel_attention: str = PARALLEL_ATTENTION,
@@ -475,7 +476,7 @@ def serve(
 
     args = ServeArgs.of(engines=engines, model=model, backend=backend, max_batch=max_batch, max_queue=max_queue,
                         replicas=replicas, torch_dtype=torch_dtype, calibration=calibration,
-                        cache_threshold=cache_threshold, compile=compile, size=size, lora=tuple(lora or ()),
+                        cache_threshold=cache_threshold, compile=compile, size=size, lora=tuple(lora or ()), weights=weights,
                         lora_dir=str(lora_dir) if lora_dir is not None else None, lora_cache_gb=lora_cache_gb,
                         parallel=parallel, parallel_attention=parallel_attention)
     serve_forever(args, host, port, address, r.out.print)

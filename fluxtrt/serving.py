@@ -296,20 +296,30 @@ class Service:
         self.default_cache_threshold = cache_threshold
 
     def _lora_bank(self, lora_dir, cache_gb: float):
-        """Per-request LoRAs of `lora_dir` on the PyTorch transformer (runtime/lora.LoraBank)."""
-        from .runtime.executors import TorchExecutor
-        from .runtime.lora import LoraBank
+        """Per-request LoRAs of `lora_dir`: mixed in one call on the PyTorch transformer (runtime/lora.LoraBank),
+        one stack per call on engines and ONNX, merged into --weights (runtime/lora.EngineAdapters)."""
+        from .runtime.executors import PackageExecutor, TorchExecutor
+        from .runtime.lora import EngineAdapters, LoraBank
 
-        ex = self.pipe.executors["transformer"]
-        if not isinstance(ex, TorchExecutor):
-            raise FluxtrtError(f"--lora-dir serves per-request LoRAs on the PyTorch transformer; this one runs on "
-                               f"{ex.kind}: serve with --backend torch (engines' LoRAs: `fluxtrt run --lora` with "
-                               "--weights)")
         check_number("--lora-cache-gb", cache_gb, 0.0, 1024.0)
+        ex = self.pipe.executors["transformer"]
         bank = LoraBank(lora_dir, int(cache_gb * 2**30))
-        slots = ex.serve_loras(bank)
-        log.info("serving the LoRAs of %s: %d names, %d slots in GPU memory", lora_dir, len(bank.names()), slots)
-        return bank
+        if isinstance(ex, TorchExecutor):
+            slots = ex.serve_loras(bank)
+            log.info("serving the LoRAs of %s: %d names, %d slots in GPU memory", lora_dir, len(bank.names()), slots)
+            return bank
+        weights = self.pipe.options.weights
+        if isinstance(ex, PackageExecutor) or weights is None:
+            raise FluxtrtError(f"--lora-dir on {ex.kind} engines merges each request's LoRAs into your checkpoint: add "
+                               "--weights YOUR_FLUX_FOLDER (weight-free ONNX, or engines built --weightless), or serve "
+                               "with --backend torch, which mixes LoRAs in one batch")
+        from .models.source import resolve_model
+
+        size = sum(f.stat().st_size for f in (resolve_model(weights).path / "transformer").glob("*.safetensors"))
+        keep = max(1, int(cache_gb * 2**30) // max(size, 1))
+        log.info("serving the LoRAs of %s on %s engines: one LoRA stack per transformer call, %d stack(s) kept",
+                 lora_dir, ex.kind, keep)
+        return EngineAdapters(bank, self.pipe.executors, self.pipe.with_loras, keep)
 
     def _record(self, stats) -> None:
         if self.metrics is not None:
@@ -320,8 +330,8 @@ class Service:
         return {"status": "ok", "backend": self.backend, "model": self.pipe.geo.model_class, "pid": os.getpid(),
                 "queued": s.queued, "running_batch": s.running_batch, "steps_run": s.steps_run, "cancelled": s.cancelled,
                 "max_batch": self.batcher.max_batch, "max_queue": self.batcher.max_queue,
-                **({"lora": {"mixes_in_a_batch": True, "slots": self.loras.slots, "loaded": list(self.loras.loaded),
-                             "calls": s.lora_calls, "mixed_calls": s.mixed_lora_calls}} if self.loras is not None else {})}
+                **({"lora": {**self.loras.health(), "calls": s.lora_calls, "mixed_calls": s.mixed_lora_calls}}
+                   if self.loras is not None else {})}
 
     def lora_listing(self) -> tuple[int, dict]:
         """GET /v1/loras: (status, payload)."""
@@ -498,9 +508,9 @@ class ServeArgs:
         check_number("lora_cache_gb", self.lora_cache_gb, 0.0, 1024.0)
         self.pipeline = self.pipeline.check()
         o = self.pipeline
-        if self.lora_dir is not None and o.backend != "torch":
-            raise FluxtrtError("--lora-dir serves per-request LoRAs on the PyTorch transformer: add --backend torch "
-                               "(on engines, `fluxtrt run --lora FILE --weights DIR` merges one)")
+        if self.lora_dir is not None and o.backend != "torch" and o.weights is None:
+            raise FluxtrtError("--lora-dir on engines merges each request's LoRAs into your checkpoint: add --weights "
+                               "YOUR_FLUX_FOLDER, or serve with --backend torch (LoRAs mixed in one batch)")
         if self.lora_dir is not None and not Path(self.lora_dir).is_dir():
             raise FluxtrtError(f"--lora-dir {self.lora_dir} is not a folder; pass the folder that holds the LoRA files")
         if o.parallel > 1:

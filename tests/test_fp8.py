@@ -131,8 +131,9 @@ def test_what_the_torch_executor_cannot_run_is_one_line(fp8_build, tmp_path):
 def test_torch_executor_computes_the_fp8_attn_graph(fp8_attn_build):
     """One transformer call on fresh random inputs: the torch executor with the fp8-attn recipe (emulated, fp32)
     against the fp8-attn graph in ONNX Runtime, within the fake-quant bound and 4x closer than the same executor
-    with the linear layers' fp8 alone (which leaves attention unquantized; 7x to over 10x over the seeds seen). The manifest records the attention
-    scales the graph holds (an unpacked archive has them), one quadruple per attention."""
+    with the linear layers' fp8 alone (which leaves attention unquantized; 7x to over 10x over the seeds seen).
+    The manifest records the attention scales the graph holds (an unpacked archive has them), one quadruple per
+    attention."""
     from fluxtrt.compare import bound_for, fake_quant_bound
     from fluxtrt.onnxio import load_header
     from fluxtrt.runtime.assembly import built_onnx

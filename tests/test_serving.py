@@ -486,7 +486,8 @@ ROOT = Path(__file__).resolve().parents[1]
     ({"model": "tiny", "backend": "torch", "size": "0x512"}, "size must be positive pixels"),
     ({"model": "tiny", "backend": "torch", "lora": [{"name": "x"}]}, "lora=[{'name': 'x'}]: expected a string or a list"),
     ({"model": "tiny", "backend": "torch", "lora": "x.safetensors:12"}, "--lora x.safetensors: the scale after ':'"),
-    ({"engines": "x", "backend": "onnxruntime", "lora_dir": "."}, "--lora-dir serves per-request LoRAs on the PyTorch"),
+    ({"engines": "x", "backend": "onnxruntime", "lora_dir": "."}, "--lora-dir on engines merges each request's LoRAs "
+                                                                   "into your checkpoint: add --weights"),
     ({"model": "tiny", "backend": "torch", "lora_dir": "/no/such/folder"}, "--lora-dir /no/such/folder is not a folder"),
     ({"model": "tiny", "backend": "torch", "lora_cache_gb": "-1"}, "lora_cache_gb"),
     ({"model": "tiny", "backend": "torch", "parallel": "9"}, "--parallel takes 1 to 8 ranks, got 9"),
@@ -720,3 +721,43 @@ def test_openai_client_edits_equal_fluxtrt_run(engines, tmp_path, model):
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     assert np.abs(served.astype(int) - np.asarray(Image.open(tmp_path / "run.png")).astype(int)).max() <= 2
+
+
+@pytest.mark.slow
+def test_engine_loras_one_stack_per_call_equal_their_single_runs(engines, tmp_path):
+    """On ONNX Runtime (which cannot mix adapters in a call), tiny's engines with --weights: six concurrent
+    requests over two LoRAs, a stack of both and none; the batcher never puts two stacks in one call
+    (mixed_calls 0, /health says so) and each image equals `fluxtrt run --backend onnxruntime --weights W --lora
+    ...` with the same settings within 2/255. A missing name is one JSON 400, and the server keeps serving."""
+    src, folder, _ = engines("tiny")
+    loras = write_loras(tmp_path / "loras", ["a", "b"], seed_model="tiny")
+    svc = Service(PipelineOptions(engines=folder, backend="onnxruntime", weights=src.path), max_batch=4, max_queue=64,
+                  lora_dir=loras, lora_cache_gb=1e-6)
+    requests = [None, "a", "b", "a", [{"name": "b", "scale": 0.5}, {"name": "a", "scale": -0.7}], None]
+    try:
+        async def scenario():
+            bodies = [json.dumps({"prompt": "a red fox", "size": "256x256", "steps": 3, "seed": 60 + i,
+                                  **({"lora": r} if r is not None else {})}).encode() for i, r in enumerate(requests)]
+            return await asyncio.gather(*(svc.generate(b) for b in bodies))
+
+        answers = asyncio.run(scenario())
+        assert [a[0] for a in answers] == [200] * len(requests), [a[1] for a in answers]
+        health = svc.health()["lora"]
+        assert health["mixes_in_a_batch"] is False and health["mixed_calls"] == 0 and health["calls"] > 0, health
+        status, payload, _ = asyncio.run(svc.generate(b'{"prompt": "x", "lora": "missing"}'))
+        assert status == 400 and "'missing' is not a LoRA of this server" in payload["error"]["message"], payload
+        assert asyncio.run(svc.generate(b'{"prompt": "a dog", "size": "256x256", "steps": 1, "lora": "b"}'))[0] == 200
+    finally:
+        svc.close()
+    opened = {}
+    for i, r in enumerate(requests):
+        stack = [r] if isinstance(r, str) else r or []
+        refs = tuple(f"{loras / (s if isinstance(s, str) else s['name'])}.safetensors:"
+                     f"{1.0 if isinstance(s, str) else s['scale']}" for s in stack)
+        if refs not in opened:
+            opened[refs] = open_pipeline(folder, backend="onnxruntime", weights=src.path, lora=refs)
+        alone = opened[refs].generate(["a red fox"], 256, 256, 3, 3.5, seed=60 + i).images[0]
+        assert np.abs(decode(answers[i][1]["data"][0]).astype(int) - alone.astype(int)).max() <= 2, (i, r)
+        if refs:  # the LoRAs matter
+            own = opened[()].generate(["a red fox"], 256, 256, 3, 3.5, seed=60 + i).images[0]
+            assert np.abs(alone.astype(int) - own.astype(int)).max() > 10, (i, r)

@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 
 from .. import flux_math as fm
-from ..components import TRANSFORMER_PARTS, Geometry, specs_for
+from ..components import TRANSFORMER_PARTS, Geometry, family, specs_for
 from ..errors import FluxtrtError
 from ..records import IMAGE_COMPONENTS, RUN_COMPONENTS, ManifestError, built_onnx, is_number, read_manifest
 from .executors import LoadProbe, OnnxRuntimeExecutor, PackageExecutor, TorchExecutor, WeightSource, check_gpu_for
@@ -71,7 +71,7 @@ class Assembly:
         includes what it added)."""
         o = options
         engine_dir, model, fallback, device, torch_dtype = o.engines, o.model, o.fallback, o.device, o.torch_dtype
-        compile, calibration, cuda_graph = o.compile, o.calibration, o.cuda_graph
+        compile, calibration = o.compile, o.calibration
         budget = o.weight_streaming_budget << 20 if o.weight_streaming_budget is not None else None
         self.low_vram, self.backend = o.low_vram, backend
         self.context = None  # context parallelism: this process's rank (runtime/parallel.py)
@@ -115,14 +115,11 @@ class Assembly:
         if o.parallel > 1 and "transformer" in engine_names:
             raise FluxtrtError("--parallel splits the PyTorch transformer: add --backend torch (engines, ONNX and "
                                "compiled packages run it whole)")
-        sources = self._weight_sources(engine_names, o.weights, o.lora)
+        self.options, self.ort_provider, self.budget = o, ort_provider, budget
         if engine_names and packages:
             self._package_executors(engine_names, device)
-        elif engine_names and backend == "tensorrt":
-            self._tensorrt_executors(engine_names, sources, budget, cuda_graph, o.allow_host_code,
-                                     kernel_specialization=o.kernel_specialization)
-        elif engine_names:  # onnxruntime (choose_backend names one of the three)
-            self._onnxruntime_executors(engine_names, sources, ort_provider)
+        elif engine_names:
+            self.executors.update(self._engine_executors(engine_names, o.lora))
         if o.parallel > 1:  # last: nothing above may refuse once the followers run
             from . import parallel
 
@@ -204,6 +201,23 @@ class Assembly:
             return fp8.read_calibration(calibration, model.content_hash)
         return None
 
+    def _engine_executors(self, names, refs) -> dict:
+        """TensorRT or ONNX Runtime executors of `names` (choose_backend named one of them), with the LoRAs `refs`
+        merged into the checkpoint's weights as they load."""
+        o, made = self.options, {}
+        sources = self._weight_sources(names, o.weights, refs)
+        if self.backend == "tensorrt":
+            self._tensorrt_executors(made, names, sources, self.budget, o.cuda_graph, o.allow_host_code,
+                                     kernel_specialization=o.kernel_specialization)
+        else:
+            self._onnxruntime_executors(made, names, sources, self.ort_provider)
+        return made
+
+    def with_loras(self, refs) -> dict:
+        """The transformer's engine executors (its First-Block Cache parts' too) with the LoRAs `refs` merged:
+        a server's per-request LoRAs on engines (runtime/lora.EngineAdapters)."""
+        return self._engine_executors([n for n in self.executors if family(n) == "transformer"], refs)
+
     def _weight_sources(self, engine_names, weights, refs) -> dict:
         """name -> WeightSource (or None): the user's checkpoint through the build's weight maps, LoRAs merged
         where the transformer runs from engines or ONNX (a PyTorch transformer takes them itself)."""
@@ -219,7 +233,7 @@ class Assembly:
         return {n: WeightSource.for_component(weight_source, self.dir, self.manifest.component(n), n, lora)
                 for n in engine_names}
 
-    def _tensorrt_executors(self, names, sources, budget, cuda_graph, allow_host_code, *, kernel_specialization):
+    def _tensorrt_executors(self, made, names, sources, budget, cuda_graph, allow_host_code, *, kernel_specialization):
         from ..core.backends import get_backend
 
         trt_backend = get_backend(self.manifest.backend)
@@ -232,7 +246,7 @@ class Assembly:
                 raise FluxtrtError(f"{name}: these engines carry their weights and are not refittable; --weights "
                                    "works with engines built with `fluxtrt build --weightless`, or with --backend "
                                    "onnxruntime")
-            self.executors[name] = TensorRTExecutor(
+            made[name] = TensorRTExecutor(
                 name, e, self.dir / e.engine, trt_backend, None, shared_memory=shared, weight_streaming_budget=budget,
                 cuda_graph=cuda_graph and name == "transformer", allow_host_code=allow_host_code,
                 weights=sources[name], kernel_specialization=kernel_specialization, low_vram=self.low_vram)
@@ -248,7 +262,7 @@ class Assembly:
             self.executors[name] = PackageExecutor(name, e, self.dir / e.engine, specs[name],
                                                    runtime=self.manifest.runtime, device=device, probe=probe)
 
-    def _onnxruntime_executors(self, names, sources, provider) -> None:
+    def _onnxruntime_executors(self, made, names, sources, provider) -> None:
         specs = specs_for(self.geo, names)
         for name in names:
             e, ws = self.manifest.component(name), sources[name]
@@ -257,7 +271,7 @@ class Assembly:
                 raise ManifestError(f"{name}: this engine folder has no ONNX of its build machine (an unpacked "
                                     "archive?); ONNX Runtime runs its weight-free ONNX with your checkpoint: "
                                     "--backend onnxruntime --weights YOUR_FLUX_FOLDER")
-            self.executors[name] = OnnxRuntimeExecutor(name, e, onnx_path, specs[name], self.geo, provider=provider, weights=ws)
+            made[name] = OnnxRuntimeExecutor(name, e, onnx_path, specs[name], self.geo, provider=provider, weights=ws)
 
     def _weight_source(self, weights: Path):
         """The user's checkpoint folder, checked against what the engines were built for."""

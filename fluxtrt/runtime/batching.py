@@ -268,7 +268,10 @@ class ContinuousBatcher:
         cond = prep.to(dev)
         guidance = torch.full([1], job.guidance, dtype=torch.float32).to(dev) if pipe.geo.guidance else None
         self._order += 1
-        return Sample(job=job, index=index, key=(wf.name, height, width, reference), latents=cond.latents, prep=cond,
+        # a call holds one shape; on engines, which cannot mix LoRAs, one LoRA stack too
+        stack = (job.lora,) if self.loras is not None and not self.loras.mixes else ()
+        return Sample(job=job, index=index, key=(wf.name, height, width, reference, *stack), latents=cond.latents,
+                      prep=cond,
                       t_in=(prep.timesteps / 1000).to(dev), dts=(prep.sigmas[1:] - prep.sigmas[:-1]).to(dev),
                       guidance=guidance, pooled=pooled.to(dev), text=text.to(dev), img_ids=cond.img_ids,
                       order=self._order, cache=pipe.steps.step_cache(job.cache_threshold))
@@ -321,7 +324,7 @@ class ContinuousBatcher:
         by_key: dict = collections.defaultdict(list)
         for s in finished:
             by_key[s.key].append(s)
-        for (_, height, width, _), group in by_key.items():
+        for (_, height, width, *_), group in by_key.items():
             for k in range(0, len(group), self.max_batch):
                 chunk = group[k:k + self.max_batch]
                 images, finite = pipe.decode(torch.cat([s.latents for s in chunk]), height, width)

@@ -292,6 +292,8 @@ class LoraBank:
     base GEMM runs once for the batch, samples with different adapters share the call). Set per call with
     `use(assignment)`: one [(slot, scale), ...] per sample; empty for a sample without LoRA."""
 
+    mixes = True  # samples with different adapters share a transformer call
+
     def __init__(self, folder, cache_bytes: int):
         import collections
         import threading
@@ -306,7 +308,7 @@ class LoraBank:
         self.pinned: collections.Counter = collections.Counter()  # slot -> samples using it
         self.files: dict = {}  # name -> LoraFile read and checked (host memory)
         self.idx = self.scale = None
-        self._layers: dict = {}
+        self._layers: dict | None = None  # layer -> (host, offset, rows) once attached to a PyTorch transformer
         self._lock = threading.Lock()
 
     def names(self) -> list[str]:
@@ -334,7 +336,7 @@ class LoraBank:
             if name in self.files:
                 return self.files[name]
         lf = LoraFile(self.path(name))
-        for module, (a, b, _) in lf.factors.items():
+        for module, (a, b, _) in (lf.factors.items() if self._layers is not None else ()):
             host, offset, rows = self._layers.get(module, (None, 0, 0))
             if host is None or (rows, self.hosts[host].in_features) != (b.shape[0], a.shape[1]):
                 raise FluxtrtError(f"lora {name!r} targets {module}, which this transformer does not have in that shape")
@@ -431,6 +433,9 @@ class LoraBank:
             for slot, _ in slots:
                 self.pinned[slot] -= 1
 
+    def health(self) -> dict:
+        return {"mixes_in_a_batch": True, "slots": self.slots, "loaded": list(self.loaded)}
+
     def use(self, assignment: list | None, device=None) -> None:
         """The next transformer calls' adapters: one [(slot, scale), ...] per sample (None: no LoRA at all)."""
         import torch
@@ -444,6 +449,65 @@ class LoraBank:
         dtype = next(iter(self.hosts.values())).up.dtype
         self.idx = torch.tensor(idx, dtype=torch.long, device=device)
         self.scale = torch.tensor(scale, dtype=dtype, device=device)
+
+
+class EngineAdapters:
+    """Per-request LoRAs where the transformer runs from engines or their ONNX (TensorRT, ONNX Runtime), whose
+    calls cannot mix adapters: the batcher puts only samples of one LoRA stack in a call (`mixes` False), and
+    before the call `use` makes that stack's transformer executors the pipeline's (the transformer and its First-
+    Block Cache parts, made by `make(refs)`: the checkpoint's weights with the stack merged as they load, as `run
+    --lora --weights` does). Up to `keep` stacks are kept (the request-less stack always), the least recently used
+    dropped. Names, files and GET /v1/loras are the bank's (LoraBank, never attached)."""
+
+    mixes = False
+
+    def __init__(self, bank: LoraBank, executors: dict, make, keep: int):
+        import collections
+
+        self.bank, self.executors, self.make, self.keep = bank, executors, make, max(1, int(keep))
+        from ..components import family
+
+        self.base = {n: ex for n, ex in executors.items() if family(n) == "transformer"}
+        self.stacks: collections.OrderedDict = collections.OrderedDict()  # stack -> {name: executor}
+        self.slots = 0
+
+    def __getattr__(self, name):  # names, listing, path, check, folder: the bank's
+        return getattr(self.__dict__["bank"], name)
+
+    @property
+    def loaded(self) -> list:
+        return sorted({n for stack in self.stacks for n, _ in stack})
+
+    def acquire(self, loras) -> tuple:
+        """A request's stack ((name, scale), ...): it is the batcher's grouping key; nothing waits for a slot."""
+        return tuple(loras)
+
+    def release(self, slots) -> None:
+        pass
+
+    def use(self, assignment: list | None, device=None) -> None:
+        """The next call's stack: every sample of a call has the same one (empty: the engines' own weights)."""
+        if assignment is None:
+            return  # the last stack stays active: the next call of the same stack needs no change
+        stacks = {tuple(a) for a in assignment}
+        if len(stacks) > 1:
+            raise FluxtrtError("a transformer call on engines got samples with different LoRAs (a batcher bug)")
+        stack = stacks.pop()
+        if not stack:
+            chosen = self.base
+        else:
+            if stack not in self.stacks:
+                refs = [LoraRef(self.bank.path(name), scale) for name, scale in stack]
+                while len(self.stacks) >= self.keep:
+                    for ex in self.stacks.popitem(last=False)[1].values():
+                        ex.deactivate()
+                self.stacks[stack] = self.make(refs)
+            self.stacks.move_to_end(stack)
+            chosen = self.stacks[stack]
+        self.executors.update(chosen)
+
+    def health(self) -> dict:
+        return {"mixes_in_a_batch": False, "stacks_kept": self.keep, "loaded": self.loaded}
 
 
 def _mixed_lora(base, bank: LoraBank, ranks: dict, *, slots: int, dtype, device):

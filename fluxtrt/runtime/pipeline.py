@@ -79,6 +79,7 @@ class Pipeline:
         self.dir, self.assets, self.geo = assembly.dir, assembly.assets, assembly.geo
         self.scheduler_config = assembly.scheduler_config
         self.context = assembly.context  # runtime/parallel.Rank of a split transformer, None otherwise
+        self.with_loras = assembly.with_loras  # the transformer's engines with LoRAs merged (a server's, per request)
         self.scaling_factor, self.shift_factor = assembly.scaling_factor, assembly.shift_factor
         self._memory_base = None
         if self.device.type == "cuda":
