@@ -275,14 +275,16 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, engines: Path, *args: str):
+    def __init__(self, engines: Path | None, *args: str):
+        """`fluxtrt serve` on `engines` with ONNX Runtime (None: what `args` name, e.g. --model M --backend torch)."""
         pytest.importorskip("ray")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+        what = ["--engines", str(engines), "--backend", "onnxruntime"] if engines is not None else []
         # started with SIGINT ignored, as a shell's background job is: Ctrl-C must stop it all the same
-        self.proc = subprocess.Popen([sys.executable, "-m", "fluxtrt.cli", "serve", "--engines", str(engines),
-                                      "--backend", "onnxruntime", "--port", str(self.port), *args],
+        self.proc = subprocess.Popen([sys.executable, "-m", "fluxtrt.cli", "serve", *what, "--port", str(self.port),
+                                      *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                      preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
         self.output = []

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from ..errors import FluxtrtError
 
 MAX_RANKS = 8
-TIMEOUT_S = 60  # a collective waiting this long for a rank ends the run
+# a collective waiting this long for a rank ends the run: long, since a rank's first call may load and compile
+# its transformer (minutes at full size); a rank that dies is noticed at once (Team.failure, watch)
+TIMEOUT_S = 1800
 ATTENTION = ("auto", "ulysses", "gather")  # --parallel-attention: how attention sees the whole sequence
 
 
@@ -124,8 +126,7 @@ class Team:
                                     timeout=datetime.timedelta(seconds=TIMEOUT_S))
         except Exception:  # a follower that could not start (its line, where it said one)
             self.close()
-            raise FluxtrtError(self.failure() or f"the {n} ranks of --parallel did not meet within {TIMEOUT_S} s") \
-                from None
+            raise FluxtrtError(self.failure() or f"the {n} ranks of --parallel did not meet") from None
         _CURRENT, _TEAM = Rank(0, n, self.backend, options.parallel_attention), self
         watch(self)
         import atexit
