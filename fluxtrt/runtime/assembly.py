@@ -109,9 +109,6 @@ class Assembly:
             raise self.manifest.lacking(missing, self.dir)
         if "transformer" in engine_names:  # First-Block Cache's parts, where the build made them
             engine_names += [p for p in TRANSFORMER_PARTS if p in self.manifest.components]
-        if self.loras and packages and "transformer" in engine_names:
-            raise FluxtrtError("--lora on compiled PyTorch packages: not yet (their joined weights are compiled in); "
-                               "run the transformer in PyTorch beside them with --fallback transformer")
         if o.parallel > 1 and "transformer" in engine_names:
             raise FluxtrtError("--parallel splits the PyTorch transformer: add --backend torch (engines, ONNX and "
                                "compiled packages run it whole)")
@@ -258,9 +255,21 @@ class Assembly:
         entries = {name: self.manifest.component(name) for name in names}
         probe = None if (device or run_device(self.manifest.runtime)) == "cpu" else LoadProbe(
             {name: (self.dir / e.engine, e.sha256) for name, e in entries.items()}, device or "cuda")
+        family_names = [n for n in names if family(n) == "transformer"]
+        if self.loras and family_names:  # every LoRA layer in one of the transformer's weights files, now
+            from ..checkpoint import read_header
+            from ..fileio import inside
+            from .lora import check_package_targets
+
+            keys = set()
+            for n in family_names:
+                if entries[n].constants:
+                    keys |= set(read_header(inside(self.dir, entries[n].constants["file"], f"{n}.constants")))
+            check_package_targets(keys, self.loras, f"the {self.dir.name} packages")
         for name, e in entries.items():
             self.executors[name] = PackageExecutor(name, e, self.dir / e.engine, specs[name],
-                                                   runtime=self.manifest.runtime, device=device, probe=probe)
+                                                   runtime=self.manifest.runtime, device=device, probe=probe,
+                                                   loras=self.loras if name in family_names else ())
 
     def _onnxruntime_executors(self, made, names, sources, provider) -> None:
         specs = specs_for(self.geo, names)

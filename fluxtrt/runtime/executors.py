@@ -489,9 +489,11 @@ class PackageExecutor(Executor):
     kind = "pt2"
 
     def __init__(self, component: str, entry: ComponentEntry, path: Path, spec, *, runtime: dict | None,
-                 device: str | None = None, probe: LoadProbe | None = None):
+                 device: str | None = None, probe: LoadProbe | None = None, loras=()):
         super().__init__(component, entry)
         self.path, self.spec, self.runtime = Path(path), spec, runtime or {}
+        self.loras = list(loras)  # [(runtime/lora.LoraFile, scale)]: merged into the weights as they are read
+        self.lora_note = None
         from ..core.packages import run_device
 
         self.probe = probe  # the folder's CUDA packages loaded once in a child process first (LoadProbe)
@@ -544,8 +546,16 @@ class PackageExecutor(Executor):
             weights = inside(self.path.parent, self.entry.constants["file"], f"{self.component}.constants")
             if self.probe is not None:
                 self.probe.start()  # its child loads the kernels while this process reads the weights
+            adjust = None
+            if self.loras:
+                from .lora import merge_into_constants
+
+                def adjust(tensors):
+                    n = merge_into_constants(tensors, self.loras, self.component)
+                    self.lora_note = f"LoRA merged into {n} weight{'s' if n != 1 else ''} of {self.path.name}"
             self._fn, self._weights = open_package(self.path, weights, self.entry.constants, self.device,
-                                                   self.component, before_load=self.probe and self.probe.wait)
+                                                   self.component, before_load=self.probe and self.probe.wait,
+                                                   adjust=adjust)
         self.active = True
 
     def infer_impl(self, feeds: dict) -> dict:

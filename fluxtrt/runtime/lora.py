@@ -212,6 +212,52 @@ def merge_into(module, loras) -> int:
     return len(changed)
 
 
+def _constant_key(keys, layer: str) -> str | None:
+    """The constant of a package's weights file that holds `layer`'s weight: the wrapped module's state dict name,
+    `model.<layer>.weight` (every wrapper of wrappers.py holds the diffusers module as `.model`); None where this
+    file has none (a First-Block Cache part holds some layers only)."""
+    key = f"model.{layer}.weight"
+    return key if key in keys else None
+
+
+def check_package_targets(keys, loras, what: str) -> None:
+    """Every layer of `loras` is a weight among `keys` (the union of the transformer packages' constants); one line
+    naming the first that is not."""
+    for lf, _ in loras:
+        for name in lf.factors:
+            if _constant_key(keys, name) is None:
+                raise FluxtrtError(f"LoRA {lf.path} targets {name}, which {what} do not hold as a linear layer's "
+                                   "weight; the LoRA is for another model")
+
+
+def merge_into_constants(weights: dict, loras, component: str) -> int:
+    """Each LoRA's delta added to a package's weights {constant name: tensor} as they were read, in place
+    (fp32 arithmetic, stored in the weight's dtype), before the package takes them: the same merge as
+    `merge_into` on the module. Layers this file does not hold are left to the other parts. E4M3 weights are
+    refused in one line (merging would need the recipe's quantization again). Returns the weights changed."""
+    import torch
+
+    changed = set()
+    with torch.no_grad():
+        for lf, scale in loras:
+            for name, (a, b, s) in lf.factors.items():
+                key = _constant_key(weights, name)
+                if key is None:
+                    continue
+                w = weights[key]
+                if w.dtype.is_floating_point and w.element_size() == 1:
+                    raise FluxtrtError(f"--lora on {component}'s fp8 package: its weights are E4M3 as the recipe "
+                                       "quantized them; run the transformer in PyTorch beside the packages "
+                                       "(--fallback transformer), which keeps fp8 and adds the LoRA beside it")
+                if tuple(w.shape) != (b.shape[0], a.shape[1]):
+                    raise FluxtrtError(f"LoRA {lf.path}: {name} is [{b.shape[0]}, {a.shape[1]}], the package's is "
+                                       f"{list(w.shape)}; the LoRA is for another model")
+                delta = torch.from_numpy(b).to(w.device) @ torch.from_numpy(a).to(w.device)
+                w.copy_((w.float() + delta * (scale * s)).to(w.dtype))
+                changed.add(key)
+    return len(changed)
+
+
 def side_path_plan(module, loras) -> dict:
     """Where each LoRA layer's term goes once the projections are joined: {host module: [(row offset, A, B scaled)]},
     read off the diffusers transformer `module` before fp8_layers.fuse_projections joins them (which records the

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from fluxtrt.errors import FluxtrtError
-from fluxtrt.runtime.lora import Lora, LoraRef
+from fluxtrt.runtime.lora import Lora, LoraFile, LoraRef
 
 MODULE = "transformer_blocks.0.attn.to_q"
 
@@ -246,3 +246,21 @@ def test_a_kohya_flux_lora_reads_as_the_diffusers_layers_it_holds(tmp_path):
                "lora_unet_double_blocks_0_nothing.lora_up.weight": torch.randn(h, 2)}, tmp_path / "bad.safetensors")
     with pytest.raises(FluxtrtError, match="lora_unet_double_blocks_0_nothing is not a FLUX transformer layer"):
         lora.LoraFile(tmp_path / "bad.safetensors")
+
+
+def test_merging_into_a_packages_weights_refuses_e4m3(tmp_path):
+    """A package's fp8 weights are as the recipe quantized them: merging a LoRA there is one line, not a silent
+    requantization; an fp32 weight gets scale * alpha/r * B @ A."""
+    from fluxtrt.runtime.lora import merge_into_constants
+
+    rng = np.random.default_rng()
+    lora_file(tmp_path / "x.safetensors", rng)
+    lf = LoraFile(tmp_path / "x.safetensors")
+    (name, (a, b, s)), = lf.factors.items()
+    w = torch.randn(b.shape[0], a.shape[1])
+    weights = {f"model.{name}.weight": w.clone()}
+    assert merge_into_constants(weights, [(lf, 0.5)], "transformer") == 1
+    want = w + 0.5 * s * torch.from_numpy(b) @ torch.from_numpy(a)
+    assert torch.allclose(weights[f"model.{name}.weight"], want, atol=1e-6)
+    with pytest.raises(FluxtrtError, match="--lora on transformer's fp8 package: its weights are E4M3"):
+        merge_into_constants({f"model.{name}.weight": w.to(torch.float8_e4m3fn)}, [(lf, 1.0)], "transformer")

@@ -200,3 +200,33 @@ def test_first_block_cache_runs_on_the_packaged_parts_as_on_the_jit_module(packa
     want = jit.generate(["a lighthouse"], 256, 256, 6, seed=seed, cache_threshold=0.3)
     assert got.timings.cache == want.timings.cache and got.timings.cache["computed"] >= 1
     assert np.abs(got.images.astype(int) - want.images.astype(int)).max() <= MAX_UINT8_DIFF
+
+
+def test_loras_merge_into_the_packages_weights_as_on_the_jit_module(packages, tmp_path):
+    """`run --lora A --lora B:0.5` on tiny-schnell's packages (the transformer and its First-Block Cache parts,
+    each merging the layers its weights file holds): the image equals the JIT torch executor's with the same
+    LoRAs (fp32) within 2/255, uncached and cached, and differs from the image without them; a LoRA for layers
+    no package holds is one line before anything loads."""
+    from safetensors.torch import save_file
+
+    from fluxtrt.errors import FluxtrtError
+    from tests.test_serving import write_loras
+
+    src, folder, _ = packages("tiny-schnell", ("transformer",), first_block_cache=True)
+    loras = write_loras(tmp_path / "loras", ["a", "b"])
+    refs = [str(loras / "a.safetensors"), f"{loras / 'b.safetensors'}:0.5"]
+    pipe = open_pipeline(folder, backend="torch", torch_dtype="fp32", lora=refs)
+    jit = open_pipeline(None, backend="torch", model=src, torch_dtype="fp32", device="cpu", lora=refs)
+    seed = int(np.random.default_rng().integers(1000))
+    for threshold in (0.0, 0.3):
+        got = pipe.generate(["a lighthouse"], 256, 256, 4, seed=seed, cache_threshold=threshold)
+        want = jit.generate(["a lighthouse"], 256, 256, 4, seed=seed, cache_threshold=threshold)
+        assert got.timings.cache == want.timings.cache
+        assert np.abs(got.images.astype(int) - want.images.astype(int)).max() <= MAX_UINT8_DIFF, threshold
+    assert pipe.executors["transformer"].lora_note.startswith("LoRA merged into")
+    plain = open_pipeline(folder, backend="torch", torch_dtype="fp32").generate(["a lighthouse"], 256, 256, 4, seed=seed)
+    assert np.abs(got.images.astype(int) - plain.images.astype(int)).max() > 10
+    save_file({"transformer.no_such.lora_A.weight": torch.randn(2, 8), "transformer.no_such.lora_B.weight":
+               torch.randn(8, 2)}, tmp_path / "foreign.safetensors")
+    with pytest.raises(FluxtrtError, match="targets no_such, which the cpu packages do not hold"):
+        open_pipeline(folder, backend="torch", lora=[tmp_path / "foreign.safetensors"])
