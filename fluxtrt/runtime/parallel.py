@@ -230,6 +230,7 @@ def _follower(index: int, job: tuple) -> None:
     n, port, backend, options, opener, errors = job
     rank = index + 1
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the leader's: it ends the followers (Team.close)
+    _end_with(os.getppid())
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -245,6 +246,18 @@ def _follower(index: int, job: tuple) -> None:
             dist.destroy_process_group()
         except Exception:
             pass
+
+
+def _end_with(leader: int, period_s: float = 1.0) -> None:
+    """End this follower when its leader process is gone (killed outright: nothing told the followers)."""
+    import time
+
+    def run():
+        while os.getppid() == leader:
+            time.sleep(period_s)
+        os._exit(1)
+
+    threading.Thread(target=run, name="fluxtrt-follower-leader", daemon=True).start()
 
 
 def follow(pipe) -> None:

@@ -163,8 +163,10 @@ def _children(pid: int) -> set[int]:
 
 
 @pytest.mark.slow
-def test_ctrl_c_ends_every_rank(tmp_path):
-    """SIGINT to the leader alone (a terminal would send it to every rank): exit 130, followers gone, no image."""
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL])
+def test_ctrl_c_or_a_killed_leader_ends_every_rank(tmp_path, how):
+    """SIGINT to the leader alone (a terminal would send it to every rank): exit 130, followers gone, no image.
+    SIGKILL to the leader (nothing can tell the followers): they notice and end within 15 s."""
     proc = subprocess.Popen([sys.executable, "-m", "fluxtrt.cli", "run", "--backend", "torch", "--model", "tiny",
                              "--torch-dtype", "fp32", "--parallel", "2", "--steps", "200", "--height", "512",
                              "--width", "512", "--prompt", "a fox", "--out", str(tmp_path / "x.png")],
@@ -177,9 +179,9 @@ def test_ctrl_c_ends_every_rank(tmp_path):
         followers = {p for p in _children(proc.pid) if "_follower" in _cmdline(p) or "spawn_main" in _cmdline(p)}
     assert followers, "no follower started"
     time.sleep(8)  # into the loop
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(how)
     out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 130, out
+    assert proc.returncode == (130 if how == signal.SIGINT else -signal.SIGKILL), out
     t0 = time.monotonic()
     while time.monotonic() - t0 < 15 and any(os.path.exists(f"/proc/{p}") and _alive(p) for p in followers):
         time.sleep(0.2)
