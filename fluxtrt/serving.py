@@ -309,13 +309,19 @@ class Service:
             log.info("serving the LoRAs of %s: %d names, %d slots in GPU memory", lora_dir, len(bank.names()), slots)
             return bank
         weights = self.pipe.options.weights
-        if isinstance(ex, PackageExecutor) or weights is None:
+        if isinstance(ex, PackageExecutor):  # each stack: the package's own weights with the LoRAs merged
+            if ex.entry.precision == "fp8":
+                raise FluxtrtError("--lora-dir on fp8 packages: their weights are E4M3 as the recipe quantized them; "
+                                   "serve with --backend torch --model M --calibration CAL (LoRAs beside fp8 GEMMs)")
+            size = ex.entry.constants["bytes"]
+        elif weights is None:
             raise FluxtrtError(f"--lora-dir on {ex.kind} engines merges each request's LoRAs into your checkpoint: add "
                                "--weights YOUR_FLUX_FOLDER (weight-free ONNX, or engines built --weightless), or serve "
                                "with --backend torch, which mixes LoRAs in one batch")
-        from .models.source import resolve_model
+        else:
+            from .models.source import resolve_model
 
-        size = sum(f.stat().st_size for f in (resolve_model(weights).path / "transformer").glob("*.safetensors"))
+            size = sum(f.stat().st_size for f in (resolve_model(weights).path / "transformer").glob("*.safetensors"))
         keep = max(1, int(cache_gb * 2**30) // max(size, 1))
         log.info("serving the LoRAs of %s on %s engines: one LoRA stack per transformer call, %d stack(s) kept",
                  lora_dir, ex.kind, keep)
@@ -508,7 +514,7 @@ class ServeArgs:
         check_number("lora_cache_gb", self.lora_cache_gb, 0.0, 1024.0)
         self.pipeline = self.pipeline.check()
         o = self.pipeline
-        if self.lora_dir is not None and o.backend != "torch" and o.weights is None:
+        if self.lora_dir is not None and o.backend != "torch" and o.weights is None and not _packages(o.engines):
             raise FluxtrtError("--lora-dir on engines merges each request's LoRAs into your checkpoint: add --weights "
                                "YOUR_FLUX_FOLDER, or serve with --backend torch (LoRAs mixed in one batch)")
         if self.lora_dir is not None and not Path(self.lora_dir).is_dir():
@@ -556,6 +562,16 @@ class ServeArgs:
             options.update(placement_group_bundles=[{"CPU": 1, **({"GPU": gpus} if gpus else {})}],
                            placement_group_strategy="STRICT_PACK")
         return options
+
+
+def _packages(engines) -> bool:
+    """Whether `engines` is a folder of compiled PyTorch packages (their own weights take per-request LoRAs)."""
+    from .records import ManifestError, read_manifest
+
+    try:
+        return engines is not None and read_manifest(Path(engines)).backend == "torch"
+    except (ManifestError, OSError):
+        return False  # check_servable says what is wrong with the folder
 
 
 class FluxService:

@@ -114,7 +114,7 @@ class Assembly:
                                "compiled packages run it whole)")
         self.options, self.ort_provider, self.budget = o, ort_provider, budget
         if engine_names and packages:
-            self._package_executors(engine_names, device)
+            self.executors.update(self._package_executors(engine_names, device, self.loras))
         elif engine_names:
             self.executors.update(self._engine_executors(engine_names, o.lora))
         if o.parallel > 1:  # last: nothing above may refuse once the followers run
@@ -211,9 +211,14 @@ class Assembly:
         return made
 
     def with_loras(self, refs) -> dict:
-        """The transformer's engine executors (its First-Block Cache parts' too) with the LoRAs `refs` merged:
-        a server's per-request LoRAs on engines (runtime/lora.EngineAdapters)."""
-        return self._engine_executors([n for n in self.executors if family(n) == "transformer"], refs)
+        """The transformer's engine or package executors (its First-Block Cache parts' too) with the LoRAs `refs`
+        merged: a server's per-request LoRAs on engines (runtime/lora.EngineAdapters)."""
+        names = [n for n in self.executors if family(n) == "transformer"]
+        if self.manifest.backend == "torch":  # compiled packages: merged into their weights files' tensors
+            from .lora import read_loras
+
+            return self._package_executors(names, self.options.device, read_loras(refs))
+        return self._engine_executors(names, refs)
 
     def _weight_sources(self, engine_names, weights, refs) -> dict:
         """name -> WeightSource (or None): the user's checkpoint through the build's weight maps, LoRAs merged
@@ -248,7 +253,8 @@ class Assembly:
                 cuda_graph=cuda_graph and name == "transformer", allow_host_code=allow_host_code,
                 weights=sources[name], kernel_specialization=kernel_specialization, low_vram=self.low_vram)
 
-    def _package_executors(self, names, device) -> None:
+    def _package_executors(self, names, device, loras) -> dict:
+        """PackageExecutors of `names`, the transformer's (and its parts') with `loras` merged as they load."""
         from ..core.packages import run_device
 
         specs = specs_for(self.geo, names)
@@ -256,7 +262,7 @@ class Assembly:
         probe = None if (device or run_device(self.manifest.runtime)) == "cpu" else LoadProbe(
             {name: (self.dir / e.engine, e.sha256) for name, e in entries.items()}, device or "cuda")
         family_names = [n for n in names if family(n) == "transformer"]
-        if self.loras and family_names:  # every LoRA layer in one of the transformer's weights files, now
+        if loras and family_names:  # every LoRA layer in one of the transformer's weights files, now
             from ..checkpoint import read_header
             from ..fileio import inside
             from .lora import check_package_targets
@@ -265,11 +271,10 @@ class Assembly:
             for n in family_names:
                 if entries[n].constants:
                     keys |= set(read_header(inside(self.dir, entries[n].constants["file"], f"{n}.constants")))
-            check_package_targets(keys, self.loras, f"the {self.dir.name} packages")
-        for name, e in entries.items():
-            self.executors[name] = PackageExecutor(name, e, self.dir / e.engine, specs[name],
-                                                   runtime=self.manifest.runtime, device=device, probe=probe,
-                                                   loras=self.loras if name in family_names else ())
+            check_package_targets(keys, loras, f"the {self.dir.name} packages")
+        return {name: PackageExecutor(name, e, self.dir / e.engine, specs[name], runtime=self.manifest.runtime,
+                                      device=device, probe=probe, loras=loras if name in family_names else ())
+                for name, e in entries.items()}
 
     def _onnxruntime_executors(self, made, names, sources, provider) -> None:
         specs = specs_for(self.geo, names)

@@ -226,7 +226,45 @@ def test_loras_merge_into_the_packages_weights_as_on_the_jit_module(packages, tm
     assert pipe.executors["transformer"].lora_note.startswith("LoRA merged into")
     plain = open_pipeline(folder, backend="torch", torch_dtype="fp32").generate(["a lighthouse"], 256, 256, 4, seed=seed)
     assert np.abs(got.images.astype(int) - plain.images.astype(int)).max() > 10
+    served_loras_equal_their_runs(folder, loras, seed)
     save_file({"transformer.no_such.lora_A.weight": torch.randn(2, 8), "transformer.no_such.lora_B.weight":
                torch.randn(8, 2)}, tmp_path / "foreign.safetensors")
     with pytest.raises(FluxtrtError, match="targets no_such, which the cpu packages do not hold"):
         open_pipeline(folder, backend="torch", lora=[tmp_path / "foreign.safetensors"])
+
+
+def served_loras_equal_their_runs(folder, loras, seed):
+    """`fluxtrt serve --engines PACKAGES --lora-dir DIR`: one LoRA stack per call, each stack's packages with
+    their weights merged; every image equals `run --lora` on the packages within 2/255."""
+    import asyncio
+    import base64
+    import io
+    import json
+
+    from PIL import Image
+
+    from fluxtrt.runtime.options import PipelineOptions
+    from fluxtrt.serving import Service
+
+    svc = Service(PipelineOptions(engines=folder, backend="torch", torch_dtype="fp32"), max_batch=2, max_queue=8,
+                  lora_dir=loras)
+    requests = [None, "a", [{"name": "b", "scale": 0.5}, {"name": "a"}], "a"]
+    try:
+        async def scenario():
+            return await asyncio.gather(*(svc.generate(json.dumps(
+                {"prompt": "a lighthouse", "size": "256x256", "steps": 3, "seed": seed + i,
+                 **({"lora": r} if r else {})}).encode()) for i, r in enumerate(requests)))
+
+        answers = asyncio.run(scenario())
+        assert [a[0] for a in answers] == [200] * 4, [a[1] for a in answers]
+        assert svc.health()["lora"]["mixed_calls"] == 0
+    finally:
+        svc.close()
+    for i, r in enumerate(requests):
+        stack = [r] if isinstance(r, str) else r or []
+        refs = [f"{loras / (x if isinstance(x, str) else x['name'])}.safetensors:"
+                f"{1.0 if isinstance(x, str) else x.get('scale', 1.0)}" for x in stack]
+        alone = _image(open_pipeline(folder, backend="torch", torch_dtype="fp32", lora=refs), "a lighthouse",
+                       seed + i, steps=3, height=256, width=256)
+        got = np.asarray(Image.open(io.BytesIO(base64.b64decode(answers[i][1]["data"][0]["b64_json"])))).astype(int)
+        assert np.abs(got - alone).max() <= MAX_UINT8_DIFF, (i, r)
