@@ -79,13 +79,14 @@ def _sizes(length: int, group, device) -> list[int]:
     return [int(s) for s in sizes]
 
 
-def gather_sequence(x, group, dim: int = 1):
+def gather_sequence(x, group, dim: int = 1, sizes: list | None = None):
     """Every rank's `x` of `group` joined along `dim` in rank order (the slices may differ in length: padded for
-    torch.distributed's all_gather, trimmed after)."""
+    torch.distributed's all_gather, trimmed after). `sizes`: every rank's length where the caller knows them
+    (None: asked of the ranks, one small collective more)."""
     import torch
     import torch.distributed as dist
 
-    sizes = _sizes(x.shape[dim], group, x.device)
+    sizes = sizes or _sizes(x.shape[dim], group, x.device)
     pad = max(sizes) - x.shape[dim]
     if pad:
         x = torch.cat([x, x.new_zeros(*x.shape[:dim], pad, *x.shape[dim + 1:])], dim)
@@ -94,17 +95,18 @@ def gather_sequence(x, group, dim: int = 1):
     return torch.cat([p.narrow(dim, 0, s) for p, s in zip(parts, sizes)], dim)
 
 
-def ulysses(fn, group):
+def ulysses(fn, group, sizes=None):
     """`fn`'s attention over the whole sequence by Ulysses' all-to-all: each rank's token slice of q, k, v
     [B, s_r, H, D] becomes every rank's tokens of its H/n heads [B, S, H/n, D], `fn` runs on those, and the
-    output goes back to token slices of all heads. The heads must divide by the ranks (parallel.attention_mode)."""
+    output goes back to token slices of all heads. The heads must divide by the ranks (parallel.attention_mode).
+    `sizes()`: every rank's sequence length in this call (None: asked of the ranks each time)."""
     import torch
     import torch.distributed as dist
 
     def attend(q, k, v):
-        sizes = _sizes(q.shape[1], group, q.device)
-        n, mine = len(sizes), q.shape[1]
-        b, heads, d = q.shape[0], q.shape[2] // len(sizes), q.shape[3]
+        sizes_now = sizes() if sizes is not None else _sizes(q.shape[1], group, q.device)
+        n, mine = len(sizes_now), q.shape[1]
+        b, heads, d = q.shape[0], q.shape[2] // n, q.shape[3]
 
         def exchange(flat, send: list, receive: list):  # all_to_all_single: gloo takes unequal pieces only so
             out = flat.new_empty(sum(receive))
@@ -113,31 +115,36 @@ def ulysses(fn, group):
 
         def to_heads(t):  # [B, s_r, H, D] -> [B, S, H/n, D]: head chunk j to rank j, every rank's tokens back
             flat = t.reshape(b, mine, n, heads, d).permute(2, 0, 1, 3, 4).reshape(-1)
-            got = exchange(flat, [b * mine * heads * d] * n, [b * s * heads * d for s in sizes])
-            return torch.cat([p.view(b, s, heads, d) for p, s in zip(got.split([b * s * heads * d for s in sizes]),
-                                                                      sizes)], dim=1)
+            got = exchange(flat, [b * mine * heads * d] * n, [b * s * heads * d for s in sizes_now])
+            return torch.cat([p.view(b, s, heads, d) for p, s in
+                              zip(got.split([b * s * heads * d for s in sizes_now]), sizes_now)], dim=1)
 
         out = fn(to_heads(q), to_heads(k), to_heads(v))
-        flat = torch.cat([o.reshape(-1) for o in out.split(sizes, dim=1)])
-        got = exchange(flat, [b * s * heads * d for s in sizes], [b * mine * heads * d] * n)
+        flat = torch.cat([o.reshape(-1) for o in out.split(sizes_now, dim=1)])
+        got = exchange(flat, [b * s * heads * d for s in sizes_now], [b * mine * heads * d] * n)
         return got.view(n, b, mine, heads, d).permute(1, 2, 0, 3, 4).reshape(b, mine, n * heads, d)
 
     return attend
 
 
-def context_parallel_fn(fn, group, mode: str):
+def context_parallel_fn(fn, group, mode: str, sizes=None):
     """`fn`'s attention (q, k, v: this rank's token slice) over the whole sequence of `group`'s ranks: "gather"
     (every rank's keys and values gathered, this rank's queries against all of them: any number of ranks, any
     head count) or "ulysses" (the all-to-all over heads, `ulysses`). Either is exact: the softmax runs over the
-    whole sequence."""
+    whole sequence. `sizes()`: every rank's sequence length in the call (runtime/parallel.call_sizes: known from
+    the split, so no collective asks, and a compiled module sees plain integers); None: asked of the ranks."""
     if mode == "ulysses":
-        return ulysses(fn, group)
+        return ulysses(fn, group, sizes)
     if mode == "gather":
-        return lambda q, k, v: fn(q, gather_sequence(k, group), gather_sequence(v, group))
+        def attend(q, k, v):
+            known = sizes() if sizes is not None else None
+            return fn(q, gather_sequence(k, group, sizes=known), gather_sequence(v, group, sizes=known))
+
+        return attend
     raise ValueError(f"context parallel attention is ulysses or gather, got {mode!r}")
 
 
-def context_parallel(transformer, group, mode: str = "gather") -> int:
+def context_parallel(transformer, group, mode: str = "gather", sizes=None) -> int:
     """Context parallelism on `transformer`, in place: each attention sees the whole sequence
     (context_parallel_fn, around the function the module had: fp8-attn's, or torch's SDPA) while every other
     layer of FLUX acts on this rank's tokens alone. Returns the modules changed."""
@@ -145,5 +152,5 @@ def context_parallel(transformer, group, mode: str = "gather") -> int:
     for name in names:
         module = transformer.get_submodule(name)
         inner = module.processor.fn if isinstance(module.processor, Processor) else sdpa
-        module.set_processor(Processor(context_parallel_fn(inner, group, mode)))
+        module.set_processor(Processor(context_parallel_fn(inner, group, mode, sizes)))
     return len(names)

@@ -323,10 +323,10 @@ class TorchExecutor(Executor):
                 self.lora_note = f"LoRA as low-rank terms beside {hosts} fp8 GEMMs ({len(plan)} linear layers)"
             if self.context is not None:  # attention over the whole sequence: Ulysses, or keys and values gathered
                 from ..attention import context_parallel
-                from .parallel import attention_mode
+                from .parallel import attention_mode, call_sizes
 
                 mode = attention_mode(self.context.attention, raw.config.num_attention_heads, self.context.size)
-                context_parallel(raw, self.context.group, mode)
+                context_parallel(raw, self.context.group, mode, sizes=call_sizes)
                 self.parallel_mode = mode
                 self.parallel_note = f"the transformer split over {self.context.size} ranks ({mode} attention)"
             self.module = self.spec.wrap(raw).eval()

@@ -306,6 +306,19 @@ def receive(rank: Rank) -> tuple[str, dict]:
     return name, feeds
 
 
+_CALL_SIZES: list = []  # every rank's attention sequence length in the call running now (`shard` sets it)
+
+
+def call_sizes() -> list:
+    """Every rank's attention sequence length (its text slice + its image slice) in the call running now."""
+    return _CALL_SIZES
+
+
+def split_sizes(length: int, n: int) -> list[int]:
+    """The lengths torch.tensor_split(length, n) gives, rank by rank."""
+    return [length // n + (1 if r < length % n else 0) for r in range(n)]
+
+
 def _token_axes(tensors) -> dict:
     return {t.name: next((i for i, d in enumerate(t.dims) if d in ("image_tokens", "geo.t5_length")), None)
             for t in tensors}
@@ -317,6 +330,11 @@ def shard(spec, feeds: dict, rank: Rank) -> dict:
     import torch
 
     axes = _token_axes(spec.inputs)
+    lengths = {}  # "image_tokens" / "geo.t5_length" -> the call's length
+    for t in spec.inputs:
+        if feeds.get(t.name) is not None and axes[t.name] is not None:
+            lengths[t.dims[axes[t.name]]] = feeds[t.name].shape[axes[t.name]]
+    _CALL_SIZES[:] = [sum(s) for s in zip(*(split_sizes(n, rank.size) for n in lengths.values()))]
     return {name: torch.tensor_split(v, rank.size, dim=axes[name])[rank.rank] if axes.get(name) is not None else v
             for name, v in feeds.items()}
 
