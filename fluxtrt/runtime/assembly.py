@@ -201,14 +201,10 @@ class Assembly:
     def _engine_executors(self, names, refs) -> dict:
         """TensorRT or ONNX Runtime executors of `names` (choose_backend named one of them), with the LoRAs `refs`
         merged into the checkpoint's weights as they load."""
-        o, made = self.options, {}
-        sources = self._weight_sources(names, o.weights, refs)
+        sources = self._weight_sources(names, self.options.weights, refs)
         if self.backend == "tensorrt":
-            self._tensorrt_executors(made, names, sources, self.budget, o.cuda_graph, o.allow_host_code,
-                                     kernel_specialization=o.kernel_specialization)
-        else:
-            self._onnxruntime_executors(made, names, sources, self.ort_provider)
-        return made
+            return self._tensorrt_executors(names, sources)
+        return self._onnxruntime_executors(names, sources)
 
     def with_loras(self, refs) -> dict:
         """The transformer's engine or package executors (its First-Block Cache parts' too) with the LoRAs `refs`
@@ -235,9 +231,10 @@ class Assembly:
         return {n: WeightSource.for_component(weight_source, self.dir, self.manifest.component(n), n, lora)
                 for n in engine_names}
 
-    def _tensorrt_executors(self, made, names, sources, budget, cuda_graph, allow_host_code, *, kernel_specialization):
+    def _tensorrt_executors(self, names, sources) -> dict:
         from ..core.backends import get_backend
 
+        o, made = self.options, {}
         trt_backend = get_backend(self.manifest.backend)
         _ = trt_backend.trt  # clear error if the package is missing
         check_gpu_for(self.manifest, trt_backend)
@@ -249,9 +246,10 @@ class Assembly:
                                    "works with engines built with `fluxtrt build --weightless`, or with --backend "
                                    "onnxruntime")
             made[name] = TensorRTExecutor(
-                name, e, self.dir / e.engine, trt_backend, None, shared_memory=shared, weight_streaming_budget=budget,
-                cuda_graph=cuda_graph and name == "transformer", allow_host_code=allow_host_code,
-                weights=sources[name], kernel_specialization=kernel_specialization, low_vram=self.low_vram)
+                name, e, self.dir / e.engine, trt_backend, None, shared_memory=shared, weight_streaming_budget=self.budget,
+                cuda_graph=o.cuda_graph and name == "transformer", allow_host_code=o.allow_host_code,
+                weights=sources[name], kernel_specialization=o.kernel_specialization, low_vram=self.low_vram)
+        return made
 
     def _package_executors(self, names, device, loras) -> dict:
         """PackageExecutors of `names`, the transformer's (and its parts') with `loras` merged as they load."""
@@ -276,8 +274,8 @@ class Assembly:
                                       device=device, probe=probe, loras=loras if name in family_names else ())
                 for name, e in entries.items()}
 
-    def _onnxruntime_executors(self, made, names, sources, provider) -> None:
-        specs = specs_for(self.geo, names)
+    def _onnxruntime_executors(self, names, sources) -> dict:
+        specs, made = specs_for(self.geo, names), {}
         for name in names:
             e, ws = self.manifest.component(name), sources[name]
             onnx_path = self.dir / e.weightfree_onnx if ws is not None else built_onnx(self.dir, e)
@@ -285,7 +283,9 @@ class Assembly:
                 raise ManifestError(f"{name}: this engine folder has no ONNX of its build machine (an unpacked "
                                     "archive?); ONNX Runtime runs its weight-free ONNX with your checkpoint: "
                                     "--backend onnxruntime --weights YOUR_FLUX_FOLDER")
-            made[name] = OnnxRuntimeExecutor(name, e, onnx_path, specs[name], self.geo, provider=provider, weights=ws)
+            made[name] = OnnxRuntimeExecutor(name, e, onnx_path, specs[name], self.geo, provider=self.ort_provider,
+                                             weights=ws)
+        return made
 
     def _weight_source(self, weights: Path):
         """The user's checkpoint folder, checked against what the engines were built for."""
