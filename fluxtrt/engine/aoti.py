@@ -103,6 +103,11 @@ def compile_package(module, spec: ComponentSpec, geo: Geometry, rng: ShapeRange,
         with atomic_path(package_path) as tmp:
             torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp),
                                                      inductor_configs={"aot_inductor.package_constants_in_so": False,
+                                                                       # no constants made at compile time: the
+                                                                       # weights file holds every one the
+                                                                       # package reads (the fp8 transformer's
+                                                                       # folded ones were missing on the H200)
+                                                                       "joint_graph_constant_folding": False,
                                                                        "cpp.cxx": (None, cxx_compiler()[0])})
     except Exception as e:
         raise BuildError(f"{spec.name}: AOTInductor failed to compile the package ({type(e).__name__}: "

