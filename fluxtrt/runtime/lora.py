@@ -195,6 +195,14 @@ def _target(module, name: str, lf: LoraFile, a, b):
     return lin
 
 
+def _add_delta(w, a, b, factor: float) -> None:
+    """w += factor * B @ A in place, computed in fp32 and stored in w's dtype."""
+    import torch
+
+    delta = torch.from_numpy(b).to(w.device) @ torch.from_numpy(a).to(w.device)
+    w.copy_((w.float() + delta * factor).to(w.dtype))
+
+
 def merge_into(module, loras) -> int:
     """Add each LoRA's delta to the diffusers transformer `module`'s linear weights, in place (computed in fp32,
     stored in the weight's dtype). Before the projections are joined. Returns the layers changed."""
@@ -205,9 +213,7 @@ def merge_into(module, loras) -> int:
         for lf, scale in loras:
             for name, (a, b, s) in lf.factors.items():
                 lin = _target(module, name, lf, a, b)
-                w = lin.weight
-                delta = torch.from_numpy(b).to(w.device) @ torch.from_numpy(a).to(w.device)
-                w.copy_((w.float() + delta * (scale * s)).to(w.dtype))
+                _add_delta(lin.weight, a, b, scale * s)
                 changed.add(name)
     return len(changed)
 
@@ -252,8 +258,7 @@ def merge_into_constants(weights: dict, loras, component: str) -> int:
                 if tuple(w.shape) != (b.shape[0], a.shape[1]):
                     raise FluxtrtError(f"LoRA {lf.path}: {name} is [{b.shape[0]}, {a.shape[1]}], the package's is "
                                        f"{list(w.shape)}; the LoRA is for another model")
-                delta = torch.from_numpy(b).to(w.device) @ torch.from_numpy(a).to(w.device)
-                w.copy_((w.float() + delta * (scale * s)).to(w.dtype))
+                _add_delta(w, a, b, scale * s)
                 changed.add(key)
     return len(changed)
 
