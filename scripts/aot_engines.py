@@ -192,6 +192,52 @@ def read(a) -> None:
         write(a.out, {"meta": meta(a), "rows": rows})
 
 
+def kernels(a) -> None:
+    """Where a fresh process's first package load goes (52 s for the first CUDA package on the H200, later ones
+    0.0 s): torch imported, the CUDA context made, torch._inductor imported, then each package's kernels loaded,
+    the first under cProfile (its 20 costliest calls by cumulative time in the rows)."""
+    import cProfile
+    import io
+    import pstats
+
+    t0 = time.perf_counter()
+    import torch
+
+    rows = {"import_torch_s": round(time.perf_counter() - t0, 2)}
+    from fluxtrt.core import packages
+    from fluxtrt.records import read_manifest
+
+    manifest = read_manifest(Path(a.engines))
+    device = packages.run_device(manifest.runtime)
+    t = time.perf_counter()
+    if device == "cuda":
+        torch.zeros(1, device=device)
+        torch.cuda.synchronize()
+    rows["cuda_context_s"] = round(time.perf_counter() - t, 2)
+    t = time.perf_counter()
+    import torch._inductor  # noqa: F401
+    import torch._inductor.package  # noqa: F401
+
+    rows["import_inductor_s"] = round(time.perf_counter() - t, 2)
+    for i, (name, e) in enumerate(manifest.components.items()):
+        if not (e.engine or "").endswith(packages.EXTENSION):
+            continue
+        prof = cProfile.Profile() if i == 0 else None
+        t = time.perf_counter()
+        if prof:
+            prof.enable()
+        packages.load_package(Path(a.engines) / e.engine, name, device)
+        if prof:
+            prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(20)
+            rows[f"{name}_profile"] = text.getvalue().splitlines()[-30:]
+        rows[f"{name}_kernels_load_s"] = round(time.perf_counter() - t, 2)
+        print(name, rows[f"{name}_kernels_load_s"], flush=True)
+        write(a.out, {"meta": meta(a), "rows": rows})
+    print("\n".join(rows.get(next(iter(manifest.components)) + "_profile", [])), flush=True)
+
+
 def speed(a) -> None:
     import gc
 
@@ -253,7 +299,7 @@ def speed(a) -> None:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("phase", choices=["build", "load", "read", "first", "speed"])
+    ap.add_argument("phase", choices=["build", "load", "read", "first", "speed", "kernels"])
     ap.add_argument("--gpu", default="h200")
     ap.add_argument("--model", default="", help="build: default random:flux.1-dev; speed: default the manifest's")
     ap.add_argument("--root", default="aot", help="build: the build root")
@@ -272,7 +318,7 @@ def main():
     a = ap.parse_args()
     if a.phase == "build" and not a.components:
         a.components = "clip,t5,transformer,vae_decoder"
-    {"build": build, "load": load, "read": read, "first": first, "speed": speed}[a.phase](a)
+    {"build": build, "load": load, "read": read, "first": first, "speed": speed, "kernels": kernels}[a.phase](a)
 
 
 if __name__ == "__main__":
