@@ -82,21 +82,34 @@ def runtime_problem(recorded: dict, device) -> str | None:
 def load_package(path: Path, component: str, device):
     """The compiled module of a package (already checked against the manifest's sha256 and runtime); a package
     torch cannot open is one line."""
-    import torch
-
     try:
-        return torch._inductor.aoti_load_package(str(path), device_index=_index(device))
+        return _open(str(path), _index(device))
     except Exception as e:
         raise _not_loadable(component, path, f"{type(e).__name__}: "
                             f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}") from None
 
 
-# what the child process of probe_load runs: each package's kernels loaded in turn (a CUDA package needs no weights
-# for that), its index printed first, so that a crash names the package it died in
+def _open(path: str, device_index: int):
+    """torch's loader for a package's default model, without aoti_load_package's device-information check: that
+    check only warns, and to name this CPU's vector ISA it compiles and runs a test program per ISA with g++, which
+    took 53 s of a fresh process's first package load on the H100's machine (scripts/aot_engines.py kernels,
+    docs/bench/aot_engines.json). The manifest's runtime (target, torch, CUDA) is checked before this instead.
+    Single-threaded: the default container waits on CUDA events for a free model instance, which a CUDA graph
+    capture refuses ("operation not permitted when stream is capturing", the H100's `run --cuda-graph`); a
+    pipeline calls its executors from one thread at a time."""
+    import torch
+    from torch.export.pt2_archive._package import AOTICompiledModel
+
+    return AOTICompiledModel(torch._C._aoti.AOTIModelPackageLoader(path, "model", True, 1, device_index))
+
+
+# what the child process of probe_load runs (_open's loader): each package's kernels loaded in turn (a CUDA
+# package needs no weights for that), its index printed first, so that a crash names the package it died in
 _PROBE = """import sys, torch
+from torch.export.pt2_archive._package import AOTICompiledModel
 for i, path in enumerate(sys.argv[2:]):
     print(i, flush=True)
-    torch._inductor.aoti_load_package(path, device_index=int(sys.argv[1]))
+    AOTICompiledModel(torch._C._aoti.AOTIModelPackageLoader(path, "model", True, 1, int(sys.argv[1])))
 """
 
 

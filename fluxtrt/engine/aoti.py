@@ -9,6 +9,7 @@ it."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -100,7 +101,7 @@ def compile_package(module, spec: ComponentSpec, geo: Geometry, rng: ShapeRange,
     check_space(package_path, sum(p.numel() * p.element_size() for p in module.state_dict().values()))
     t0 = time.perf_counter()
     try:
-        with atomic_path(package_path) as tmp:
+        with atomic_path(package_path) as tmp, _lowered_graphs() as graphs:
             torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp),
                                                      inductor_configs={"aot_inductor.package_constants_in_so": False,
                                                                        # no constants made at compile time: the
@@ -113,14 +114,48 @@ def compile_package(module, spec: ComponentSpec, geo: Geometry, rng: ShapeRange,
         raise BuildError(f"{spec.name}: AOTInductor failed to compile the package ({type(e).__name__}: "
                          f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else ''})") from e
     compile_seconds = time.perf_counter() - t0
-    constants = save_constants({**exported.state_dict, **exported.constants},
-                               package_path.with_name(spec.name + CONSTANTS))
+    weights = {**exported.state_dict, **exported.constants}
+    made = made_constants(graphs, weights)
+    constants = save_constants({**weights, **made}, package_path.with_name(spec.name + CONSTANTS))
+    constants["made_by_inductor"] = len(made)
     profile = {name: {"min": list(lo), "opt": list(opt), "max": list(hi)}
                for name, (lo, opt, hi) in spec.profile(rng, geo).items()}
     return BuiltPackage(bytes=package_path.stat().st_size, sha256=sha256_file(package_path),
                         inputs=_io(spec.inputs, args), outputs=_io(spec.outputs, outputs), profile=profile,
                         constants=constants,
                         export_seconds=round(export_seconds, 3), compile_seconds=round(compile_seconds, 3))
+
+
+@contextlib.contextmanager
+def _lowered_graphs():
+    """The Inductor graphs an AOT compile lowers, as it lowers them (their constants, read after)."""
+    from torch._inductor.graph import GraphLowering
+
+    graphs, codegen = [], GraphLowering.codegen_with_cpp_wrapper
+
+    def recorded(self, *args, **kwargs):
+        graphs.append(self)
+        return codegen(self, *args, **kwargs)
+
+    GraphLowering.codegen_with_cpp_wrapper = recorded
+    try:
+        yield graphs
+    finally:
+        GraphLowering.codegen_with_cpp_wrapper = codegen
+
+
+def made_constants(graphs, weights: dict) -> dict:
+    """The constants a package reads that the exported program does not hold ({name the package asks for:
+    tensor}): Inductor makes some while lowering (named `constantN`; the fp8 transformer's package on the H100 asked
+    for `constant1235`, not in its weights file). The package names a constant by its original FQN where it has one
+    (as the C++ wrapper's constants_info_ does), else by Inductor's name."""
+    made = {}
+    for g in graphs:
+        for name, tensor in g.constants.items():
+            fqn = g.dynamo_flat_name_to_original_fqn.get(name) or g.allocated_constant_name.get(name, name)
+            if fqn not in weights and fqn not in made:
+                made[fqn] = tensor
+    return made
 
 
 def cxx_compiler() -> tuple[str, str]:
