@@ -52,3 +52,22 @@ def test_a_clip_package_equals_its_module_across_the_profile(tmp_path):
             want = module(feeds["input_ids"])
             got = package(feeds["input_ids"])  # as the module returns it: one tensor
         assert got.shape == want.shape and float((got - want).abs().max() / want.abs().max()) < 1e-5
+
+
+def test_constants_inductor_makes_go_to_the_weights_file_under_the_names_the_package_asks():
+    """made_constants: a parameter Inductor holds under its flat name is the exported weight (not written twice);
+    a constant Inductor made while lowering (`constantN`, no FQN: the H100's fp8 transformer asked for constant1235)
+    is added under that name; the same made constant in two lowered graphs once."""
+    from types import SimpleNamespace
+
+    from fluxtrt.engine.aoti import made_constants
+
+    weight, made = torch.randn(4, 3), torch.randn(3)
+    graph = SimpleNamespace(constants={"blocks_0_weight": weight, "constant7": made},
+                            dynamo_flat_name_to_original_fqn={"blocks_0_weight": "blocks.0.weight"},
+                            allocated_constant_name={"blocks_0_weight": "blocks.0.weight", "constant7": "constant7"})
+    const_graph = SimpleNamespace(constants={"constant7": made}, dynamo_flat_name_to_original_fqn={},
+                                  allocated_constant_name={"constant7": "constant7"})
+    out = made_constants([graph, const_graph], {"blocks.0.weight": weight})
+    assert list(out) == ["constant7"] and torch.equal(out["constant7"], made)
+    assert made_constants([graph], {"blocks.0.weight": weight, "constant7": made}) == {}
