@@ -1,5 +1,6 @@
 """core/packages.py: what a compiled PyTorch package needs to run, and the one line when this machine differs."""
 
+import pytest
 import torch
 
 from fluxtrt.core.packages import package_runtime, runtime_problem
@@ -61,26 +62,30 @@ def test_the_build_compiles_with_a_compiler_of_the_libstdcxx_torch_runs_on(tmp_p
         _choose_compiler((str(tmp_path / "absent"),))
 
 
-def test_constants_round_trip_in_their_dtypes_and_a_damaged_file_is_one_line(tmp_path):
+@pytest.mark.parametrize("piece", [64 << 20, 1000])
+def test_constants_round_trip_in_their_dtypes_and_a_damaged_file_is_one_line(tmp_path, monkeypatch, piece):
     """A package's weights file: E4M3, bf16 and fp32 tensors (fresh random values) read back bit for bit, hashed
-    on the way (tree_sha256, checked beside the read); a flipped byte or a truncated file is refused naming the
-    file and the fix, nothing returned."""
+    as they are read (tree_sha256's pieces on several threads); a flipped byte or a truncated file is refused
+    naming the file and the fix, nothing returned. With 1000-byte pieces (the record's 64 MiB made small) tensors
+    straddle pieces and a piece holds several tensors."""
     import pytest
 
+    from fluxtrt import fileio
     from fluxtrt.core.packages import read_constants, save_constants
     from fluxtrt.errors import FluxtrtError
 
+    monkeypatch.setattr(fileio, "TREE_CHUNK", piece)
     g = torch.Generator().manual_seed(int(torch.randint(0, 10_000, ())))
     tensors = {"w8": (torch.randn(64, 32, generator=g) * 8).to(torch.float8_e4m3fn),
                "b16": torch.randn(17, generator=g).to(torch.bfloat16), "f32": torch.randn(3, 5, generator=g),
-               "empty": torch.zeros(0)}
+               "empty": torch.zeros(0), "big": torch.randn(1500, generator=g), "scalar": torch.randn((), generator=g)}
     rec = save_constants(tensors, tmp_path / "t.constants.safetensors")
     assert rec["file"] == "t.constants.safetensors" and rec["bytes"] == (tmp_path / rec["file"]).stat().st_size
     assert not list(tmp_path.glob(".tmp-*"))
     back = read_constants(tmp_path / rec["file"], rec, "cpu", "transformer")
     for k, v in tensors.items():
-        assert back[k].dtype == v.dtype and back[k].shape == v.shape and torch.equal(back[k].view(torch.uint8),
-                                                                                    v.view(torch.uint8))
+        assert back[k].dtype == v.dtype and back[k].shape == v.shape and torch.equal(
+            back[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8))
     data = bytearray((tmp_path / rec["file"]).read_bytes())
     data[-40] ^= 0x01
     (tmp_path / rec["file"]).write_bytes(bytes(data))
