@@ -5,7 +5,7 @@ the continuous batcher both call it."""
 from __future__ import annotations
 
 from ..components import TRANSFORMER_PARTS, specs_for
-from ..errors import RequestError
+from ..errors import FluxtrtError, RequestError
 from .executors import PackageExecutor, TorchExecutor
 from .tensorrt import TensorRTExecutor
 
@@ -128,8 +128,13 @@ class CudaGraphStep:
                 executor.infer(self.static)
         stream.synchronize()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=stream):
-            self.out = executor.infer(self.static)["noise_pred"]
+        try:
+            with torch.cuda.graph(self.graph, stream=stream):
+                self.out = executor.infer(self.static)["noise_pred"]
+        except Exception as e:  # torch.AcceleratorError: an executor that waits on the host inside its call
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise FluxtrtError(f"--cuda-graph: the {executor.kind} transformer cannot be captured as a CUDA graph "
+                               f"({first}); run without --cuda-graph") from None
 
     def set_call_inputs(self, feeds: dict) -> None:
         for k, v in feeds.items():

@@ -28,3 +28,38 @@ def test_the_cached_step_with_a_cache_that_always_computes_is_the_whole_transfor
     whole = ex.infer(dict(feeds))["noise_pred"]
     parts = pipe.steps.cached_transformer(dict(feeds), [(None, slice(None))])
     assert (parts - whole).abs().max() <= 1e-5 * whole.abs().max()
+
+
+def test_an_executor_that_cannot_be_captured_is_one_line_naming_the_fix(monkeypatch):
+    """CudaGraphStep: an executor whose call waits on the host (the default AOTI container did: "operation not
+    permitted when stream is capturing") fails the capture; that is one FluxtrtError naming --cuda-graph, not a
+    traceback. torch's CUDA graph API stood in for on this CPU: the capture raises as torch's does."""
+    import contextlib
+
+    from fluxtrt.errors import FluxtrtError
+    from fluxtrt.runtime import steps
+
+    class Capture:
+        def __enter__(self):
+            self.capturing = True
+
+        def __exit__(self, *exc):
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+    class Executor:
+        kind, calls = "pt2", 0
+
+        def infer(self, feeds):
+            self.calls += 1
+            return {"noise_pred": feeds["hidden_states"] * 2}
+
+    ex = Executor()
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, stream=None: Capture())
+    stream = type("Stream", (), {"synchronize": lambda self: None})()
+    feeds = {"hidden_states": torch.randn(1, 16, 8), "timestep": torch.rand(1)}
+    with pytest.raises(FluxtrtError, match=r"^--cuda-graph: the pt2 transformer cannot be captured as a CUDA graph "
+                                           r"\(CUDA error: .*\); run without --cuda-graph$"):
+        steps.CudaGraphStep(ex, feeds, stream)
+    assert ex.calls == 3  # two warm-up calls, then the one captured
