@@ -18,6 +18,7 @@ for P in ${1:-fp8 bf16}; do
   $A build --gpu "$GPU" --model "$MODEL" "${prec[@]}" --root /tmp/aot --out "$OUTDIR/build_$P.json" || continue
   DIR=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['gpu_dir'])" "$OUTDIR/build_$P.json")
   $A kernels --engines "$DIR" --out "$OUTDIR/kernels_$P.json"
+  $A read --engines "$DIR" --out "$OUTDIR/read_$P.json"
   python3 -X faulthandler scripts/aot_engines.py load --engines "$DIR" --out "$OUTDIR/load_$P.json"
   $A first --engines "$DIR" --steps "$STEPS" --size "$SIZE" --out "$OUTDIR/first_$P.json"
   $A speed --engines "$DIR" --steps "$STEPS" --size "$SIZE" --variants diffusers,packages-graph \
