@@ -20,10 +20,11 @@ import argparse
 import asyncio
 import gc
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
+
+from bench_serve import calibration_file, row  # scripts/: the serving benchmark's calibration and rows
 
 ATTENTION = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
              "attn.add_v_proj", "attn.to_add_out")
@@ -31,13 +32,6 @@ ATTENTION = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q
 
 def write(path, obj) -> None:
     Path(path).write_text(json.dumps(obj, indent=1, default=str))
-
-
-def row(kind, latencies, wall, **more) -> dict:
-    lat = sorted(latencies)
-    return {"kind": kind, "requests": len(lat), "wall_s": round(wall, 2),
-            "images_per_min": round(60 * len(lat) / wall, 2), "p50_s": round(statistics.median(lat), 3),
-            "p95_s": round(lat[min(len(lat) - 1, int(0.95 * len(lat)))], 3), **more}
 
 
 def write_loras(model, folder: Path, count: int, rank: int, seed: int = 0) -> list:
@@ -101,9 +95,10 @@ def served(options, a, names, lora_dir) -> dict:
                   service.batcher.stats.steps_run)
         lat, wall = asyncio.run(load(a.requests, 0))
         s = service.batcher.stats
-        return row("fluxtrt serve, LoRA per request" if names else "fluxtrt serve, no LoRA", lat, wall,
-                   start_s=round(start_s, 1), transformer_calls=s.steps_run - before[2],
-                   lora_calls=s.lora_calls - before[0], mixed_lora_calls=s.mixed_lora_calls - before[1])
+        return {**row("fluxtrt serve, LoRA per request" if names else "fluxtrt serve, no LoRA", a.size,
+                      a.concurrency, 1, lat, wall),
+                "start_s": round(start_s, 1), "transformer_calls": s.steps_run - before[2],
+                "lora_calls": s.lora_calls - before[0], "mixed_lora_calls": s.mixed_lora_calls - before[1]}
     finally:
         service.close()
 
@@ -136,7 +131,7 @@ def diffusers_rows(model, a, folder, names, device) -> list:
             t = time.perf_counter()
             fn(k)
             lat.append(time.perf_counter() - t)
-        rows.append(row(kind, lat, time.perf_counter() - t0))
+        rows.append(row(kind, a.size, 1, 1, lat, time.perf_counter() - t0))
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -161,9 +156,6 @@ def main():
     from fluxtrt.models.source import resolve_model
     from fluxtrt.runtime.options import PipelineOptions
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from bench_serve import calibration_file
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = resolve_model(a.model)
     folder = Path(a.work) / "loras"
@@ -181,7 +173,7 @@ def main():
     if device == "cuda":
         torch.cuda.empty_cache()
     out["rows"] += diffusers_rows(model, a, folder, names, device)
-    by = {r["kind"]: r["images_per_min"] for r in out["rows"]}
+    by = {r["system"]: r["images_per_min"] for r in out["rows"]}
     lora = by["fluxtrt serve, LoRA per request"]
     out["ratios"] = {"lora_vs_no_lora": round(lora / by["fluxtrt serve, no LoRA"], 3),
                      "lora_vs_diffusers_merge": round(lora / by["diffusers eager, merge + unmerge one LoRA per request"], 3),

@@ -104,13 +104,13 @@ def _open(path: str, device_index: int):
     return AOTICompiledModel(torch._C._aoti.AOTIModelPackageLoader(path, "model", True, 1, device_index))
 
 
-# what the child process of probe_load runs (_open's loader): each package's kernels loaded in turn (a CUDA
-# package needs no weights for that), its index printed first, so that a crash names the package it died in
-_PROBE = """import sys, torch
-from torch.export.pt2_archive._package import AOTICompiledModel
+# what the child process of probe_load runs: each package's kernels loaded in turn by _open (a CUDA package needs
+# no weights for that), its index printed first, so that a crash names the package it died in
+_PROBE = """import sys
+from fluxtrt.core.packages import _open
 for i, path in enumerate(sys.argv[2:]):
     print(i, flush=True)
-    AOTICompiledModel(torch._C._aoti.AOTIModelPackageLoader(path, "model", True, 1, int(sys.argv[1])))
+    _open(path, int(sys.argv[1]))
 """
 
 
@@ -119,6 +119,7 @@ def probe_load(paths: dict, device) -> None:
     process on load (every one whose wrapper linked libstdc++ statically SIGSEGVed in aoti_load_package on the H200,
     docs/bench/aot_engines.json; the build now avoids such compilers, engine/aoti.cxx_compiler) is one line here,
     not a dead `fluxtrt run` or server replica. The caller remembers packages that loaded."""
+    import os
     import signal
     import subprocess
     import sys
@@ -126,9 +127,11 @@ def probe_load(paths: dict, device) -> None:
     import torch
 
     names = list(paths)
+    here = str(Path(__file__).resolve().parents[2])  # where this fluxtrt is imported from: the child imports it too
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH")))))
     try:
         p = subprocess.run([sys.executable, "-c", _PROBE, str(_index(device)), *map(str, paths.values())],
-                           capture_output=True, text=True, timeout=900)
+                           capture_output=True, text=True, timeout=900, env=env)
     except subprocess.TimeoutExpired:
         raise FluxtrtError(f"{', '.join(names)}: loading their packages did not finish in 15 minutes; check the GPU "
                            "with nvidia-smi") from None
@@ -138,7 +141,7 @@ def probe_load(paths: dict, device) -> None:
     if p.returncode < 0:
         sig = signal.Signals(-p.returncode).name
         raise FluxtrtError(f"{component}: this torch {torch.__version__} crashes loading {path.name} ({sig} inside "
-                           "torch._inductor.aoti_load_package, as packages whose C++ compiler linked libstdc++ "
+                           "torch's package loader, as packages whose C++ compiler linked libstdc++ "
                            "statically do); rebuild it here with `fluxtrt build --backend torch`, or run the JIT "
                            "path instead (`fluxtrt run --backend torch --model MODEL --compile`)")
     if p.returncode != 0:
