@@ -95,13 +95,84 @@ def _open(path: str, device_index: int):
     check only warns, and to name this CPU's vector ISA it compiles and runs a test program per ISA with g++, which
     took 53 s of a fresh process's first package load on the H100's machine (scripts/aot_engines.py kernels,
     docs/bench/aot_engines.json). The manifest's runtime (target, torch, CUDA) is checked before this instead.
+    Nor through torch.export.pt2_archive, whose import (torch._export's serializer, torch._dynamo) costs seconds
+    of a fresh process: `Compiled` calls the loader as its AOTICompiledModel does.
     Single-threaded: the default container waits on CUDA events for a free model instance, which a CUDA graph
     capture refuses ("operation not permitted when stream is capturing", the H100's `run --cuda-graph`); a
     pipeline calls its executors from one thread at a time."""
     import torch
-    from torch.export.pt2_archive._package import AOTICompiledModel
 
-    return AOTICompiledModel(torch._C._aoti.AOTIModelPackageLoader(path, "model", True, 1, device_index))
+    return Compiled(torch._C._aoti.AOTIModelPackageLoader(path, "model", True, 1, device_index))
+
+
+class Compiled:
+    """A loaded package's model called with tensors (positional, as the spec orders its inputs), as torch's
+    AOTICompiledModel calls it: the flat tensors in, the outputs rebuilt by the package's output spec."""
+
+    def __init__(self, loader):
+        from torch.utils import _pytree as pytree
+
+        self.loader = loader
+        self._out_spec = pytree.treespec_loads(loader.get_call_spec()[1])
+
+    def __call__(self, *args):
+        from torch.utils import _pytree as pytree
+
+        return pytree.tree_unflatten(self.loader.boxed_run(list(args)), self._out_spec)
+
+    def get_constant_fqns(self) -> list[str]:
+        return self.loader.get_constant_fqns()
+
+    def load_constants(self, constants: dict, *, check_full_update: bool, user_managed: bool = False) -> None:
+        self.loader.load_constants(constants, False, check_full_update, user_managed, False)
+
+
+def needed_libraries(elf: bytes) -> list[str] | None:
+    """The shared libraries an ELF64 (little-endian) shared object names as DT_NEEDED, or None where `elf` is not
+    one this can read."""
+    import struct
+
+    try:
+        if elf[:4] != b"\x7fELF" or elf[4] != 2 or elf[5] != 1:
+            return None
+        shoff, = struct.unpack_from("<Q", elf, 0x28)
+        shentsize, shnum = struct.unpack_from("<HH", elf, 0x3A)
+        # (name, type, flags, addr, offset, size, link, info, addralign, entsize) of each section
+        sections = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * shentsize) for i in range(shnum)]
+        out = []
+        for sec in sections:
+            if sec[1] != 6:  # SHT_DYNAMIC; its link is the string table of the names
+                continue
+            strtab = sections[sec[6]][4]
+            for at in range(sec[4], sec[4] + sec[5], 16):
+                tag, value = struct.unpack_from("<qQ", elf, at)
+                if tag == 0:
+                    break
+                if tag == 1:  # DT_NEEDED
+                    out.append(elf[strtab + value:elf.index(b"\0", strtab + value)].decode())
+        return out
+    except (struct.error, IndexError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def links_shared_libstdcxx(path: Path) -> bool:
+    """Whether every compiled library inside the package names the shared libstdc++ (as packages fluxtrt builds
+    do, engine/aoti.cxx_compiler): a wrapper with libstdc++ linked statically crashed on load in std::regex on the
+    H200 (docs/bench/aot_engines.json). False for anything unreadable."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            libs = [i for i in z.infolist() if i.filename.endswith(".so")]
+            if not libs:
+                return False
+            for info in libs:
+                needed = needed_libraries(z.read(info))
+                if needed is None or not any(n.startswith("libstdc++.so") for n in needed):
+                    return False
+        return True
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return False
 
 
 # what the child process of probe_load runs: each package's kernels loaded in turn by _open (a CUDA package needs

@@ -445,7 +445,9 @@ class LoadProbe:
     (core/packages.probe_load) before any loads in this one: some torch builds crash the process there, and a
     crash must be one line. Started by the first package's activation, beside its weights' read; each package
     waits for it before its own load. Packages that loaded are remembered per sha256 and torch build (the cache
-    folder), so a later process skips them."""
+    folder), so a later process skips them; so are packages whose libraries link the shared libstdc++
+    (core/packages.links_shared_libstdcxx): the crash seen was a statically linked one, and the child costs a
+    fresh process seconds (torch imported and every package loaded twice)."""
 
     def __init__(self, packages: dict, device):
         self.packages, self.device = packages, device
@@ -470,9 +472,10 @@ class LoadProbe:
         return cache_root() / "pt2-loads" / f"{sha256[:24]}-{torch.__version__}"
 
     def _run(self) -> None:
-        from ..core.packages import probe_load
+        from ..core.packages import links_shared_libstdcxx, probe_load
 
-        todo = {name: path for name, (path, sha) in self.packages.items() if not self._marker(sha).exists()}
+        todo = {name: path for name, (path, sha) in self.packages.items()
+                if not self._marker(sha).exists() and not links_shared_libstdcxx(path)}
         if todo:
             probe_load(todo, self.device)
         for _, sha in self.packages.values():

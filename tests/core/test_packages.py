@@ -121,3 +121,41 @@ def test_a_torch_that_crashes_loading_a_package_is_one_line_and_a_good_package_l
     monkeypatch.setattr(pk, "_PROBE", "raise SystemExit('bad archive')")
     with pytest.raises(FluxtrtError, match=r"is not a package this torch can load \(bad archive\)"):
         pk.probe_load(both, "cpu")
+
+
+def test_a_package_whose_wrapper_links_libstdcxx_statically_is_told_from_one_that_links_it_shared(packages, tmp_path):
+    """links_shared_libstdcxx reads the DT_NEEDED names of the package's libraries: fluxtrt's own packages name
+    libstdc++.so.6; the same package with that name changed (as a statically linked wrapper has none), a package
+    without libraries, a damaged library and a file that is not a zip are each False (the load probe runs)."""
+    import zipfile
+
+    from fluxtrt.core.packages import links_shared_libstdcxx, needed_libraries
+
+    _, folder, _ = packages("tiny-schnell", ("transformer",), first_block_cache=True)
+    good = folder / "transformer.pt2"
+    assert links_shared_libstdcxx(good)
+    with zipfile.ZipFile(good) as z:
+        so = next(i for i in z.infolist() if i.filename.endswith(".so"))
+        lib = z.read(so)
+        members = [(i, z.read(i)) for i in z.infolist()]
+    assert "libstdc++.so.6" in needed_libraries(lib) and "libc.so.6" in needed_libraries(lib)
+
+    def repack(name, change):
+        out = tmp_path / name
+        with zipfile.ZipFile(out, "w") as z:
+            for info, data in members:
+                if info.filename.endswith(".so"):
+                    data = change(data)
+                    if data is None:
+                        continue
+                z.writestr(info, data)
+        return out
+
+    static = repack("static.pt2", lambda d: d.replace(b"libstdc++.so.6\0", b"libstdx++.so.6\0"))
+    assert "libstdx++.so.6" in needed_libraries(zipfile.ZipFile(static).read(so.filename))
+    assert not links_shared_libstdcxx(static)
+    assert not links_shared_libstdcxx(repack("none.pt2", lambda d: None))
+    cut = repack("cut.pt2", lambda d: d[:int(torch.randint(100, 2000, ()))])
+    assert needed_libraries(zipfile.ZipFile(cut).read(so.filename)) is None and not links_shared_libstdcxx(cut)
+    (tmp_path / "junk.pt2").write_bytes(torch.randint(0, 255, (4096,), dtype=torch.uint8).numpy().tobytes())
+    assert not links_shared_libstdcxx(tmp_path / "junk.pt2")

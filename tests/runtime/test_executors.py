@@ -218,7 +218,8 @@ def test_compiled_modules_keep_their_kernels_in_fluxtrts_cache(tmp_path, monkeyp
 def test_load_probe_runs_one_child_for_the_folder_and_remembers(packages, tmp_path, monkeypatch):
     """LoadProbe: the folder's packages loaded in one child process, once; a later probe of the same packages
     (another process, the same torch) starts no child; a crash in the child is the probe's one line, raised by
-    wait() and by every wait after it."""
+    wait() and by every wait after it. Packages linking the shared libstdc++ (as fluxtrt builds them) need no
+    child at all."""
     from fluxtrt.core import packages as pk
     from fluxtrt.errors import FluxtrtError
     from fluxtrt.runtime.executors import LoadProbe
@@ -230,6 +231,10 @@ def test_load_probe_runs_one_child_for_the_folder_and_remembers(packages, tmp_pa
     calls = []
     real = pk.probe_load
     monkeypatch.setattr(pk, "probe_load", lambda paths, device: calls.append(sorted(paths)) or real(paths, device))
+    LoadProbe(entries, "cpu").wait()
+    assert calls == []  # these link the shared libstdc++: no child
+    monkeypatch.setattr(pk, "links_shared_libstdcxx", lambda path: False)  # as a statically linked package
+    monkeypatch.setenv("FLUXTRT_CACHE", str(tmp_path / "again"))
     probe = LoadProbe(entries, "cpu")
     probe.start()
     probe.wait()
