@@ -6,7 +6,7 @@ operands, with the projections that read one activation joined into one GEMM as 
 from __future__ import annotations
 
 from .errors import FluxtrtError
-from .fp8 import emulate, to_e4m3
+from .fp8 import FP8_MAX, emulate, to_e4m3
 
 
 def tensor_cores(device) -> bool:
@@ -44,6 +44,38 @@ def fp8_linear(lin, sx: float, sw: float):
             return y.reshape(*shape[:-1], self.out_features)
 
     return Fp8Linear()
+
+
+def weight_only(module) -> str:
+    """The fp8-wo precision (precisions.py) in place: each nn.Linear of `module` keeps its weight as E4M3 with one
+    fp32 scale per output row (max |w| / 448; weight bytes halved against bf16), dequantized (fp32, then the
+    layer's dtype) at each call and multiplied in the layer's dtype as before. Activations are not quantized, so no
+    calibration. What T5 needs: its GEMMs run once per prompt, its weights stay resident (9.5 GB in bf16 at full
+    size). Returns what was done, in words."""
+    import torch
+
+    class Fp8WeightOnlyLinear(torch.nn.Module):
+        weight = None  # transformers' T5 casts its input to `wo.weight`'s dtype when that is a tensor: done here
+
+        def __init__(self, lin):
+            super().__init__()
+            self.in_features, self.out_features, self.dtype = lin.in_features, lin.out_features, lin.weight.dtype
+            w = lin.weight.detach().float()
+            s = (w.abs().amax(dim=1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+            self.register_buffer("w8", to_e4m3(w, s[:, None]).contiguous())
+            self.register_buffer("s", s.contiguous())
+            self.bias = None if lin.bias is None else torch.nn.Parameter(lin.bias.detach().clone(), requires_grad=False)
+
+        def forward(self, x):
+            w = (self.w8.float() * self.s[:, None]).to(self.dtype)
+            return torch.nn.functional.linear(x.to(self.dtype), w, self.bias)
+
+    names = [n for n, m in module.named_modules() if isinstance(m, torch.nn.Linear)]
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(parent) if parent else module
+        setattr(owner, leaf, Fp8WeightOnlyLinear(getattr(owner, leaf)))
+    return f"fp8-wo: {len(names)} linear layers' weights in E4M3 (a scale per output row), multiplied in the layers' dtype"
 
 
 FUSED = (("to_qkv", ("to_q", "to_k", "to_v")), ("to_added_qkv", ("add_q_proj", "add_k_proj", "add_v_proj")))

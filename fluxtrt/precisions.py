@@ -36,6 +36,9 @@ REGISTRY = {p.name: p for p in (
               components=_T, recipe=True, calibrated=True, rest="bf16", min_cc=(8, 9), zero_copy_graph="bf16"),
     Precision(name="fp8-attn", description="fp8, plus E4M3 on both inputs of attention's two MatMuls",
               components=_T, recipe=True, calibrated=True, rest="bf16", min_cc=(8, 9), backends=_TRT),
+    Precision(name="fp8-wo", description="E4M3 weights of the linear layers, a scale per output row, multiplied in "
+              "bf16 (weight bytes halved; no calibration): T5's, as ComfyUI's t5xxl_fp8_e4m3fn", components=("t5",),
+              recipe=True, rest="bf16", backends=("torch",)),
     Precision(name="int8", description="W8A8 with SmoothQuant (full TensorRT only)", components=_T, recipe=True,
               calibrated=True, rest="bf16", backends=("tensorrt",)),
     Precision(name="int8-wo", description="INT8 weights, per-channel scales; activations in bf16", components=_T,
@@ -74,6 +77,9 @@ def check(component: str, name: str, where: str, compute_capability: str | None 
         if backend == "torch":
             raise ConfigError(f"{where}: compiled PyTorch engines compute {', '.join(TORCH_PRECISIONS)}, not {name}: "
                               "build it with TensorRT (drop --backend torch)")
+        if p.backends == ("torch",):
+            raise ConfigError(f"{where}: {name} is computed by compiled PyTorch engines only: build with "
+                              "--backend torch, or give the component bf16")
         raise ConfigError(f"{where}: {name} (W8A8) needs the full TensorRT backend; TensorRT-RTX runs INT8 only as "
                           "weight-only GEMMs: use int8-wo")
     if compute_capability and compute_capability != "cpu" and tuple(map(int, compute_capability.split("."))) < p.min_cc:

@@ -34,7 +34,7 @@ def test_recipe_alone_applies_where_it_exists_and_says_so():
 def test_registry_is_the_one_list_of_recipes():
     from fluxtrt.quantize import qdq
 
-    assert qdq.RECIPES is RECIPES and set(RECIPES) == {"fp8", "fp8-attn", "int8", "int8-wo", "int4-wo", "fp4"}
+    assert qdq.RECIPES is RECIPES and set(RECIPES) == {"fp8", "fp8-attn", "fp8-wo", "int8", "int8-wo", "int4-wo", "fp4"}
     assert set(CALIBRATED) == {"fp8", "fp8-attn", "int8", "fp4"} and set(FLOATS) == {"fp32", "fp16", "bf16"}
     assert REGISTRY["fp8"].min_cc == (8, 9) and REGISTRY["int8"].backends == ("tensorrt",)
     assert REGISTRY["fp4"].min_cc == (10, 0) and REGISTRY["fp4"].zero_copy_graph == "bf16"

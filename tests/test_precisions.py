@@ -29,6 +29,8 @@ def test_a_recipe_applies_where_it_exists_and_says_so():
     (lambda: check("transformer", "fp4", "-p", compute_capability="8.9"), "needs compute capability 10.0"),
     (lambda: check("transformer", "int8", "-p", backend="tensorrt-rtx"), "needs the full TensorRT backend"),
     (lambda: check("unet", "fp16", "-p"), "unknown component"),
+    (lambda: check("t5", "fp8-wo", "-p", backend="tensorrt-rtx"), "fp8-wo is computed by compiled PyTorch engines"),
+    (lambda: check("transformer", "fp8-wo", "-p"), "'fp8-wo' quantizes the t5's linear layers only"),
 ])
 def test_what_cannot_be_built_is_one_line(call, says):
     with pytest.raises(ConfigError, match=says):

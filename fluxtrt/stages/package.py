@@ -72,6 +72,8 @@ def package_stage(source, cfg, request, *, spec, rng, manifest, gpu_dir: Path, l
         scales = fp8_scales(source, calib, request.out_dir, raw, device=device, dtype=dtype)
         note = fp8_layers.quantize_module(raw, scales, device)
         recipe = fp8.recipe_record(scales)
+    elif precision == "fp8-wo":
+        note = fp8_layers.weight_only(raw)
     module = spec.wrap(raw).eval()
     on_phase("compile")
     built = compile_package(module, spec, geo, rng, device=device, dtype=torch_dtype(dtype), package_path=path)

@@ -268,3 +268,46 @@ def served_loras_equal_their_runs(folder, loras, seed):
                        seed + i, steps=3, height=256, width=256)
         got = np.asarray(Image.open(io.BytesIO(base64.b64decode(answers[i][1]["data"][0]["b64_json"])))).astype(int)
         assert np.abs(got - alone).max() <= MAX_UINT8_DIFF, (i, r)
+
+
+def test_t5_fp8_weight_only_package_holds_e4m3_weights_and_computes_the_recipe(packages, tmp_path):
+    """`-p t5=fp8-wo` on a CPU: the T5 package's weights file holds its linear weights in E4M3 (a quarter of their
+    fp32 bytes and a scale per row; the rest as in the fp32 package), the package computes what the eager fp8-wo
+    module computes (1e-5 relative) and its embedding stays within 5% (relative, RMS) of the fp32 T5's while
+    differing from it. TensorRT builds refuse it in one line."""
+    from fluxtrt.components import ShapePoint, specs_for
+    from fluxtrt.errors import ConfigError
+    from fluxtrt.fp8_layers import weight_only
+    from fluxtrt.gpus import load_gpu
+    from fluxtrt.records import read_manifest
+    from fluxtrt.stages.build import build_gpu
+
+    src, full, full_manifest = packages("tiny")
+    build_gpu(src, load_gpu("cpu").with_precision({"t5": "fp8-wo"}), tmp_path, components=["t5"])
+    folder = tmp_path / "cpu"
+    entry = read_manifest(folder).components["t5"]
+    assert entry.precision == "fp8-wo"
+    from safetensors import safe_open
+
+    with safe_open(folder / entry.constants["file"], "pt") as f:
+        dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+    assert "F8_E4M3" in dtypes
+    spec = specs_for(src.geometry, ["t5"])["t5"]
+    raw = src.load_component(spec.subfolder, torch.float32, "cpu")
+    linear = sum(m.weight.numel() * 4 for m in raw.modules() if isinstance(m, torch.nn.Linear))
+    # E4M3: 3/4 of the linear weights' bytes saved, less an fp32 scale per row
+    assert entry.constants["bytes"] < full_manifest.components["t5"].constants["bytes"] - 0.66 * linear
+    feeds = spec.sample_inputs(ShapePoint(1, 256, 256), src.geometry, seed=int(np.random.default_rng().integers(1000)))
+    pipe = open_pipeline(folder, backend="torch", fallback=["clip", "transformer", "vae_decoder"], torch_dtype="fp32")
+    got = next(iter(pipe.executors["t5"].infer(dict(feeds)).values()))
+    with torch.no_grad():
+        exact = spec.wrap(raw)(*[feeds[t.name] for t in spec.inputs])
+        exact = exact[0] if isinstance(exact, (tuple, list)) else exact
+        weight_only(raw)
+        want = spec.wrap(raw)(*[feeds[t.name] for t in spec.inputs])
+        want = want[0] if isinstance(want, (tuple, list)) else want
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    rel = float((got - exact).pow(2).mean().sqrt() / exact.pow(2).mean().sqrt())
+    assert 0 < rel < 0.05, rel
+    with pytest.raises(ConfigError, match="fp8-wo is computed by compiled PyTorch engines only"):
+        build_gpu(src, load_gpu("4090").with_precision({"t5": "fp8-wo"}), tmp_path / "trt", components=["t5"])
