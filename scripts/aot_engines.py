@@ -71,9 +71,30 @@ def first(a) -> None:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         wall = time.perf_counter() - t0
     print(proc.stdout[-3000:], proc.stderr[-3000:], flush=True)
-    write(a.out, {"meta": meta(a), "command": " ".join(cmd), "returncode": proc.returncode,
-                  "fresh_process_to_image_s": round(wall, 2), "image_written": out.is_file()})
+    row = {"meta": meta(a), "command": " ".join(cmd), "returncode": proc.returncode,
+           "fresh_process_to_image_s": round(wall, 2), "image_written": out.is_file(),
+           "output_tail": proc.stdout[-1500:].splitlines()}
+    write(a.out, row)
     print(json.dumps({"fresh_process_to_image_s": round(wall, 2), "rc": proc.returncode}), flush=True)
+    if a.profile:  # where the time goes: the same fresh process again under cProfile (its costliest calls)
+        import io
+        import pstats
+
+        with tempfile.TemporaryDirectory() as cache:
+            prof = Path(cache) / "run.prof"
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+            t0 = time.perf_counter()
+            p2 = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(prof), *cmd[1:]], env=env,
+                                capture_output=True, text=True)
+            row["profiled_s"] = round(time.perf_counter() - t0, 2)
+            text = io.StringIO()
+            if prof.is_file():
+                stats = pstats.Stats(str(prof), stream=text)
+                stats.sort_stats("cumulative").print_stats(r"fluxtrt|torch|safetensors|transformers|tokenizers", 70)
+                stats.sort_stats("tottime").print_stats(25)
+            row["profile"] = text.getvalue().splitlines() or p2.stderr[-2000:].splitlines()
+        write(a.out, row)
+        print("\n".join(row["profile"]), flush=True)
 
 
 def load(a) -> None:
@@ -316,6 +337,7 @@ def main():
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--variants", default="diffusers,packages-graph")
     ap.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True, help="first: --cuda-graph")
+    ap.add_argument("--profile", action="store_true", help="first: then once more under cProfile")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     if a.phase == "build" and not a.components:

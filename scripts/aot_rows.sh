@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The issue's Hopper rows in one go (docs/bench/aot_engines.json): for each precision asked (fp8 then bf16), the
-# packages built as `fluxtrt build --gpu <this GPU> --backend torch` does, the first package load profiled, each
-# package loaded phase by phase, a fresh process timed to its first image, then diffusers eager bf16 against the
-# packages with CUDA graphs in one process. A precision's folder is removed after its rows (the disk holds one).
+# packages built as `fluxtrt build --gpu <this GPU> --backend torch` does, the weights read, each package loaded
+# phase by phase, a fresh process timed to its first image (then once more under cProfile), then diffusers eager
+# bf16 against the packages with CUDA graphs in one process. A precision's folder is removed after its rows (the
+# disk holds one).
 #   OUTDIR=/tmp/rows bash scripts/aot_rows.sh "fp8 bf16"
 # Rehearse:  OUTDIR=/tmp/rows GPU=cpu MODEL=tiny SIZE=1024 STEPS=2 bash scripts/aot_rows.sh fp8
 set -uo pipefail
@@ -13,16 +14,21 @@ if [ -z "${GPU:-}" ]; then
 fi
 MODEL=${MODEL:-random:flux.1-dev}; SIZE=${SIZE:-1024}; STEPS=${STEPS:-28}
 A="python3 scripts/aot_engines.py"
+# fp8: the transformer's fp8 recipe and T5's weights in E4M3 (fp8-wo), all four components, every row.
+# bf16: the transformer alone (the other three packages are the fp8 build's): its build, read and load rows.
 for P in ${1:-fp8 bf16}; do
-  prec=(); [ "$P" = fp8 ] && prec=(--precision transformer=fp8)
-  $A build --gpu "$GPU" --model "$MODEL" "${prec[@]}" --root /tmp/aot --out "$OUTDIR/build_$P.json" || continue
+  if [ "$P" = fp8 ]; then prec=(--precision transformer=fp8 --precision t5=fp8-wo); comps=clip,t5,transformer,vae_decoder
+  else prec=(); comps=transformer; fi
+  $A build --gpu "$GPU" --model "$MODEL" "${prec[@]}" --components $comps --root /tmp/aot \
+    --out "$OUTDIR/build_$P.json" || continue
   DIR=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['gpu_dir'])" "$OUTDIR/build_$P.json")
-  $A kernels --engines "$DIR" --out "$OUTDIR/kernels_$P.json"
   $A read --engines "$DIR" --out "$OUTDIR/read_$P.json"
   python3 -X faulthandler scripts/aot_engines.py load --engines "$DIR" --out "$OUTDIR/load_$P.json"
-  $A first --engines "$DIR" --steps "$STEPS" --size "$SIZE" --out "$OUTDIR/first_$P.json"
-  $A speed --engines "$DIR" --steps "$STEPS" --size "$SIZE" --variants diffusers,packages-graph \
-    --out "$OUTDIR/speed_$P.json"
+  if [ "$P" = fp8 ]; then
+    $A first --engines "$DIR" --steps "$STEPS" --size "$SIZE" --profile --out "$OUTDIR/first_$P.json"
+    $A speed --engines "$DIR" --steps "$STEPS" --size "$SIZE" --variants diffusers,packages-graph \
+      --out "$OUTDIR/speed_$P.json"
+  fi
   rm -rf "$DIR"
 done
 echo "rows done"
