@@ -314,13 +314,14 @@ def read_constants(path: Path, recorded: dict, device, component: str) -> dict:
 
 
 def open_package(path: Path, constants: Path, recorded: dict, device, component: str, *, before_load=None,
-                 adjust=None):
+                 adjust=None, read: dict | None = None):
     """A package ready to run: its kernels loaded and its weights file (`recorded`: the manifest's {"file",
     "tree_sha256", "bytes"}) read to `device` and handed over as user-managed constants; `adjust(weights)` changes
     them in place first (LoRAs merged); `before_load()` (the folder's probe, running beside) is awaited after the
     read, before the kernels load here. Returns (compiled module, weights): the module reads the weights in place,
-    so the caller keeps both alive together."""
-    weights = read_constants(constants, recorded, device, component)
+    so the caller keeps both alive together. `read`: the weights file as read_constants read it already (a
+    prefetch)."""
+    weights = read if read is not None else read_constants(constants, recorded, device, component)
     if adjust is not None:
         adjust(weights)
     if before_load is not None:

@@ -114,7 +114,11 @@ class Assembly:
                                "compiled packages run it whole)")
         self.options, self.ort_provider, self.budget = o, ort_provider, budget
         if engine_names and packages:
-            self.executors.update(self._package_executors(engine_names, device, self.loras))
+            made = self._package_executors(engine_names, device, self.loras)
+            self.executors.update(made)
+            if not self.low_vram:  # every package stays loaded: read their weights now, in the order they run
+                for ex in made.values():
+                    ex.prefetch()
         elif engine_names:
             self.executors.update(self._engine_executors(engine_names, o.lora))
         if o.parallel > 1:  # last: nothing above may refuse once the followers run

@@ -483,6 +483,19 @@ class LoadProbe:
             self._marker(sha).touch()
 
 
+_READER = None
+
+
+def _reader():
+    """The one thread that prefetches packages' weights (PackageExecutor.prefetch), in the order asked."""
+    global _READER
+    if _READER is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _READER = ThreadPoolExecutor(1, thread_name_prefix="fluxtrt-weights")
+    return _READER
+
+
 class PackageExecutor(Executor):
     """A compiled PyTorch engine: an AOTInductor package (`<component>.pt2`, `fluxtrt build --backend torch`),
     checked before it loads (the manifest's sha256, and the torch, CUDA and device it was compiled for) and run
@@ -497,6 +510,7 @@ class PackageExecutor(Executor):
         self.path, self.spec, self.runtime = Path(path), spec, runtime or {}
         self.loras = list(loras)  # [(runtime/lora.LoraFile, scale)]: merged into the weights as they are read
         self.lora_note = None
+        self._reading = None  # prefetch(): the weights' read under way (a Future of read_constants' dict)
         from ..core.packages import run_device
 
         self.probe = probe  # the folder's CUDA packages loaded once in a child process first (LoadProbe)
@@ -537,16 +551,34 @@ class PackageExecutor(Executor):
                                 "sha256 differ: truncated, corrupted or replaced); build it again with `fluxtrt "
                                 "build --backend torch`, or unpack the archive again")
 
+    def _weights_file(self) -> Path:
+        from ..fileio import inside
+
+        if not self.entry.constants:
+            raise ManifestError(f"{self.component}: the manifest names no weights file for {self.path.name}; build "
+                                "it again with `fluxtrt build --backend torch`")
+        return inside(self.path.parent, self.entry.constants["file"], f"{self.component}.constants")
+
+    def prefetch(self) -> None:
+        """Start reading the weights now, on a background thread that reads a folder's packages one after another
+        in the order asked, so that a fresh process's loads overlap its imports, tokenizers and text encoders
+        instead of waiting in turn at each first call. activate() takes the result (or its one-line error)."""
+        if self._fn is None and self._reading is None:
+            from ..core.packages import read_constants
+
+            def read():  # what activate() checks first is checked here first too: its error is activate()'s
+                self.check()
+                return read_constants(self._weights_file(), self.entry.constants, self.device, self.component)
+
+            self._reading = _reader().submit(read)
+
     def activate(self) -> None:
         from ..core.packages import open_package
-        from ..fileio import inside
 
         if self._fn is None:
             self.check()
-            if not self.entry.constants:
-                raise ManifestError(f"{self.component}: the manifest names no weights file for {self.path.name}; build "
-                                    "it again with `fluxtrt build --backend torch`")
-            weights = inside(self.path.parent, self.entry.constants["file"], f"{self.component}.constants")
+            weights = self._weights_file()
+            read, self._reading = self._reading, None
             if self.probe is not None:
                 self.probe.start()  # its child loads the kernels while this process reads the weights
             adjust = None
@@ -558,7 +590,7 @@ class PackageExecutor(Executor):
                     self.lora_note = f"LoRA merged into {n} weight{'s' if n != 1 else ''} of {self.path.name}"
             self._fn, self._weights = open_package(self.path, weights, self.entry.constants, self.device,
                                                    self.component, before_load=self.probe and self.probe.wait,
-                                                   adjust=adjust)
+                                                   adjust=adjust, read=read.result() if read is not None else None)
         self.active = True
 
     def infer_impl(self, feeds: dict) -> dict:
@@ -582,7 +614,9 @@ class PackageExecutor(Executor):
     def deactivate(self) -> None:
         import torch
 
-        self._fn = self._weights = None
+        if self._reading is not None:  # a prefetch under way: let it end, drop what it read
+            self._reading.exception()
+        self._fn = self._weights = self._reading = None
         self.active = False
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

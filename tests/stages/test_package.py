@@ -311,3 +311,18 @@ def test_t5_fp8_weight_only_package_holds_e4m3_weights_and_computes_the_recipe(p
     assert 0 < rel < 0.05, rel
     with pytest.raises(ConfigError, match="fp8-wo is computed by compiled PyTorch engines only"):
         build_gpu(src, load_gpu("4090").with_precision({"t5": "fp8-wo"}), tmp_path / "trt", components=["t5"])
+
+
+def test_opening_a_package_folder_reads_the_weights_ahead_unless_low_vram(packages):
+    """Every package's weights are read on a background thread from the moment the folder is opened (in the order
+    the components run) and handed to the package at its first call; --low-vram reads each at its stage only."""
+    _, folder, _ = packages("tiny")
+    pipe = open_pipeline(folder, backend="torch", torch_dtype="fp32")
+    reads = {n: ex._reading for n, ex in pipe.executors.items()}
+    assert all(r is not None for r in reads.values())
+    weights = {n: r.result() for n, r in reads.items()}
+    assert weights["transformer"] and all(t.device.type == "cpu" for t in weights["transformer"].values())
+    _image(pipe, "a kite", int(np.random.default_rng().integers(1000)), steps=1)
+    assert all(ex._reading is None and ex._weights is weights[n] for n, ex in pipe.executors.items())
+    low = open_pipeline(folder, backend="torch", torch_dtype="fp32", low_vram=True)
+    assert all(ex._reading is None for ex in low.executors.values())
