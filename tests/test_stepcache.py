@@ -25,15 +25,17 @@ CASES = [("tiny", "txt2img", 6), ("tiny-schnell", "txt2img", 4), ("tiny", "img2i
 
 
 def diffusers_run(src, workflow, prompts, h, w, steps, guidance, seed, inputs, threshold, negative=None):
-    """(uint8 images, latents per step, steps that ran the tail) of diffusers' pipeline with its own cache."""
+    """(uint8 images, latents per step, steps that ran the tail: the cond branch's with true CFG) of diffusers'
+    pipeline with its own cache."""
     from diffusers.hooks import FirstBlockCacheConfig
 
     pipe = src.load_pipeline(diffusers_pipeline=WORKFLOWS[workflow].diffusers_pipeline)
     pipe.set_progress_bar_config(disable=True)
     pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
-    tails, latents = [0], []
+    ran, latents = [], []  # per transformer call: whether its tail ran (true CFG: cond, then uncond, each step)
+    pipe.transformer.register_forward_pre_hook(lambda *a: ran.append(False))
     pipe.transformer.single_transformer_blocks[-1].attn.register_forward_pre_hook(
-        lambda *a: tails.__setitem__(0, tails[0] + 1))  # runs only when the tail runs
+        lambda *a: ran.__setitem__(-1, True))  # runs only when the tail runs
     extra = {"negative_prompt": [negative] * len(prompts), "true_cfg_scale": 2.5} if negative else {}
     import contextlib
 
@@ -46,7 +48,9 @@ def diffusers_run(src, workflow, prompts, h, w, steps, guidance, seed, inputs, t
                    output_type="np", callback_on_step_end=lambda p, i, t, kw: (latents.append(kw["latents"].clone()),
                                                                                {})[1],
                    **WORKFLOWS[workflow].diffusers_kwargs(inputs), **extra).images
-    return (img * 255).round().astype("uint8"), latents, tails[0] // (2 if negative else 1)
+    # fluxtrt counts a true-CFG step by its cond branch (stepcache.FirstBlockCache.record): the branches decide
+    # apart, and may disagree
+    return (img * 255).round().astype("uint8"), latents, sum(ran[::2] if negative else ran)
 
 
 def compare(model, workflow, steps, negative=None, pipe=None, bound=LATENT_BOUND):
