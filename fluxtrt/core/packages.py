@@ -124,7 +124,7 @@ class Compiled:
         return self.loader.get_constant_fqns()
 
     def load_constants(self, constants: dict, *, check_full_update: bool, user_managed: bool = False) -> None:
-        self.loader.load_constants(constants, False, check_full_update, user_managed, False)
+        self.loader.load_constants(constants, False, check_full_update, user_managed)  # torch 2.11 has 4 parameters
 
 
 def needed_libraries(elf: bytes) -> list[str] | None:

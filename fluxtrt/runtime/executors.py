@@ -576,9 +576,10 @@ class PackageExecutor(Executor):
         from ..core.packages import open_package
 
         if self._fn is None:
-            self.check()
-            weights = self._weights_file()
             read, self._reading = self._reading, None
+            if read is None:  # a prefetch checked it already: its error comes with read.result()
+                self.check()
+            weights = self._weights_file()
             if self.probe is not None:
                 self.probe.start()  # its child loads the kernels while this process reads the weights
             adjust = None
