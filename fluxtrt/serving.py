@@ -267,7 +267,7 @@ class Service:
         """`options`: runtime.options.PipelineOptions (what `fluxtrt run` opens: engines or model, backend, dtype,
         calibration, compile, ...)."""
         from .runtime.assembly import open_pipeline
-        from .runtime.batching import ContinuousBatcher, batch_buckets, warm_up_batches
+        from .runtime.batching import ContinuousBatcher, allow_compiled_forms, batch_buckets, warm_up_batches
 
         check_servable(options.engines, options.model, options.backend)
         # LAZY kernel specialization: a server must not stall on the first request of a new shape
@@ -282,9 +282,14 @@ class Service:
             width, height = parse_size(size, "size")  # the name ServeArgs and the app use
             self.pipe.check_request(1, height, width, 1)
             self.default_size = (height, width)
+        mixes = self.loras is not None and self.loras.mixes
+        if mixes:  # the bank's buffers hold a row for every sample of the largest (padded) batch
+            self.loras.rows = max(self.loras.rows, self.batcher.max_batch)
         if self.pipe.options.compile:  # every batch size the batcher can form, compiled before the first request
             buckets = batch_buckets(self.batcher.max_batch)
-            seconds = warm_up_batches(self.pipe, buckets, *self.default_size)
+            if mixes:
+                allow_compiled_forms(len(buckets) * self.loras.variants * 2)  # two sizes' worth of every form
+            seconds = warm_up_batches(self.pipe, buckets, *self.default_size, loras=self.loras if mixes else None)
             log.info("compiled the transformer for batches %s at %dx%d in %.0f s", buckets, *self.default_size,
                      seconds)
         self.batcher.start()

@@ -615,6 +615,46 @@ def write_loras(folder, names, seed_model="tiny-schnell", std=0.3):
     return folder
 
 
+def test_a_compiled_server_compiles_each_batch_with_and_without_an_adapter_before_requests(tmp_path):
+    """warm_up_batches with a LoraBank (what `serve --compile --lora-dir` runs at start; dynamo with a counting
+    backend, tiny-schnell fp32): every batch bucket compiled without LoRA and with one adapter per sample, so a
+    request's call with an adapter (a padded batch too) compiles nothing new; the bank is off afterwards, and the
+    recompile limit covers the forms."""
+    import torch
+    import torch._dynamo
+
+    from fluxtrt.runtime.assembly import open_pipeline
+    from fluxtrt.runtime.batching import allow_compiled_forms, warm_up_batches
+    from fluxtrt.runtime.lora import LoraBank
+
+    pipe = open_pipeline(options=PipelineOptions(model="tiny-schnell", backend="torch", torch_dtype="fp32"))
+    bank = LoraBank(write_loras(tmp_path / "loras", ["a"]), 1 << 30, rows=4)
+    ex = pipe.executors["transformer"]
+    ex.serve_loras(bank)
+    forms = []
+    torch._dynamo.reset()
+    ex._fn = torch.compile(ex.module, backend=lambda gm, _: forms.append(gm) or gm.forward, dynamic=False)
+    allow_compiled_forms(3 * 2 * 2)
+    cfg = torch._dynamo.config
+    assert getattr(cfg, "recompile_limit", getattr(cfg, "cache_size_limit", 0)) >= 12
+    warm_up_batches(pipe, (2, 4), 128, 128, loras=bank)
+    warmed = len(forms)
+    assert warmed >= 4 and not bank.on
+    bank.check("a")
+    slots = bank.acquire([("a", float(np.random.default_rng().uniform(0.5, 1.5)))])
+    from fluxtrt.components import ShapePoint
+
+    for real in (1, 2, 3):  # 1 and 3: padded to the buckets of 2 and 4
+        feeds = ex.spec.sample_inputs(ShapePoint(real, 128, 128), pipe.geo, int(np.random.default_rng().integers(99)))
+        bank.use([slots] * real)
+        try:
+            with pipe.on_stream():
+                ex.infer(feeds)
+        finally:
+            bank.use(None)
+    assert len(forms) == warmed, (warmed, len(forms))
+
+
 def test_requests_with_different_loras_share_batches_and_equal_their_single_runs(tmp_path):
     """tiny-schnell, fp32, CPU: eight concurrent requests, four LoRAs (one stacked with a scale) and none, on a
     server with batches of 4 and slots for 4 adapters (so some wait and some are evicted): each image equals

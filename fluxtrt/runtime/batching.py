@@ -378,10 +378,22 @@ def batch_buckets(max_batch: int) -> tuple:
     return (*sizes, max_batch)
 
 
-def warm_up_batches(pipe, batches, height: int, width: int) -> float:
+def allow_compiled_forms(count: int) -> None:
+    """Let torch.compile keep `count` forms of one function (dynamo's recompile limit, 8 by default): past the
+    limit it runs the function eagerly, silently ten times slower. A server with per-request LoRAs compiles each
+    batch size with and without them."""
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, name, max(getattr(cfg, name), int(count)))
+
+
+def warm_up_batches(pipe, batches, height: int, width: int, loras=None) -> float:
     """A server's compiled PyTorch transformer: batches padded to the smallest of `batches` that holds them
     (TorchExecutor.padded), and each of those sizes compiled now, at (height, width), rather than on a
-    client's request. Returns the seconds it took."""
+    client's request; with `loras` (a LoraBank) each size also with one adapter per sample (slot 0: zeros; a
+    stack compiles on its first call). Returns the seconds it took."""
 
     ex = pipe.executors["transformer"]
     if not isinstance(ex, TorchExecutor):
@@ -390,8 +402,15 @@ def warm_up_batches(pipe, batches, height: int, width: int) -> float:
     ex.batch_buckets = tuple(sorted(batches))
     for batch in ex.batch_buckets:
         feeds = ex.spec.sample_inputs(ShapePoint(batch, height, width), pipe.geo, batch)
-        with pipe.on_stream():
-            ex.infer(feeds)
+        for assignment in (None, [[(0, 1.0)]] * batch) if loras is not None else (None,):
+            with pipe.on_stream():
+                if loras is not None:
+                    loras.use(assignment, pipe.device)
+                try:
+                    ex.infer(feeds)
+                finally:
+                    if loras is not None:
+                        loras.use(None)
     if pipe.device.type == "cuda":
         import torch
 

@@ -341,11 +341,16 @@ class LoraBank:
     needs its slot and no running sample uses it. Each layer a LoRA of DIR targets computes base(x) plus, for each
     sample of the batch, the low-rank terms of that sample's adapters (a batched gather-GEMM over the slots: the
     base GEMM runs once for the batch, samples with different adapters share the call). Set per call with
-    `use(assignment)`: one [(slot, scale), ...] per sample; empty for a sample without LoRA."""
+    `use(assignment)`: one [(slot, scale), ...] per sample; empty for a sample without LoRA.
+    What a compiled transformer reads of it keeps its shapes from call to call: the slots and scales are written
+    into buffers of `rows` x MAX_STACK, and a call uses the first column alone (a LoRA per sample at most) or all
+    of them (a sample stacks several). So a compiled transformer has three forms per batch size (no LoRA, one,
+    a stack), whatever adapters the samples name (`variants`), and a CUDA graph reads the buffers' current values."""
 
     mixes = True  # samples with different adapters share a transformer call
+    variants = 3  # the forms a compiled transformer takes per batch size: no LoRA, one per sample, a stack
 
-    def __init__(self, folder, cache_bytes: int):
+    def __init__(self, folder, cache_bytes: int, rows: int = 8):
         import collections
         import threading
 
@@ -358,7 +363,9 @@ class LoraBank:
         self.loaded: collections.OrderedDict = collections.OrderedDict()  # name -> slot (least recent first)
         self.pinned: collections.Counter = collections.Counter()  # slot -> samples using it
         self.files: dict = {}  # name -> LoraFile read and checked (host memory)
-        self.idx = self.scale = None
+        self.rows = max(1, int(rows))  # the largest batch a call pads to (the server's --max-batch)
+        self.on, self.k = False, 1  # this call: any LoRA at all; the stack columns it reads (1 or MAX_STACK)
+        self.idx = self.scale = None  # [rows, MAX_STACK]: each sample's slots (0: zeros) and their scales
         self._layers: dict | None = None  # layer -> (host, offset, rows) once attached to a PyTorch transformer
         self._lock = threading.Lock()
 
@@ -488,18 +495,25 @@ class LoraBank:
         return {"mixes_in_a_batch": True, "slots": self.slots, "loaded": list(self.loaded)}
 
     def use(self, assignment: list | None, device=None) -> None:
-        """The next transformer calls' adapters: one [(slot, scale), ...] per sample (None: no LoRA at all)."""
+        """The next transformer calls' adapters: one [(slot, scale), ...] per sample (None: no LoRA at all),
+        written into the buffers in place (`device`: unused; they live with the layers)."""
         import torch
 
         if not assignment or not any(assignment):
-            self.idx = self.scale = None
+            self.on = False
             return
-        k = max(len(a) for a in assignment)
-        idx = [[s for s, _ in a] + [0] * (k - len(a)) for a in assignment]
-        scale = [[c for _, c in a] + [0.0] * (k - len(a)) for a in assignment]
-        dtype = next(iter(self.hosts.values())).up.dtype
-        self.idx = torch.tensor(idx, dtype=torch.long, device=device)
-        self.scale = torch.tensor(scale, dtype=dtype, device=device)
+        if self.idx is None or len(assignment) > self.rows:  # once (the buffers stay where the layers are)
+            self.rows = max(self.rows, len(assignment))
+            up = next(iter(self.hosts.values())).up
+            self.idx = torch.zeros(self.rows, MAX_STACK, dtype=torch.long, device=up.device)
+            self.scale = torch.zeros(self.rows, MAX_STACK, dtype=up.dtype, device=up.device)
+        pad = [[]] * (self.rows - len(assignment))  # rows past the batch: slot 0 (zeros), scale 0
+        idx = [[s for s, _ in a] + [0] * (MAX_STACK - len(a)) for a in (*assignment, *pad)]
+        scale = [[c for _, c in a] + [0.0] * (MAX_STACK - len(a)) for a in (*assignment, *pad)]
+        self.idx.copy_(torch.tensor(idx, dtype=torch.long), non_blocking=False)
+        self.scale.copy_(torch.tensor(scale, dtype=self.scale.dtype), non_blocking=False)
+        self.k = 1 if all(len(a) <= 1 for a in assignment) else MAX_STACK
+        self.on = True
 
 
 class EngineAdapters:
@@ -576,9 +590,10 @@ def _mixed_lora(base, bank: LoraBank, ranks: dict, *, slots: int, dtype, device)
             super().__init__()
             self.base, self.ranks, self.columns = base, ranks, columns
             self.in_features, self.out_features = base.in_features, base.out_features
-            # slot 0 holds zeros: a sample's unused stack places point there
+            # slot 0 holds zeros: a sample's unused stack places point there. Both factors are stored rank-major,
+            # so a batch's gathered slots are [n, K * rank, features] without a copy
             self.register_buffer("down", torch.zeros(slots + 1, rank, base.in_features, dtype=dtype, device=device))
-            self.register_buffer("up", torch.zeros(slots + 1, base.out_features, rank, dtype=dtype, device=device))
+            self.register_buffer("up", torch.zeros(slots + 1, rank, base.out_features, dtype=dtype, device=device))
 
         def clear(self, slot):
             self.down[slot].zero_()
@@ -587,20 +602,19 @@ def _mixed_lora(base, bank: LoraBank, ranks: dict, *, slots: int, dtype, device)
         def put(self, slot, layer, offset, a, b):
             c, r = self.columns[layer], a.shape[0]
             self.down[slot, c:c + r] = torch.from_numpy(a).to(self.down.device, self.down.dtype)
-            self.up[slot, offset:offset + b.shape[0], c:c + r] = torch.from_numpy(b).to(self.up.device, self.up.dtype)
+            self.up[slot, c:c + r, offset:offset + b.shape[0]] = torch.from_numpy(b).to(self.up.device,
+                                                                                        self.up.dtype).T
 
         def forward(self, x):
             y = self.base(x)
-            if bank.idx is None:
+            if not bank.on:
                 return y
-            n = x.shape[0]
-            idx, scale = bank.idx, bank.scale
-            if idx.shape[0] < n:  # a batch padded to its bucket: the padding repeats the last sample
-                idx = torch.cat([idx, idx[-1:].expand(n - idx.shape[0], -1)])
-                scale = torch.cat([scale, scale[-1:].expand(n - scale.shape[0], -1)])
+            n, k = x.shape[0], bank.k  # a batch padded to its bucket: its padding rows read slot 0 (zeros)
+            idx, scale = bank.idx[:n, :k], bank.scale[:n, :k]
             x3 = x.reshape(n, -1, x.shape[-1])
-            down = self.down[idx].reshape(n, -1, x.shape[-1])  # [n, K*R, in]
-            up = (self.up[idx] * scale[:, :, None, None]).permute(0, 2, 1, 3).reshape(n, self.out_features, -1)
-            return y + torch.bmm(torch.bmm(x3, down.transpose(1, 2)), up.transpose(1, 2)).reshape(y.shape)
+            down = self.down[idx].reshape(n, k * rank, -1)  # [n, K*R, in]
+            up = self.up[idx].reshape(n, k * rank, -1)  # [n, K*R, out]
+            h = torch.bmm(x3, down.transpose(1, 2)) * scale.repeat_interleave(rank, dim=1)[:, None, :]
+            return y + torch.bmm(h, up).reshape(y.shape)
 
     return MixedLora()

@@ -171,7 +171,7 @@ def test_ctrl_c_or_a_killed_leader_ends_every_rank(tmp_path, how):
                              "--torch-dtype", "fp32", "--parallel", "2", "--steps", "200", "--height", "512",
                              "--width", "512", "--prompt", "a fox", "--out", str(tmp_path / "x.png")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONFAULTHANDLER": "1"})
     deadline = time.monotonic() + 120
     followers = set()
     while time.monotonic() < deadline and not followers:
@@ -180,7 +180,12 @@ def test_ctrl_c_or_a_killed_leader_ends_every_rank(tmp_path, how):
     assert followers, "no follower started"
     time.sleep(8)  # into the loop
     proc.send_signal(how)
-    out, _ = proc.communicate(timeout=60)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # where it hangs: faulthandler prints every thread's stack on SIGABRT
+        proc.send_signal(signal.SIGABRT)
+        out, _ = proc.communicate(timeout=30)
+        pytest.fail(f"the leader did not end 60 s after {how.name}; its output and stacks:\n{out[-8000:]}")
     assert proc.returncode == (130 if how == signal.SIGINT else -signal.SIGKILL), out
     t0 = time.monotonic()
     while time.monotonic() - t0 < 15 and any(os.path.exists(f"/proc/{p}") and _alive(p) for p in followers):
