@@ -29,6 +29,22 @@ def test_int8_w8a8_accepted_for_full_tensorrt_targets():
     assert load_gpu("h100").with_precision({"transformer": "int8"}).precision["transformer"] == "int8"
 
 
+def test_compiled_pytorch_on_a_gpu_runs_the_vae_in_bf16_and_keeps_the_rest():
+    """--backend torch: a GPU config's fp32 VAE becomes bf16 (diffusers' bf16 pipeline; its fp32 activations were
+    3.1 GB of the H100 packages' peak), recorded in the config hash; the other components and the CPU target keep
+    theirs."""
+    for key in ("h100", "4090"):
+        cfg = load_gpu(key)
+        torch_cfg = cfg.for_backend("torch")
+        assert cfg.precision["vae_decoder"] == "fp32" and torch_cfg.precision["vae_decoder"] == "bf16"
+        assert torch_cfg.precision["vae_encoder"] == "bf16"
+        assert {c: p for c, p in torch_cfg.precision.items() if not c.startswith("vae")} == {
+            c: p for c, p in cfg.precision.items() if not c.startswith("vae")}
+        assert torch_cfg.config_hash != cfg.for_backend("tensorrt-rtx" if key == "h100" else "tensorrt").config_hash
+    cpu = load_gpu("cpu")
+    assert cpu.for_backend("torch") is cpu and cpu.precision["vae_decoder"] == "fp32"
+
+
 def test_unknown_gpu_lists_known():
     with pytest.raises(ConfigError, match="unknown GPU 'v100'; known: 3090, 4090"):
         load_gpu("v100")
