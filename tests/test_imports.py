@@ -265,3 +265,16 @@ def test_the_tests_tree_mirrors_the_package():
     without = sorted(m for m in modules - mirrored - UNTESTED)
     assert not without, f"modules without a test file of their own: {without}"
     assert all((d / "__init__.py").exists() for d in tests_root.rglob("*") if d.is_dir() and d.name != "__pycache__")
+
+
+def test_one_opener_of_pipelines_and_a_pipeline_that_keeps_the_loop():
+    """runtime/assembly.open_pipeline is the one place a Pipeline is made (api, CLI, dropin and serving go through
+    it), and Pipeline keeps the loop only: under 250 lines (executor assembly lives in runtime/assembly.py)."""
+    import ast
+    import re
+
+    made = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if re.search(r"[^\w.]Pipeline\(", p.read_text())]
+    assert made == ["runtime/assembly.py"], made
+    tree = ast.parse((ROOT / "runtime" / "pipeline.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Pipeline")
+    assert cls.end_lineno - cls.lineno + 1 < 250, cls.end_lineno - cls.lineno + 1

@@ -64,6 +64,38 @@ def nearest_multiples(value: int, m: int, lo_limit: int = 1, hi_limit: int | Non
     return " or ".join(map(str, ok))
 
 
+def check_request(geo, manifest, executors: dict, *, batch: int, height: int, width: int, steps: int,
+                  reference=(0, 0)) -> None:
+    """A request's size and steps against the pixel multiple, the engines' profile (`manifest`, None for PyTorch
+    modules) and each shaped executor; one line (RequestError) naming what to use instead."""
+    m = geo.pixel_multiple
+    for what, v in (("height", height), ("width", width)):
+        if v <= 0 or v % m:
+            i = 1 if what == "height" else 2
+            rng = manifest.shape_range if manifest is not None else None
+            limits = (rng["min"][i], rng["max"][i]) if rng else (1, None)
+            raise RequestError(f"{what} {v} is not a positive multiple of {m}; use "
+                               f"{nearest_multiples(max(v, 1), m, *limits)}")
+    if steps <= 0:
+        raise RequestError(f"steps must be at least 1, got {steps}")
+    if manifest is None:
+        return  # PyTorch modules take any size that is a multiple of the pixel multiple
+    lo, _, hi = (manifest.shape_range[k] for k in ("min", "opt", "max"))
+    if not lo[0] <= batch <= hi[0]:
+        raise RequestError(f"batch {batch} is outside the engines' profile ({lo[0]}..{hi[0]}); "
+                           f"use --batch {hi[0]} or less, or rebuild with a larger profile")
+    for what, v, i in (("height", height, 1), ("width", width, 2)):
+        if not lo[i] <= v <= hi[i]:
+            raise RequestError(f"{what} {v} is outside the engines' range {lo[i]}..{hi[i]} px; "
+                               f"pick a size inside it or rebuild with a wider profile")
+    point = ShapePoint(batch, height, width, tuple(reference))
+    for name in ("transformer", "vae_decoder"):
+        if name not in executors:
+            continue
+        spec = specs_for(geo, [name])[name]
+        executors[name].check_shapes(spec.input_shapes(point, geo))
+
+
 class Pipeline:
     """The pipeline over one set of executors: engines of one GPU folder (TensorRT), the ONNX they were built
     from (ONNX Runtime), or the model's PyTorch modules (torch), mixed per component with `fallback`."""
@@ -132,32 +164,9 @@ class Pipeline:
         return wf, height, width, wf.reference_size(inputs, self.geo)
 
     def check_request(self, batch: int, height: int, width: int, steps: int, reference=(0, 0)) -> None:
-        m = self.geo.pixel_multiple
-        for what, v in (("height", height), ("width", width)):
-            if v <= 0 or v % m:
-                i = 1 if what == "height" else 2
-                rng = self.manifest.shape_range if self.manifest is not None else None
-                limits = (rng["min"][i], rng["max"][i]) if rng else (1, None)
-                raise RequestError(f"{what} {v} is not a positive multiple of {m}; use "
-                                   f"{nearest_multiples(max(v, 1), m, *limits)}")
-        if steps <= 0:
-            raise RequestError(f"steps must be at least 1, got {steps}")
-        if self.manifest is None:
-            return  # PyTorch modules take any size that is a multiple of the pixel multiple
-        lo, _, hi = (self.manifest.shape_range[k] for k in ("min", "opt", "max"))
-        if not lo[0] <= batch <= hi[0]:
-            raise RequestError(f"batch {batch} is outside the engines' profile ({lo[0]}..{hi[0]}); "
-                               f"use --batch {hi[0]} or less, or rebuild with a larger profile")
-        for what, v, i in (("height", height, 1), ("width", width, 2)):
-            if not lo[i] <= v <= hi[i]:
-                raise RequestError(f"{what} {v} is outside the engines' range {lo[i]}..{hi[i]} px; "
-                                   f"pick a size inside it or rebuild with a wider profile")
-        point = ShapePoint(batch, height, width, tuple(reference))
-        for name in ("transformer", "vae_decoder"):
-            if name not in self.executors:
-                continue
-            spec = specs_for(self.geo, [name])[name]
-            self.executors[name].check_shapes(spec.input_shapes(point, self.geo))
+        """One line (RequestError) for a request these executors cannot compute (check_request below)."""
+        check_request(self.geo, self.manifest, self.executors, batch=batch, height=height, width=width, steps=steps,
+                      reference=reference)
 
     def generate(self, prompts: list[str], height: int, width: int, steps: int, guidance: float = 3.5,
                  *, seed: int = 0, trace: bool = False, on_step=None, negative_prompts: list[str] | None = None,
