@@ -171,7 +171,10 @@ def test_ctrl_c_or_a_killed_leader_ends_every_rank(tmp_path, how):
                              "--torch-dtype", "fp32", "--parallel", "2", "--steps", "200", "--height", "512",
                              "--width", "512", "--prompt", "a fox", "--out", str(tmp_path / "x.png")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONFAULTHANDLER": "1"})
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONFAULTHANDLER": "1"},
+                            # as from a terminal: a child inherits an ignored SIGINT (a test before this one in the
+                            # same worker may leave it ignored), and Python then installs no handler for Ctrl-C
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     followers = set()
     while time.monotonic() < deadline and not followers:
