@@ -496,6 +496,15 @@ def _reader():
     return _READER
 
 
+def wait_for_reads() -> None:
+    """Return once the reader thread has nothing left to read. Its reads allocate device memory and copy to the
+    GPU: one that runs while a CUDA graph is being captured invalidates the capture ("operation failed due to a
+    previous error during capture"), so CudaGraphStep waits here first. A read's own error stays its
+    activate()'s."""
+    if _READER is not None:
+        _READER.submit(lambda: None).result()
+
+
 class PackageExecutor(Executor):
     """A compiled PyTorch engine: an AOTInductor package (`<component>.pt2`, `fluxtrt build --backend torch`),
     checked before it loads (the manifest's sha256, and the torch, CUDA and device it was compiled for) and run

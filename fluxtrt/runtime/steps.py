@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..components import TRANSFORMER_PARTS, specs_for
 from ..errors import FluxtrtError, RequestError
-from .executors import PackageExecutor, TorchExecutor
+from .executors import PackageExecutor, TorchExecutor, wait_for_reads
 from .tensorrt import TensorRTExecutor
 
 
@@ -123,13 +123,15 @@ class CudaGraphStep:
         import torch
 
         self.static = {k: v.clone() for k, v in feeds.items()}
+        wait_for_reads()  # no weights read onto the GPU from another thread while the graph is captured
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up outside the graph (allocator, lazy init)
                 executor.infer(self.static)
         stream.synchronize()
         self.graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(self.graph, stream=stream):
+            # thread_local: a CUDA call of another thread (a server's request handler) cannot spoil this capture
+            with torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
                 self.out = executor.infer(self.static)["noise_pred"]
         except Exception as e:  # torch.AcceleratorError: an executor that waits on the host inside its call
             first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__

@@ -56,10 +56,50 @@ def test_an_executor_that_cannot_be_captured_is_one_line_naming_the_fix(monkeypa
     ex = Executor()
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
-    monkeypatch.setattr(torch.cuda, "graph", lambda g, stream=None: Capture())
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, stream=None, capture_error_mode="global": Capture())
     stream = type("Stream", (), {"synchronize": lambda self: None})()
     feeds = {"hidden_states": torch.randn(1, 16, 8), "timestep": torch.rand(1)}
     with pytest.raises(FluxtrtError, match=r"^--cuda-graph: the pt2 transformer cannot be captured as a CUDA graph "
                                            r"\(CUDA error: .*\); run without --cuda-graph$"):
         steps.CudaGraphStep(ex, feeds, stream)
     assert ex.calls == 3  # two warm-up calls, then the one captured
+
+
+def test_the_capture_waits_for_weights_read_ahead(monkeypatch):
+    """A package folder's weights are read ahead on a background thread (PackageExecutor.prefetch). A read that
+    copies to the GPU while the step is captured spoils the capture (the H200's fresh `run --cuda-graph` failed
+    so while the VAE's weights were still being read): CudaGraphStep waits for the reader first, and captures in
+    thread_local mode. torch's CUDA graph API stood in for on this CPU."""
+    import contextlib
+    import threading
+
+    from fluxtrt.runtime import executors, steps
+
+    release, seen = threading.Event(), {}
+    read = executors._reader().submit(lambda: release.wait(10) and "read")  # a read still under way
+
+    class Capture:
+        def __enter__(self):
+            seen["read_done_at_capture"] = read.done()
+
+        def __exit__(self, *exc):
+            return False
+
+    class Executor:
+        kind = "pt2"
+
+        def infer(self, feeds):
+            return {"noise_pred": feeds["hidden_states"] * 2}
+
+    def graph(g, stream=None, capture_error_mode="global"):
+        seen["mode"] = capture_error_mode
+        return Capture()
+
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    stream = type("Stream", (), {"synchronize": lambda self: None})()
+    threading.Timer(0.2, release.set).start()
+    steps.CudaGraphStep(Executor(), {"hidden_states": torch.randn(1, 16, 8), "timestep": torch.rand(1)}, stream)
+    assert seen == {"read_done_at_capture": True, "mode": "thread_local"}
+    assert read.result() == "read"
