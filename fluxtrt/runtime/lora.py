@@ -440,8 +440,12 @@ class LoraBank:
                     r = ranks.setdefault(host, {})
                     r[layer] = max(r.get(layer, 0), int(t.shape[0]))
         self._layers = {k: v for k, v in where.items() if v[0] in ranks}
+        # the output columns a host's adapters can touch: a joined projection's parts that no file targets (the
+        # single blocks' MLP beside their q, k, v) are neither stored nor added to
+        spans = {h: (min(where[layer][1] for layer in r), max(where[layer][1] + where[layer][2] for layer in r))
+                 for h, r in ranks.items()}
         elem = torch.empty((), dtype=dtype).element_size()
-        per_slot = sum(sum(r.values()) * (module.get_submodule(h).in_features + module.get_submodule(h).out_features)
+        per_slot = sum(sum(r.values()) * (module.get_submodule(h).in_features + spans[h][1] - spans[h][0])
                        for h, r in ranks.items()) * elem
         # at least a full stack's worth, so every request can run (over cache_bytes only where that is smaller)
         self.slots = max(MAX_STACK, min(256, self.cache_bytes // max(per_slot, 1))) if ranks else 0
@@ -450,7 +454,8 @@ class LoraBank:
             owner = module.get_submodule(parent) if parent else module
             base = getattr(owner, leaf)
             device = next((t.device for t in base.buffers()), None) or next(base.parameters()).device
-            mixed = _mixed_lora(base, self, dict(r), slots=self.slots, dtype=dtype, device=device)
+            mixed = _mixed_lora(base, self, dict(r), span=spans[host], slots=self.slots, dtype=dtype,
+                                device=device)
             setattr(owner, leaf, mixed)
             self.hosts[host] = mixed
         return self.slots
@@ -575,8 +580,9 @@ class EngineAdapters:
         return {"mixes_in_a_batch": False, "stacks_kept": self.keep, "loaded": self.loaded}
 
 
-def _mixed_lora(base, bank: LoraBank, ranks: dict, *, slots: int, dtype, device):
-    """`base` plus, per sample, the low-rank terms of its adapters' slots (LoraBank)."""
+def _mixed_lora(base, bank: LoraBank, ranks: dict, *, span: tuple, slots: int, dtype, device):
+    """`base` plus, per sample, the low-rank terms of its adapters' slots (LoraBank), added in place to the output
+    columns `span` (lo, hi) that the adapters can touch."""
     import torch
 
     rank = sum(ranks.values())
@@ -588,12 +594,12 @@ def _mixed_lora(base, bank: LoraBank, ranks: dict, *, slots: int, dtype, device)
     class MixedLora(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.base, self.ranks, self.columns = base, ranks, columns
+            self.base, self.ranks, self.columns, (self.lo, self.hi) = base, ranks, columns, span
             self.in_features, self.out_features = base.in_features, base.out_features
             # slot 0 holds zeros: a sample's unused stack places point there. Both factors are stored rank-major,
             # so a batch's gathered slots are [n, K * rank, features] without a copy
             self.register_buffer("down", torch.zeros(slots + 1, rank, base.in_features, dtype=dtype, device=device))
-            self.register_buffer("up", torch.zeros(slots + 1, rank, base.out_features, dtype=dtype, device=device))
+            self.register_buffer("up", torch.zeros(slots + 1, rank, self.hi - self.lo, dtype=dtype, device=device))
 
         def clear(self, slot):
             self.down[slot].zero_()
@@ -602,8 +608,8 @@ def _mixed_lora(base, bank: LoraBank, ranks: dict, *, slots: int, dtype, device)
         def put(self, slot, layer, offset, a, b):
             c, r = self.columns[layer], a.shape[0]
             self.down[slot, c:c + r] = torch.from_numpy(a).to(self.down.device, self.down.dtype)
-            self.up[slot, c:c + r, offset:offset + b.shape[0]] = torch.from_numpy(b).to(self.up.device,
-                                                                                        self.up.dtype).T
+            at = offset - self.lo
+            self.up[slot, c:c + r, at:at + b.shape[0]] = torch.from_numpy(b).to(self.up.device, self.up.dtype).T
 
         def forward(self, x):
             y = self.base(x)
@@ -613,8 +619,10 @@ def _mixed_lora(base, bank: LoraBank, ranks: dict, *, slots: int, dtype, device)
             idx, scale = bank.idx[:n, :k], bank.scale[:n, :k]
             x3 = x.reshape(n, -1, x.shape[-1])
             down = self.down[idx].reshape(n, k * rank, -1)  # [n, K*R, in]
-            up = self.up[idx].reshape(n, k * rank, -1)  # [n, K*R, out]
+            up = self.up[idx].reshape(n, k * rank, -1)  # [n, K*R, hi - lo]
             h = torch.bmm(x3, down.transpose(1, 2)) * scale.repeat_interleave(rank, dim=1)[:, None, :]
-            return y + torch.bmm(h, up).reshape(y.shape)
+            # in place, on the touched columns only: no second full-width output is written and read again
+            y.view(n, -1, self.out_features)[..., self.lo:self.hi].add_(torch.bmm(h, up))
+            return y
 
     return MixedLora()

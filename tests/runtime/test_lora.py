@@ -188,6 +188,14 @@ def test_one_batch_mixes_adapters_on_joined_gemms_as_merged_weights_would(tiny_b
     fp8_layers.fuse_projections(raw)
     bank = lora.LoraBank(tmp_path, cache_bytes=1 << 30)
     assert bank.attach(raw, torch.float32) >= lora.MAX_STACK and len(bank.hosts) == 6
+    # a joined host stores and adds only the columns its files touch: q, k of to_qkv; v of to_added_qkv; v and
+    # the MLP of proj_qkv_mlp (the last part); every column of a layer that stays alone
+    spans = {h: (m.lo, m.hi, m.out_features, m.up.shape[-1]) for h, m in bank.hosts.items()}
+    d = src.geometry.transformer_dim
+    assert spans["transformer_blocks.0.attn.to_qkv"] == (0, 2 * d, 3 * d, 2 * d), spans
+    assert spans["transformer_blocks.0.attn.to_added_qkv"] == (2 * d, 3 * d, 3 * d, d), spans
+    lo, hi, out, width = spans["single_transformer_blocks.0.proj_qkv_mlp"]
+    assert (lo, hi, width) == (2 * d, out, out - 2 * d), spans
     for name in ("l0", "l1"):
         bank.check(name)
     stacks = [[], [("l0", 0.8)], [("l0", 0.8), ("l1", -0.5)]]
