@@ -147,7 +147,8 @@ def build(request: BuildRequest | None = None, *, progress: Callable[[str, str],
     Args: request: a records.BuildRequest, or **fields its fields (gpu / config: the target, see resolve_target;
         model: the checkpoint, default `tiny`, said in the notes; out_dir: the build root; components, precision:
         the CLI's -c / -p; static_shape; force; calibration: CalibrationSettings; weightless; zero_copy; validate;
-        first_block_cache; backend: None or `torch`, compiled PyTorch packages); progress: (component, phase) callback.
+        first_block_cache; backend: None or `torch`, compiled PyTorch packages; parallel, parallel_attention: those
+        packages' transformer split over ranks, `run --parallel N`); progress: (component, phase) callback.
     Returns: BuildSummary (config, source, manifest, stage results, notes; gpu_dir, up_to_date).
     Raises: FluxtrtError (one line) for bad input; a failed build says what it kept for the next one."""
     import dataclasses
@@ -165,6 +166,11 @@ def build(request: BuildRequest | None = None, *, progress: Callable[[str, str],
                      "(or make a LoRA for it) to try your own weights on these engines")
     req = dataclasses.replace(req, components=tuple(split_list(list(req.components))),
                               calibration=req.calibration.check())
+    if req.parallel != 1:  # packages split over ranks: their own folder, `<gpu>[-torch]-parallelN/`
+        from .stages.package import check_parallel
+
+        check_parallel(req, cfg)
+        cfg = dataclasses.replace(cfg, key=f"{cfg.key}-parallel{req.parallel}")
     manifest, results = build_gpu(source, cfg, req, progress=progress)
     return BuildSummary(config=cfg, source=source, out_dir=req.out_dir, manifest=manifest, results=results, notes=notes)
 

@@ -6,6 +6,13 @@ attention module of a transformer, in forward order (the order the exported grap
 
 from __future__ import annotations
 
+import functools
+
+from .errors import FluxtrtError
+
+ATTENTION = ("auto", "ulysses", "gather")  # --parallel-attention: how attention sees the whole sequence
+MAX_RANKS = 8  # --parallel: the most ranks one image is split over
+
 
 class Processor:
     """diffusers' FluxAttnProcessor (0.42) with `fn(q, k, v) -> [B, S, H, D]` in place of its attention call."""
@@ -154,3 +161,64 @@ def context_parallel(transformer, group, mode: str = "gather", sizes=None) -> in
         inner = module.processor.fn if isinstance(module.processor, Processor) else sdpa
         module.set_processor(Processor(context_parallel_fn(inner, group, mode, sizes)))
     return len(names)
+
+
+def attention_mode(asked: str, heads: int, n: int) -> str:
+    """How attention sees the whole sequence over n ranks: "ulysses" (all-to-all over heads: each rank moves
+    4 x S/n x H x D per layer against gather's 2 x S x H x D, so a factor n/2 less, and keeps 1/n of the keys and
+    values) where the heads divide by n; "gather" (every rank's keys and values) for any n. `asked`: auto (that
+    rule), or one of the two (ulysses refused in one line where the heads do not divide)."""
+    if asked not in ATTENTION:
+        raise FluxtrtError(f"--parallel-attention takes {', '.join(ATTENTION)}, got {asked!r}")
+    divides = heads % n == 0
+    if asked == "ulysses" and not divides:
+        raise FluxtrtError(f"--parallel-attention ulysses splits the {heads} attention heads over the ranks: "
+                           f"{n} does not divide {heads}; use --parallel-attention gather (or auto)")
+    if asked == "auto":
+        return "ulysses" if divides and n > 1 else "gather"
+    return asked
+
+
+# --- context parallelism inside a compiled package (`fluxtrt build --backend torch --parallel N`) -------------------
+# A package is compiled with each attention as one opaque op, `fluxtrt::context_attention`: Inductor compiles
+# every per-token layer around it, and the op's Python body runs at call time, in the process that calls the
+# package, on the rank's process group (`bind_context`, set by the runtime for its split packages): the same
+# collectives as the eager path, issued in order from the calling thread.
+_BOUND: dict = {}  # "group", "size", "sizes" (every rank's sequence length in the call running now, a callable)
+
+
+def bind_context(group, size: int, sizes) -> None:
+    """The process group of this rank's split packages (`size` ranks; `sizes()`: every rank's attention length in
+    the call running now) for their `fluxtrt::context_attention` calls."""
+    _BOUND.update(group=group, size=size, sizes=sizes)
+
+
+def split_attention(transformer, ranks: int, mode: str) -> int:
+    """Each attention of `transformer` as the op `fluxtrt::context_attention(q, k, v, ranks, mode)`, for a package
+    that runs split over `ranks` ranks. Returns the modules changed."""
+    op = context_attention_op()
+    return use_attention(transformer, [lambda q, k, v: op(q, k, v, ranks, mode)] *
+                         len(attention_modules(transformer)))
+
+
+@functools.cache
+def context_attention_op():
+    """torch.ops.fluxtrt.context_attention, registered once per process (before a split package loads: the
+    package calls it by name). Its body: `context_parallel_fn` over SDPA on the bound group (`bind_context`);
+    RuntimeError where none is bound or the bound ranks differ from those the package was compiled for."""
+    import torch
+
+    @torch.library.custom_op("fluxtrt::context_attention", mutates_args=(),
+                             schema="(Tensor q, Tensor k, Tensor v, int ranks, str mode) -> Tensor")
+    def context_attention(q, k, v, ranks, mode):
+        if _BOUND.get("size") != ranks:
+            raise RuntimeError(f"this package's attention is split over {ranks} ranks; this process runs "
+                               f"{_BOUND.get('size', 1)}")
+        out = context_parallel_fn(sdpa, _BOUND["group"], mode, _BOUND["sizes"])(q, k, v)
+        return out.contiguous()
+
+    @context_attention.register_fake
+    def _(q, k, v, ranks, mode):
+        return q.new_empty(q.shape)
+
+    return torch.ops.fluxtrt.context_attention.default

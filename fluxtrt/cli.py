@@ -218,6 +218,9 @@ def build(
     backend: Optional[str] = _opt(None, "--backend", help="torch: compiled PyTorch engines (AOTInductor .pt2 "
                                   "packages) for this machine's GPU (or --gpu cpu), into OUT/<gpu>-torch/; default: "
                                   "the config's TensorRT backend."),
+    parallel: int = _opt(1, "--parallel", help="With --backend torch --static-shape: compile the transformer to run "
+                         "split over N ranks (`run --parallel N`), context parallelism, 2 to 8."),
+    parallel_attention: str = PARALLEL_ATTENTION,
 ):
     """Export, optimize (and quantize), then build serialized TensorRT engines for one GPU, reusing every
     unchanged stage; each engine also gets a weight map and a weight-free ONNX for the user's own weights."""
@@ -229,7 +232,8 @@ def build(
     request = BuildRequest.of(gpu=gpu, config=config, model=model, out_dir=out_dir, components=components,
                               precision=precision, static_shape=static_shape, force=force, calibration=calib,
                               weightless=weightless, zero_copy=zero_copy, validate=validate,
-                              first_block_cache=first_block_cache, backend=backend)
+                              first_block_cache=first_block_cache, backend=backend, parallel=parallel,
+                              parallel_attention=parallel_attention)
     with r.phases([]) as update:
         summary = api.build(request, progress=update)
     r.build_summary(summary)

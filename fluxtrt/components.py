@@ -168,6 +168,11 @@ class TensorSpec:
     def symbolic_axes(self) -> dict[int, str]:
         return {i: d for i, d in enumerate(self.dims) if isinstance(d, str) and not d.startswith("geo.")}
 
+    @property
+    def token_axis(self) -> int | None:
+        """The axis of the transformer's tokens (image or text), which context parallelism splits; None if none."""
+        return next((i for i, d in enumerate(self.dims) if d in ("image_tokens", "geo.t5_length")), None)
+
 
 @dataclass(frozen=True)
 class ComponentSpec:

@@ -108,6 +108,7 @@ class ComponentEntry(JsonRecord):
     # recorded at build time so that an unpacked archive runs on every backend that computes the recipe
     recipe: dict | None = None
     constants: dict | None = None  # a compiled package's weights file: {"file", "tree_sha256", "bytes"}
+    parallel: dict | None = None  # a package split over ranks (`build --parallel N`): {"ranks": N, "attention": mode}
 
     def dtype_of(self, tensor: str) -> str:
         for t in self.inputs + self.outputs:
@@ -443,6 +444,8 @@ class BuildRequest:
     validate: bool = True  # every ONNX against PyTorch
     first_block_cache: bool = False  # also the transformer's First-Block Cache parts
     backend: str | None = None  # None: the config's; "torch": compiled PyTorch packages (AOTInductor) instead
+    parallel: int = 1  # packages whose transformer runs split over this many ranks (`run --parallel N`)
+    parallel_attention: str = "auto"  # how their attention sees the whole sequence (attention.attention_mode)
 
     @classmethod
     def of(cls, **fields) -> "BuildRequest":

@@ -274,6 +274,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+
+def answered(future, timeout=180):
+    """A request's status code, or "cut" where the connection closed inside the answer: a replica killed between
+    the response's headers and its body (Ray's proxy had sent the headers) is an answer too, not a hang."""
+    import http.client
+
+    try:
+        return future.result(timeout=timeout)[0]
+    except (http.client.IncompleteRead, ConnectionError):
+        return "cut"
+
 class Server:
     def __init__(self, engines: Path | None, *args: str):
         """`fluxtrt serve` on `engines` with ONNX Runtime (None: what `args` name, e.g. --model M --backend torch)."""
@@ -399,8 +410,8 @@ def test_server_under_load_bad_requests_killed_replica_and_ctrl_c(tiny_engines, 
                        for k in range(8)]
             time.sleep(1.0)
             os.kill(pid, signal.SIGKILL)  # the replica dies mid-load; Ray restarts it
-            codes = [f.result(timeout=180)[0] for f in pending]  # every request is answered: none hangs
-        assert all(c == 200 or 500 <= c < 600 for c in codes), codes
+            codes = [answered(f) for f in pending]  # every request is answered: none hangs
+        assert all(c in (200, "cut") or 500 <= c < 600 for c in codes), codes
         deadline = time.time() + 120
         while time.time() < deadline:
             try:

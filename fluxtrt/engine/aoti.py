@@ -73,10 +73,11 @@ def _io(spec_tensors, tensors) -> list[dict]:
 
 
 def compile_package(module, spec: ComponentSpec, geo: Geometry, rng: ShapeRange, *, device, dtype,
-                    package_path: Path) -> BuiltPackage:
+                    package_path: Path, share=None) -> BuiltPackage:
     """Export `module` (the spec's wrapped module, on `device` in `dtype`) over the profile and compile it into
     `package_path` (the kernels, written under a temp name and renamed) and its weights into
-    `<component>.constants.safetensors` beside it. Raises BuildError naming the component where torch.export or
+    `<component>.constants.safetensors` beside it. `share(feeds)`: what one rank computes of the whole inputs (a
+    package split over ranks, traced at that share). Raises BuildError naming the component where torch.export or
     Inductor fails."""
     import torch
 
@@ -85,13 +86,14 @@ def compile_package(module, spec: ComponentSpec, geo: Geometry, rng: ShapeRange,
 
     point = example_point(rng)
     feeds = spec.sample_inputs(point, geo, seed=0)
+    feeds = share(feeds) if share is not None else feeds
     args = tuple(feeds[t.name].to(device, dtype) if feeds[t.name].is_floating_point() else feeds[t.name].to(device)
                  for t in spec.inputs)
     t0 = time.perf_counter()
     try:
         with torch.no_grad():
             exported = torch.export.export(module, args, dynamic_shapes=dynamic_shapes(spec, geo, rng), strict=False)
-            outputs = module(*args)
+        outputs = traced_outputs(exported)
     except Exception as e:  # torch.export's errors are pages long: the first line names the problem
         raise BuildError(f"{spec.name}: torch.export failed ({type(e).__name__}: {str(e).strip().splitlines()[0][:300]})"
                          "; build the ONNX path instead (drop --backend torch)") from e
@@ -124,6 +126,15 @@ def compile_package(module, spec: ComponentSpec, geo: Geometry, rng: ShapeRange,
                         inputs=_io(spec.inputs, args), outputs=_io(spec.outputs, outputs), profile=profile,
                         constants=constants,
                         export_seconds=round(export_seconds, 3), compile_seconds=round(compile_seconds, 3))
+
+
+def traced_outputs(exported) -> list:
+    """The module's outputs as torch.export traced them (fake tensors: dtype and shape, nothing computed; a split
+    package's attention could not run here, outside its ranks)."""
+    from torch.export.graph_signature import OutputKind
+
+    values = {n.name: n.meta.get("val") for n in exported.graph.nodes}
+    return [values[s.arg.name] for s in exported.graph_signature.output_specs if s.kind == OutputKind.USER_OUTPUT]
 
 
 @contextlib.contextmanager

@@ -109,9 +109,8 @@ class Assembly:
             raise self.manifest.lacking(missing, self.dir)
         if "transformer" in engine_names:  # First-Block Cache's parts, where the build made them
             engine_names += [p for p in TRANSFORMER_PARTS if p in self.manifest.components]
-        if o.parallel > 1 and "transformer" in engine_names:
-            raise FluxtrtError("--parallel splits the PyTorch transformer: add --backend torch (engines, ONNX and "
-                               "compiled packages run it whole)")
+        if "transformer" in engine_names:
+            self._check_split(engine_names, o, packages)
         self.options, self.ort_provider, self.budget = o, ort_provider, budget
         if engine_names and packages:
             made = self._package_executors(engine_names, device, self.loras)
@@ -126,7 +125,9 @@ class Assembly:
 
             if parallel.current() is None:  # the leader: start the followers, each opens these options too
                 parallel.start(o, open_pipeline)
-            self.context = self.executors["transformer"].context = parallel.current()
+            self.context = parallel.current()
+            for name in [n for n in engine_names if family(n) == "transformer"] or ["transformer"]:
+                self.executors[name].context = self.context
 
     def _open_assets(self, engine_dir, model) -> None:
         """Tokenizers and configs: copied beside the engines at build time, or the model folder (torch only)."""
@@ -254,6 +255,34 @@ class Assembly:
                 cuda_graph=o.cuda_graph and name == "transformer", allow_host_code=o.allow_host_code,
                 weights=sources[name], kernel_specialization=o.kernel_specialization, low_vram=self.low_vram)
         return made
+
+    def _check_split(self, names, o, packages: bool) -> None:
+        """The transformer's engines against --parallel: packages compiled split over N ranks (`build --parallel
+        N`) run with --parallel N and their compiled attention mode; whole ones, engines and ONNX, with none."""
+        from ..attention import MAX_RANKS
+
+        entries = [(n, self.manifest.component(n)) for n in names if family(n) == "transformer"]
+        for name, e in entries:
+            split = e.parallel if packages else None
+            if split is not None and not (isinstance(split, dict) and type(split.get("ranks")) is int
+                                          and 2 <= split["ranks"] <= MAX_RANKS
+                                          and split.get("attention") in ("ulysses", "gather")):
+                raise ManifestError(f"{self.dir}/manifest.json: {name}'s parallel record is damaged; build the "
+                                    "packages again with `fluxtrt build --backend torch --parallel N`")
+            ranks = split["ranks"] if split else 1
+            build = f"`fluxtrt build --backend torch --static-shape --parallel {o.parallel}`"
+            if not packages and o.parallel > 1:
+                raise FluxtrtError("--parallel splits the PyTorch transformer: add --backend torch (engines and ONNX "
+                                   f"run it whole), or compile split packages with {build}")
+            if ranks != o.parallel:
+                have = f"compiled split over {ranks} ranks" if ranks > 1 else "compiled to run whole"
+                fix = f"run them with --parallel {ranks}" if ranks > 1 else "run them without --parallel"
+                raise FluxtrtError(f"--parallel {o.parallel}: the {self.dir.name} packages' {name} is {have}; {fix}, "
+                                   f"or compile packages for {o.parallel} rank(s) with {build}")
+            if split and o.parallel_attention not in ("auto", split["attention"]):
+                raise FluxtrtError(f"--parallel-attention {o.parallel_attention}: the {self.dir.name} packages compiled "
+                                   f"{split['attention']} attention in; drop --parallel-attention, or build with "
+                                   f"`--parallel-attention {o.parallel_attention}`")
 
     def _package_executors(self, names, device, loras) -> dict:
         """PackageExecutors of `names`, the transformer's (and its parts') with `loras` merged as they load."""

@@ -381,27 +381,20 @@ class TorchExecutor(Executor):
         import torch
 
         feeds, batch = self.padded(spec, feeds)
-        rank = self.context
-        if rank is not None:
-            from . import parallel
 
-            try:
-                parallel.lead(rank, spec.name, feeds)
-            except RuntimeError as e:  # a follower that ended (gloo says so at once)
-                raise parallel.failed(e) from None
-            feeds = parallel.shard(spec, feeds, rank)
-        args = [feeds[t.name].to(self.device, self.dtype, non_blocking=True) if feeds[t.name].is_floating_point()
-                else feeds[t.name].to(self.device, non_blocking=True) for t in spec.inputs if t.name in feeds]
-        with torch.inference_mode():
-            try:
+        def run(feeds):
+            args = [feeds[t.name].to(self.device, self.dtype, non_blocking=True) if feeds[t.name].is_floating_point()
+                    else feeds[t.name].to(self.device, non_blocking=True) for t in spec.inputs if t.name in feeds]
+            with torch.inference_mode():
                 out = fn(*args)
-                out = dict(zip((t.name for t in spec.outputs), out if isinstance(out, tuple) else (out,)))
-                if rank is not None:
-                    out = parallel.gather(spec, out, rank)
-            except RuntimeError as e:  # attention's collectives, or the gather, met a follower that ended
-                if rank is None:
-                    raise
-                raise parallel.failed(e) from None
+            return dict(zip((t.name for t in spec.outputs), out if isinstance(out, tuple) else (out,)))
+
+        if self.context is None:
+            out = run(feeds)
+        else:
+            from .parallel import split_call
+
+            out = split_call(self.context, spec, feeds, run)
         return {k: v[:batch] if batch else v for k, v in out.items()}
 
     def padded(self, spec, feeds: dict) -> tuple[dict, int | None]:
@@ -525,6 +518,7 @@ class PackageExecutor(Executor):
         self.probe = probe  # the folder's CUDA packages loaded once in a child process first (LoadProbe)
         self._device = device or run_device(self.runtime)
         self.stream = None
+        self.context = None  # runtime/parallel.Rank: a package split over ranks (`build --parallel N`) runs on it
         self._fn = self._weights = None
         has, wants = [t["name"] for t in entry.inputs], [t.name for t in spec.inputs]
         if has != wants:
@@ -589,6 +583,12 @@ class PackageExecutor(Executor):
             if read is None:  # a prefetch checked it already: its error comes with read.result()
                 self.check()
             weights = self._weights_file()
+            if self.entry.parallel:  # its attention calls this op by name: registered, on this rank's group
+                from ..attention import bind_context, context_attention_op
+                from .parallel import call_sizes
+
+                context_attention_op()
+                bind_context(self.context.group, self.context.size, call_sizes)
             if self.probe is not None:
                 self.probe.start()  # its child loads the kernels while this process reads the weights
             adjust = None
@@ -604,6 +604,13 @@ class PackageExecutor(Executor):
         self.active = True
 
     def infer_impl(self, feeds: dict) -> dict:
+        if self.context is not None:  # the call sent to the followers, this rank's slice run, the slices gathered
+            from .parallel import split_call
+
+            return split_call(self.context, self.spec, feeds, lambda share: self._run(share))
+        return self._run(feeds)
+
+    def _run(self, feeds: dict) -> dict:
         import contextlib
 
         import torch

@@ -23,13 +23,12 @@ import os
 import threading
 from dataclasses import dataclass
 
+from ..attention import ATTENTION, MAX_RANKS, attention_mode  # noqa: F401  (the modes, resolved per model)
 from ..errors import FluxtrtError
 
-MAX_RANKS = 8
 # a collective waiting this long for a rank ends the run: long, since a rank's first call may load and compile
 # its transformer (minutes at full size); a rank that dies is noticed at once (Team.failure, watch)
 TIMEOUT_S = 1800
-ATTENTION = ("auto", "ulysses", "gather")  # --parallel-attention: how attention sees the whole sequence
 
 
 @dataclass(frozen=True)
@@ -77,22 +76,6 @@ def backend_for(n: int, device: str | None) -> str:
         raise FluxtrtError(f"--parallel splits one image over GPUs of one kind; these are {', '.join(kinds)}: set "
                            "CUDA_VISIBLE_DEVICES to GPUs of one kind")
     return "nccl"
-
-
-def attention_mode(asked: str, heads: int, n: int) -> str:
-    """How attention sees the whole sequence over n ranks: "ulysses" (all-to-all over heads: each rank moves
-    4 x S/n x H x D per layer against gather's 2 x S x H x D, so a factor n/2 less, and keeps 1/n of the keys and
-    values) where the heads divide by n; "gather" (every rank's keys and values) for any n. `asked`: auto (that
-    rule), or one of the two (ulysses refused in one line where the heads do not divide)."""
-    if asked not in ATTENTION:
-        raise FluxtrtError(f"--parallel-attention takes {', '.join(ATTENTION)}, got {asked!r}")
-    divides = heads % n == 0
-    if asked == "ulysses" and not divides:
-        raise FluxtrtError(f"--parallel-attention ulysses splits the {heads} attention heads over the ranks: "
-                           f"{n} does not divide {heads}; use --parallel-attention gather (or auto)")
-    if asked == "auto":
-        return "ulysses" if divides and n > 1 else "gather"
-    return asked
 
 
 class Team:
@@ -273,6 +256,21 @@ def follow(pipe) -> None:
             pipe.steps.run_part(name, feeds)
 
 
+def split_call(rank: Rank, spec, feeds: dict, run) -> dict:
+    """One call of `spec` (the transformer or one of its parts) over the ranks: the leader sends it to the
+    followers (`lead`), each rank runs `run(feeds) -> {output: tensor}` on its slice (`shard`), and the outputs'
+    slices are gathered (`gather`). A follower that ended (the broadcast, attention's collectives or the gather
+    met it) is one line (`failed`)."""
+    import torch
+
+    try:
+        lead(rank, spec.name, feeds)
+        with torch.inference_mode():
+            return gather(spec, run(shard(spec, feeds, rank)), rank)
+    except RuntimeError as e:  # gloo says so at once; NCCL at its timeout, or `watch` ends the leader first
+        raise failed(e) from None
+
+
 def lead(rank: Rank, name: str, feeds: dict) -> None:
     """The leader's call `name` with `feeds` sent to every follower (no-op on a follower)."""
     import torch.distributed as dist
@@ -320,8 +318,7 @@ def split_sizes(length: int, n: int) -> list[int]:
 
 
 def _token_axes(tensors) -> dict:
-    return {t.name: next((i for i, d in enumerate(t.dims) if d in ("image_tokens", "geo.t5_length")), None)
-            for t in tensors}
+    return {t.name: t.token_axis for t in tensors}
 
 
 def shard(spec, feeds: dict, rank: Rank) -> dict:

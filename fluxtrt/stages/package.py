@@ -41,6 +41,47 @@ def fp8_scales(source, calib, out_root: Path, raw, *, device: str, dtype: str) -
     return fp8_layers.calibrated_scales(raw, spec, source.geometry, cal.amax, device=device, dtype=torch_dtype(dtype))
 
 
+def check_parallel(request, cfg) -> None:
+    """`build --parallel N`: one line each for a rank count out of 2..8, a backend other than compiled PyTorch,
+    a profile that is not one size, an unknown attention mode, a build without the transformer."""
+    from ..attention import ATTENTION, MAX_RANKS
+    from ..errors import FluxtrtError
+
+    n = request.parallel
+    if not isinstance(n, int) or isinstance(n, bool) or not 2 <= n <= MAX_RANKS:
+        raise FluxtrtError(f"build --parallel takes 2 to {MAX_RANKS} ranks, got {n}")
+    if cfg.backend != "torch":
+        raise FluxtrtError("build --parallel compiles PyTorch packages whose transformer runs split over ranks: add "
+                           "--backend torch (TensorRT engines and ONNX run it whole; `run --parallel` also splits the "
+                           "PyTorch module of --model)")
+    rng = cfg.shape_range(request.static_shape)
+    if rng.min != rng.max:
+        raise FluxtrtError("build --parallel compiles each rank's share of one image size: add --static-shape")
+    if request.parallel_attention not in ATTENTION:
+        raise FluxtrtError(f"--parallel-attention takes {', '.join(ATTENTION)}, got {request.parallel_attention!r}")
+    if request.components and not any(family(c) == "transformer" for c in request.components):
+        raise FluxtrtError("build --parallel splits the transformer: build it too (--components transformer,...)")
+
+
+def rank_share(spec, feeds: dict, ranks: int) -> dict:
+    """What one rank of `ranks` computes of whole-model `feeds`: every token axis (image and text tokens) cut in
+    `ranks` equal slices, per-sample inputs whole (runtime/parallel.shard's cut, here where every slice is alike).
+    BuildError in one line where the tokens do not divide (every rank runs the one package)."""
+    from ..errors import BuildError
+
+    out = {}
+    for t in spec.inputs:
+        v, axis = feeds[t.name], t.token_axis
+        if axis is not None:
+            if v.shape[axis] % ranks:
+                raise BuildError(f"{spec.name}: {v.shape[axis]} {t.dims[axis].removeprefix('geo.')} of {t.name} do "
+                                 f"not divide over {ranks} ranks: build --parallel with 2, 4 or 8 ranks, or a size "
+                                 "whose tokens divide (each rank runs the same package)")
+            v = v.narrow(axis, 0, v.shape[axis] // ranks)
+        out[t.name] = v
+    return out
+
+
 def package_stage(source, cfg, request, *, spec, rng, manifest, gpu_dir: Path, log, on_phase, calib, device: str,
                   runtime: dict) -> StageResult:
     """Compile (or reuse) one component's package into `gpu_dir` and record it in `manifest`."""
@@ -53,8 +94,11 @@ def package_stage(source, cfg, request, *, spec, rng, manifest, gpu_dir: Path, l
     rng = profile_range(geo, family(name), rng)
     profile = spec.profile(rng, geo)
     recipe_inputs = calibration_inputs(calib) if precision == "fp8" else None
+    ranks = request.parallel if family(name) == "transformer" else 1  # context parallelism: the transformer's
+    split = {"ranks": ranks, "attention": request.parallel_attention} if ranks > 1 else None
     key = sha256_json({"model": source.content_hash, "precision": precision, "dtype": dtype, "profile": profile,
-                       "runtime": runtime, "calibration": recipe_inputs, "fluxtrt": __version__})
+                       "runtime": runtime, "calibration": recipe_inputs, "fluxtrt": __version__,
+                       **({"parallel": split} if split else {})})
     path = gpu_dir / f"{name}{EXTENSION}"
     prev = manifest.components.get(name)
     if not request.force and prev is not None and prev.constants and unchanged(
@@ -74,9 +118,18 @@ def package_stage(source, cfg, request, *, spec, rng, manifest, gpu_dir: Path, l
         recipe = fp8.recipe_record(scales)
     elif precision == "fp8-wo":
         note = fp8_layers.weight_only(raw)
+    share = None
+    if split:  # each attention an op that runs the ranks' collectives when the package is called
+        from ..attention import attention_mode, split_attention
+
+        split["attention"] = attention_mode(request.parallel_attention, raw.config.num_attention_heads, ranks)
+        split_attention(raw, ranks, split["attention"])
+        note += ("; " if note else "") + f"split over {ranks} ranks ({split['attention']} attention)"
+        share = lambda feeds: rank_share(spec, feeds, ranks)  # noqa: E731
     module = spec.wrap(raw).eval()
     on_phase("compile")
-    built = compile_package(module, spec, geo, rng, device=device, dtype=torch_dtype(dtype), package_path=path)
+    built = compile_package(module, spec, geo, rng, device=device, dtype=torch_dtype(dtype), package_path=path,
+                            share=share)
     del module, raw
     seconds = time.perf_counter() - t0
     result = StageResult(component=name, stage="package", status="built", seconds=seconds,
@@ -86,7 +139,7 @@ def package_stage(source, cfg, request, *, spec, rng, manifest, gpu_dir: Path, l
         engine=path.name, sha256=built.sha256, bytes=built.bytes, precision=precision, onnx="", onnx_sha256="",
         build_key=key, layers=0, inputs=built.inputs, outputs=built.outputs, profile=built.profile,
         build_seconds=round(seconds, 3), peak_rss_mb=round(peak_rss_mb(), 1), stages={"package": result.footprint()},
-        recipe=recipe, constants=built.constants)
+        recipe=recipe, constants=built.constants, parallel=split)
     manifest.write(gpu_dir)
     log.write(f"compiled {name}: {built.bytes} bytes (weights {built.constants['bytes']}), export "
               f"{built.export_seconds:.1f} s, compile {built.compile_seconds:.1f} s ({dtype}{', ' + note if note else ''})\n")
