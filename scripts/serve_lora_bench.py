@@ -2,17 +2,19 @@
 merges and unmerges one adapter per request, and one-at-a-time diffusers eager: all in one process, one GPU.
 
 Rows (throughput in images per minute, p50/p95 latency) go to --out after every measurement:
-  served, no LoRA        `fluxtrt serve --backend torch --calibration CAL --compile --max-batch 8`'s replica
-                         (serving.Service, driven through its request handler: JSON parsing, batching, PNG
-                         encoding; no HTTP or Ray), --requests requests from --concurrency clients at once
-  served, LoRA each      the same with `--lora-dir`: request i names adapter i % --loras (rank --rank each,
-                         every attention projection of every block), so batches mix adapters (counted)
+  served, no LoRA        `fluxtrt serve --backend torch --calibration CAL --compile --max-batch 8 --lora-dir D`'s
+                         replica (serving.Service, driven through its request handler: JSON parsing, batching, PNG
+                         encoding; no HTTP or Ray), --requests requests naming no LoRA from --concurrency clients at
+                         once (a call without LoRA runs the compiled base alone; --servers two: a second replica
+                         without --lora-dir instead, at the cost of its start-up's compiles)
+  served, LoRA each      the same replica: request i names adapter i % --loras (rank --rank each, every attention
+                         projection of every block), so batches mix adapters (counted)
   diffusers merge        FluxPipeline bf16 eager, one request at a time: load_lora_weights + fuse_lora, the image,
                          unfuse_lora + unload_lora_weights (what a server without mixed batches does per request)
   diffusers eager        FluxPipeline bf16 eager, one request at a time, no LoRA (the baseline of the fast path)
 
 Device:    python3 scripts/serve_lora_bench.py --out $OUT/serve_lora.json   (random:flux.1-dev, 512², 20 steps,
-           8 concurrent, 16 requests, 8 rank-32 LoRAs; needs peft for the diffusers merge row)
+           8 concurrent, 32 requests, 8 rank-32 LoRAs; needs peft for the diffusers merge row)
 Rehearse:  python3 scripts/serve_lora_bench.py --model tiny --size 256 --steps 2 --requests 4 --concurrency 2
            --loras 2 --rank 2 --no-fp8 --no-compile --out /tmp/serve_lora.json"""
 
@@ -58,8 +60,10 @@ def write_loras(model, folder: Path, count: int, rank: int, seed: int = 0) -> li
     return names
 
 
-def served(options, a, names, lora_dir) -> dict:
-    """One replica (serving.Service) under --concurrency clients sending --requests requests."""
+def served(options, a, lora_dir, loads) -> list:
+    """One replica (serving.Service, with --lora-dir when `lora_dir`) under --concurrency clients, each of `loads`
+    [(row name, adapter names: request k names names[k % len], none if empty)] sending --requests requests after
+    a warm-up load of its own."""
     from fluxtrt.serving import Service
 
     t0 = time.perf_counter()
@@ -67,21 +71,21 @@ def served(options, a, names, lora_dir) -> dict:
                       lora_dir=lora_dir)
     start_s = time.perf_counter() - t0
 
-    def body(k):
+    def body(k, names):
         req = {"prompt": f"a photo of a red fox, take {k}", "size": f"{a.size}x{a.size}", "steps": a.steps,
                "seed": k}
         if names:
             req["lora"] = names[k % len(names)]
         return json.dumps(req).encode()
 
-    async def load(count, offset):
+    async def load(count, offset, names):
         gate = asyncio.Semaphore(a.concurrency)
         lat = []
 
         async def one(k):
             async with gate:
                 t = time.perf_counter()
-                status, payload, _ = await service.generate(body(offset + k))
+                status, payload, _ = await service.generate(body(offset + k, names))
                 if status != 200:
                     raise SystemExit(f"request {k}: {status} {payload}")
                 lat.append(time.perf_counter() - t)
@@ -89,16 +93,18 @@ def served(options, a, names, lora_dir) -> dict:
         await asyncio.gather(*(one(k) for k in range(count)))
         return lat, time.perf_counter() - t
 
+    rows = []
     try:
-        asyncio.run(load(a.concurrency, 10_000))  # warm-up: every adapter's first load, the batch shapes
-        before = (service.batcher.stats.lora_calls, service.batcher.stats.mixed_lora_calls,
-                  service.batcher.stats.steps_run)
-        lat, wall = asyncio.run(load(a.requests, 0))
-        s = service.batcher.stats
-        return {**row("fluxtrt serve, LoRA per request" if names else "fluxtrt serve, no LoRA", a.size,
-                      a.concurrency, 1, lat, wall),
-                "start_s": round(start_s, 1), "transformer_calls": s.steps_run - before[2],
-                "lora_calls": s.lora_calls - before[0], "mixed_lora_calls": s.mixed_lora_calls - before[1]}
+        for name, names in loads:
+            asyncio.run(load(a.concurrency, 10_000, names))  # warm-up: every adapter's first load, the shapes
+            s = service.batcher.stats
+            before = (s.lora_calls, s.mixed_lora_calls, s.steps_run)
+            lat, wall = asyncio.run(load(a.requests, 0, names))
+            rows.append({**row(name, a.size, a.concurrency, 1, lat, wall), "start_s": round(start_s, 1),
+                         "transformer_calls": s.steps_run - before[2], "lora_calls": s.lora_calls - before[0],
+                         "mixed_lora_calls": s.mixed_lora_calls - before[1]})
+            print(json.dumps(rows[-1]), flush=True)
+        return rows
     finally:
         service.close()
 
@@ -141,7 +147,10 @@ def main():
     ap.add_argument("--model", default="random:flux.1-dev")
     ap.add_argument("--size", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--servers", choices=("one", "two"), default="one",
+                    help="one: the no-LoRA load on the --lora-dir server (a call without LoRA runs the base alone: "
+                         "bank.on is off); two: a separate server without --lora-dir (a second start-up)")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--loras", type=int, default=8)
     ap.add_argument("--rank", type=int, default=32)
@@ -165,11 +174,14 @@ def main():
     options = PipelineOptions(model=a.model, backend="torch", compile=a.compile,
                               torch_dtype="bf16" if device == "cuda" else "fp32",
                               calibration=Path(calibration_file(a.model, a.work)) if a.fp8 else None).check()
-    for lora_dir, use in ((None, []), (folder, names)):
-        out["rows"].append(served(options, a, use, lora_dir))
-        gc.collect()  # the replica's pipeline freed before the next
-        print(json.dumps(out["rows"][-1]), flush=True)
-        write(a.out, out)
+    plain, mixed = ("fluxtrt serve, no LoRA", []), ("fluxtrt serve, LoRA per request", names)
+    if a.servers == "one":  # requests without LoRA on the LoRA server: the same compiled base, one start-up
+        out["rows"] += served(options, a, folder, [plain, mixed])
+    else:  # a server without --lora-dir, then one with it (two start-ups' compiles)
+        for lora_dir, load in ((None, plain), (folder, mixed)):
+            out["rows"] += served(options, a, lora_dir, [load])
+            gc.collect()  # the replica's pipeline freed before the next
+    write(a.out, out)
     if device == "cuda":
         torch.cuda.empty_cache()
     out["rows"] += diffusers_rows(model, a, folder, names, device)
