@@ -270,15 +270,17 @@ class Assembly:
                 raise ManifestError(f"{self.dir}/manifest.json: {name}'s parallel record is damaged; build the "
                                     "packages again with `fluxtrt build --backend torch --parallel N`")
             ranks = split["ranks"] if split else 1
-            build = f"`fluxtrt build --backend torch --static-shape --parallel {o.parallel}`"
+            build = (f"`fluxtrt build --backend torch --static-shape --parallel {o.parallel}`" if o.parallel > 1
+                     else "`fluxtrt build --backend torch` (no --parallel)")
             if not packages and o.parallel > 1:
                 raise FluxtrtError("--parallel splits the PyTorch transformer: add --backend torch (engines and ONNX "
                                    f"run it whole), or compile split packages with {build}")
             if ranks != o.parallel:
                 have = f"compiled split over {ranks} ranks" if ranks > 1 else "compiled to run whole"
                 fix = f"run them with --parallel {ranks}" if ranks > 1 else "run them without --parallel"
+                what = f"packages for {o.parallel} ranks" if o.parallel > 1 else "whole packages"
                 raise FluxtrtError(f"--parallel {o.parallel}: the {self.dir.name} packages' {name} is {have}; {fix}, "
-                                   f"or compile packages for {o.parallel} rank(s) with {build}")
+                                   f"or compile {what} with {build}")
             if split and o.parallel_attention not in ("auto", split["attention"]):
                 raise FluxtrtError(f"--parallel-attention {o.parallel_attention}: the {self.dir.name} packages compiled "
                                    f"{split['attention']} attention in; drop --parallel-attention, or build with "

@@ -583,7 +583,8 @@ class PackageExecutor(Executor):
             if read is None:  # a prefetch checked it already: its error comes with read.result()
                 self.check()
             weights = self._weights_file()
-            if self.entry.parallel:  # its attention calls this op by name: registered, on this rank's group
+            if self.entry.parallel and self.context is not None:  # its attention calls this op by name: registered,
+                # on this rank's group (open_pipeline refused split packages without --parallel)
                 from ..attention import bind_context, context_attention_op
                 from .parallel import call_sizes
 
@@ -607,7 +608,7 @@ class PackageExecutor(Executor):
         if self.context is not None:  # the call sent to the followers, this rank's slice run, the slices gathered
             from .parallel import split_call
 
-            return split_call(self.context, self.spec, feeds, lambda share: self._run(share))
+            return split_call(self.context, self.spec, feeds, self._run)
         return self._run(feeds)
 
     def _run(self, feeds: dict) -> dict:
