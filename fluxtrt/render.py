@@ -207,6 +207,10 @@ def inspection(m, checks) -> None:
         weights = sum((e.constants or {}).get("bytes", 0) for e in m.components.values())
         out.print(f"compiled PyTorch packages for {m.runtime['target']} (torch {m.runtime['torch']}, CUDA "
                   f"{m.runtime['cuda']}); their weights: {human(weights)}, read to the device at load")
+        split = next((e.parallel for e in m.components.values() if isinstance(e.parallel, dict)), None)
+        if split:
+            out.print(f"the transformer is compiled split over {split.get('ranks')} ranks ({split.get('attention')} "
+                      f"attention): run with --parallel {split.get('ranks')}")
     else:
         out.print(memory_line(m))
     if any(c.file != "ok" for c in checks):

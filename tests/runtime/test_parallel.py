@@ -145,8 +145,14 @@ def test_split_packages_run_only_as_they_were_compiled(split_packages, tmp_path)
     import json
     import shutil
 
+    from typer.testing import CliRunner
+
+    from fluxtrt.cli import app
     from fluxtrt.records import ManifestError
 
+    shown = CliRunner().invoke(app, ["inspect", str(split_packages)])
+    assert shown.exit_code == 0 and "split over 2 ranks (ulysses attention): run with --parallel 2" in \
+        " ".join(shown.output.split()), shown.output
     for n, attention, says in ((1, "auto", r"compiled split over 2 ranks; run them with --parallel 2"),
                                (4, "auto", r"compiled split over 2 ranks; run them with --parallel 2"),
                                (2, "gather", r"compiled ulysses attention in; drop --parallel-attention")):
