@@ -5,7 +5,8 @@ q and k are of that order): torch's SDPA in bf16 (cuDNN where torch picks it, th
 on ready E4M3 operands for each launch configuration in --configs (block_m/block_n/warps/stages), and the chosen
 one with its operands' quantization included (what the processor runs per attention). Each timed with CUDA events
 (median of --reps after warm-up); mean relative error of each against fp32 attention beside the recipe's own
-(fp8.attention_recipe) on a slice. Rows to --out as JSON after each measurement.
+(fp8.attention_recipe) on a slice; then cuDNN's FP8 flash attention on the same operands where the `cudnn` module
+is here (carry the nvidia-cudnn-frontend wheel). Rows to --out as JSON after each measurement.
 Device:  python3 scripts/fp8_attention_bench.py --out $OUT/fp8_attention.json
 Rehearse here (CPU, Triton's interpreter; timings meaningless):
          TRITON_INTERPRET=1 python3 scripts/fp8_attention_bench.py --batches 1 --tokens 192 --heads 2 --reps 1 \
@@ -57,6 +58,10 @@ def shape_row(a, dev: str, b: int, s: int) -> dict:
     row = {"batch": b, "tokens": s, "heads": a.heads, "dim": a.dim}
     row["sdpa_bf16_ms"] = timed(lambda: torch.nn.functional.scaled_dot_product_attention(
         q.transpose(*t), k.transpose(*t), v.transpose(*t)), a.reps)
+    n = min(s, 512)  # accuracy on the first n queries against fp32 attention
+    qs, ks, vs = (x.transpose(*t).float() for x in (q, k, v))
+    exact = ((qs[:, :, :n] @ ks.transpose(-1, -2)) * c * c).softmax(-1) @ vs
+    rel = lambda x: float((x - exact).abs().mean() / exact.abs().mean())  # noqa: E731
     q8, k8, vt8 = fp8_attention.operands(q, k, v, scales)
     best = None
     for cfg in a.configs.split(","):
@@ -77,17 +82,35 @@ def shape_row(a, dev: str, b: int, s: int) -> dict:
                    speedup_vs_sdpa_bf16=round(row["sdpa_bf16_ms"] / ms, 3))
         row["with_quantize_ms"] = timed(lambda: fp8_attention.attention(q, k, v, scales, **launch), a.reps)
         row["speedup_with_quantize"] = round(row["sdpa_bf16_ms"] / row["with_quantize_ms"], 3)
-        n = min(s, 512)  # accuracy on the first n queries against fp32 attention
-        qs, ks, vs = (x.transpose(*t).float() for x in (q, k, v))
-        exact = ((qs[:, :, :n] @ ks.transpose(-1, -2)) * c * c).softmax(-1) @ vs
         got = fp8_attention.run(q8[:, :, :n], k8, vt8, scales, torch.float32, **launch)
         recipe = fp8.attention_recipe(qs[:, :, :n], ks, vs, scales)
-        rel = lambda x: float((x - exact).abs().mean() / exact.abs().mean())  # noqa: E731
         row.update(kernel_rel_err=rel(got), recipe_rel_err=rel(recipe),
                    bf16_sdpa_rel_err=rel(torch.nn.functional.scaled_dot_product_attention(
                        *(x.transpose(*t)[:, :, :n] if i == 0 else x.transpose(*t)
                          for i, x in enumerate((q, k, v)))).float()))
+    row.update(cudnn_fp8(q, k, v, scales, flops, row["sdpa_bf16_ms"], a.reps, n, rel))
     return row
+
+
+def cudnn_fp8(q, k, v, scales, flops, sdpa_ms, reps, n, rel) -> dict:
+    """cuDNN's FP8 flash attention on the same operands (kernels/cudnn_fp8_attention.py): its time alone, with the
+    operands' quantization, its error on the first n queries; or why it could not run."""
+    from fluxtrt.kernels import cudnn_fp8_attention as cudnn_fa
+
+    why = cudnn_fa.available()
+    if why:
+        return {"cudnn_fp8": why}
+    try:
+        q8, k8, v8 = fp8_attention.operands(q, k, v, scales, v_transposed=False)
+        plan = cudnn_fa.plan_for(q8, k8, v8, torch.bfloat16)
+        ms = timed(lambda: plan(q8, k8, v8, scales), reps)
+        fp32 = cudnn_fa.Plan(q8[:, :, :n].contiguous(), k8, v8, torch.float32)
+        got = fp32(q8[:, :, :n].contiguous(), k8, v8, scales)
+    except Exception as e:  # what this cuDNN or frontend refuses: said in the row
+        return {"cudnn_fp8": f"{type(e).__name__}: {str(e).strip()[:300]}"}
+    return {"cudnn_fp8_output": plan.output, "cudnn_fp8_ms": ms, "cudnn_fp8_tflops": round(flops / ms / 1e9, 1),
+            "cudnn_fp8_vs_sdpa_bf16": round(sdpa_ms / ms, 3), "cudnn_fp8_rel_err": rel(got),
+            "cudnn_fp8_with_quantize_ms": timed(lambda: cudnn_fa.attention(q, k, v, scales), reps)}
 
 
 def main():

@@ -1,2 +1,3 @@
 """Our own GPU kernels (Triton), each imported only where it runs: `fp8_attention` (fp8-attn's attention on FP8
-tensor cores)."""
+tensor cores); `cudnn_fp8_attention`, the same attention through cuDNN's FP8 flash attention (a candidate the
+benchmark measures beside it)."""
