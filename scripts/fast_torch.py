@@ -9,7 +9,9 @@ speed: end to end (text encoders, N steps, VAE decode) for diffusers eager bf16 
   `bf16-graph` / `fp8-graph`: the same with the compiled step captured as a CUDA graph (`--cuda-graph`).
   A variant may carry modifiers after "+": `+flash` (SDPA's cuDNN backend off, so flash attention runs),
   `+cdt` (Inductor's coordinate-descent tuning of its Triton kernels, in all directions, epilogue fusion off,
-  1x1 convolutions as matrix multiplies: flux-fast's settings), e.g. `bf16-graph+flash`.
+  1x1 convolutions as matrix multiplies: flux-fast's settings), `+autotune` (Inductor's max-autotune GEMMs: Triton
+  templates, fp8 scaled_mm included, against cuBLAS, with the pointwise work after a winning template fused into
+  its epilogue), e.g. `bf16-graph+flash`, `fp8-graph+autotune`.
 
 Rows go to --out as JSON after every measurement (a cut run keeps what it measured); `speed` also writes the
 `fast_torch.json` form: [{size, batch, steps, variant, e2e_s, baseline_s, ratio, ...}].
@@ -114,18 +116,25 @@ def speed(a) -> None:
                                "compile": a.compile, "date": time.strftime("%Y-%m-%d")}, "rows": rows})
         write(Path(a.out).with_name("fast_torch_rows.json"), table)
 
+    import torch._inductor.config as inductor
+
+    default_backends = inductor.max_autotune_gemm_backends
     for variant in variants:
         kind, *mods = variant.split("+")
-        unknown = set(mods) - {"flash", "cdt"}
+        unknown = set(mods) - {"flash", "cdt", "autotune"}
         if unknown:
             raise SystemExit(f"unknown modifier(s) {sorted(unknown)} in {variant}")
-        import torch._inductor.config as inductor
 
         # +cdt: Inductor as flux-fast sets it: coordinate-descent tuning of the Triton kernels in all directions,
         # epilogue fusion off, 1x1 convolutions (the VAE's) as matrix multiplies
         inductor.coordinate_descent_tuning = inductor.coordinate_descent_check_all_directions = "cdt" in mods
         inductor.epilogue_fusion = "cdt" not in mods
         inductor.conv_1x1_as_mm = "cdt" in mods
+        # +autotune: Inductor's GEMM templates beside cuBLAS (Triton scaled_mm too), each GEMM timed at compile
+        # time; where a template wins, its epilogue takes the pointwise work after it (GELU, the next layer's
+        # activation quantize) instead of a separate kernel
+        inductor.max_autotune = inductor.max_autotune_gemm = "autotune" in mods
+        inductor.max_autotune_gemm_backends = "ATEN,TRITON" if "autotune" in mods else default_backends
         # Inductor's caches key on the traced graph, not on SDPA's backend switches: one cache folder per variant
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(a.work) / "inductor" / variant.replace("+", "_"))
         torch.backends.cuda.enable_cudnn_sdp("flash" not in mods)
@@ -151,7 +160,7 @@ def speed(a) -> None:
             wall = time.perf_counter() - t1
             first = wall - row.end_to_end_s.median * a.runs  # the warm-up call: compile included
             rows.append({"variant": variant, "row": row, "load_s": load_s, "first_call_s": first,
-                         "notes": api.fp8_notes(pipe) if not kind.startswith("diffusers") else []})
+                         "notes": api.transformer_notes(pipe) if not kind.startswith("diffusers") else []})
             base = next((r["row"] for r in rows if r["variant"] == "diffusers" and (r["row"].height, r["row"].batch)
                          == (size, batch)), None)  # list diffusers first: the baseline is looked up as measured
             if base is not None and base is not row:
