@@ -211,9 +211,11 @@ def context_attention_op():
     @torch.library.custom_op("fluxtrt::context_attention", mutates_args=(),
                              schema="(Tensor q, Tensor k, Tensor v, int ranks, str mode) -> Tensor")
     def context_attention(q, k, v, ranks, mode):
-        if _BOUND.get("size") != ranks:
-            raise RuntimeError(f"this package's attention is split over {ranks} ranks; this process runs "
-                               f"{_BOUND.get('size', 1)}")
+        import torch.distributed as dist
+
+        here = _BOUND.get("size", 1) if dist.is_available() and dist.is_initialized() else 1
+        if here != ranks:
+            raise RuntimeError(f"this package's attention is split over {ranks} ranks; this process runs {here}")
         out = context_parallel_fn(sdpa, _BOUND["group"], mode, _BOUND["sizes"])(q, k, v)
         return out.contiguous()
 

@@ -171,6 +171,9 @@ def stop(abort: bool = False) -> None:
     without telling the followers (they may be inside a call)."""
     if _TEAM is not None and _CURRENT is not None and _CURRENT.rank == 0:
         _TEAM.close(abort)
+        from ..attention import bind_context
+
+        bind_context(None, 1, None)  # a split package's attention no longer has ranks to run on
 
 
 def failure() -> str | None:

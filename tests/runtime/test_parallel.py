@@ -177,7 +177,7 @@ def test_split_builds_are_refused_in_one_line_before_any_work(tmp_path):
     import torch
 
     from fluxtrt import api
-    from fluxtrt.attention import context_attention_op
+    from fluxtrt.attention import bind_context, context_attention_op
     from fluxtrt.components import ShapePoint, specs_for
     from fluxtrt.errors import BuildError
     from fluxtrt.models.source import resolve_model
@@ -203,6 +203,12 @@ def test_split_builds_are_refused_in_one_line_before_any_work(tmp_path):
     q = torch.randn(1, 6, 2, 8)
     with pytest.raises(RuntimeError, match="split over 2 ranks; this process runs 1"):
         context_attention_op()(q, q, q, 2, "ulysses")
+    bind_context(object(), 2, lambda: [6, 6])  # a binding left over, but no process group: still one rank
+    try:
+        with pytest.raises(RuntimeError, match="split over 2 ranks; this process runs 1"):
+            context_attention_op()(q, q, q, 2, "ulysses")
+    finally:
+        bind_context(None, 1, None)
 
 
 def _ulysses_against_whole(rank: int, n: int, port: int, queue) -> None:
