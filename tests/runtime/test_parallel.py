@@ -97,15 +97,16 @@ def test_first_block_cache_skips_the_same_steps_when_split():
 
 @pytest.fixture(scope="module")
 def split_packages(tmp_path_factory):
-    """tiny's compiled packages for this CPU with the transformer (and its First-Block Cache parts) split over 2
-    ranks: `fluxtrt build --gpu cpu --backend torch --static-shape --parallel 2 --first-block-cache` (1024²,
-    Ulysses), once per test run (shared by the workers)."""
+    """tiny's transformer (and its First-Block Cache parts) compiled for this CPU split over 2 ranks: `fluxtrt build
+    --gpu cpu --backend torch --static-shape --parallel 2 --first-block-cache --components transformer` (1024²,
+    Ulysses; the text encoders and the VAE run as PyTorch modules of the manifest's model), once per test run
+    (shared by the workers)."""
     from fluxtrt import api
     from tests.conftest import shared_folder
 
     root = shared_folder(tmp_path_factory, "pt2-split2", lambda root: api.build(
         gpu="cpu", backend="torch", model="tiny", out_dir=root, static_shape=True, parallel=2, first_block_cache=True,
-        components=["clip", "t5", "transformer", "vae_decoder"]))
+        components=["transformer"]))
     return root / "cpu-parallel2"
 
 
@@ -113,7 +114,8 @@ def split_packages(tmp_path_factory):
 def test_split_packages_give_the_single_process_latents_with_and_without_first_block_cache(split_packages):
     """Packages compiled split over 2 ranks (each attention an op that runs Ulysses' all-to-all on the rank's
     group when the package is called) against the single process's PyTorch module (fp32), 1024² (the packages'
-    static size): every step's latents within 1e-4 relative (Inductor's C++ kernels round apart from eager), and
+    static size): every step's latents within 1e-3 relative (Inductor's C++ kernels, vectorized reductions and
+    fused pointwise work, round apart from eager: 1.8e-4 seen at step 2; a wrong slice or head order is O(1)), and
     First-Block Cache computes and skips the same steps."""
     from fluxtrt.records import read_manifest
 
@@ -123,7 +125,7 @@ def test_split_packages_give_the_single_process_latents_with_and_without_first_b
     pipe = open_pipeline(split_packages, backend="torch", device="cpu", parallel=2)
     try:
         assert pipe.executors["transformer"].kind == "pt2" and pipe.executors["transformer_head"].context.size == 2
-        _close_to(_trace(pipe, 3, size=size).latents_per_step, _trace(single, 3, size=size).latents_per_step, 1e-4)
+        _close_to(_trace(pipe, 3, size=size).latents_per_step, _trace(single, 3, size=size).latents_per_step, 1e-3)
         for threshold in (0.05, 0.1, 0.2, 0.3, 0.5, 0.8):
             alone = _trace(single, 6, cache=threshold, size=size)
             if 1 < alone.timings.cache["computed"] < 6:
@@ -134,7 +136,7 @@ def test_split_packages_give_the_single_process_latents_with_and_without_first_b
     finally:
         pipe.close()
     assert res.timings.cache == alone.timings.cache
-    _close_to(res.latents_per_step, alone.latents_per_step, 1e-4)
+    _close_to(res.latents_per_step, alone.latents_per_step, 1e-3)
     assert parallel.current() is None
 
 
