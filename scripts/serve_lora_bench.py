@@ -60,10 +60,10 @@ def write_loras(model, folder: Path, count: int, rank: int, seed: int = 0) -> li
     return names
 
 
-def served(options, a, lora_dir, loads) -> list:
+def served(options, a, lora_dir, loads, out) -> None:
     """One replica (serving.Service, with --lora-dir when `lora_dir`) under --concurrency clients, each of `loads`
     [(row name, adapter names: request k names names[k % len], none if empty)] sending --requests requests after
-    a warm-up load of its own."""
+    a warm-up load of its own; each row appended to out["rows"] and written to --out as it is measured."""
     from fluxtrt.serving import Service
 
     t0 = time.perf_counter()
@@ -93,18 +93,17 @@ def served(options, a, lora_dir, loads) -> list:
         await asyncio.gather(*(one(k) for k in range(count)))
         return lat, time.perf_counter() - t
 
-    rows = []
     try:
         for name, names in loads:
             asyncio.run(load(a.concurrency, 10_000, names))  # warm-up: every adapter's first load, the shapes
             s = service.batcher.stats
             before = (s.lora_calls, s.mixed_lora_calls, s.steps_run)
             lat, wall = asyncio.run(load(a.requests, 0, names))
-            rows.append({**row(name, a.size, a.concurrency, 1, lat, wall), "start_s": round(start_s, 1),
-                         "transformer_calls": s.steps_run - before[2], "lora_calls": s.lora_calls - before[0],
-                         "mixed_lora_calls": s.mixed_lora_calls - before[1]})
-            print(json.dumps(rows[-1]), flush=True)
-        return rows
+            out["rows"].append({**row(name, a.size, a.concurrency, 1, lat, wall), "start_s": round(start_s, 1),
+                                "transformer_calls": s.steps_run - before[2], "lora_calls": s.lora_calls - before[0],
+                                "mixed_lora_calls": s.mixed_lora_calls - before[1]})
+            print(json.dumps(out["rows"][-1]), flush=True)
+            write(a.out, out)
     finally:
         service.close()
 
@@ -176,12 +175,11 @@ def main():
                               calibration=Path(calibration_file(a.model, a.work)) if a.fp8 else None).check()
     plain, mixed = ("fluxtrt serve, no LoRA", []), ("fluxtrt serve, LoRA per request", names)
     if a.servers == "one":  # requests without LoRA on the LoRA server: the same compiled base, one start-up
-        out["rows"] += served(options, a, folder, [plain, mixed])
+        served(options, a, folder, [plain, mixed], out)
     else:  # a server without --lora-dir, then one with it (two start-ups' compiles)
         for lora_dir, load in ((None, plain), (folder, mixed)):
-            out["rows"] += served(options, a, lora_dir, [load])
+            served(options, a, lora_dir, [load], out)
             gc.collect()  # the replica's pipeline freed before the next
-    write(a.out, out)
     if device == "cuda":
         torch.cuda.empty_cache()
     out["rows"] += diffusers_rows(model, a, folder, names, device)

@@ -46,7 +46,7 @@ class Plan:
         self.shape = tuple(q8.shape)
         b, h, s, d = self.shape
         self.stride = (h * s * d, s * d, d, 1)
-        self.output, self.graph = "bf16", None
+        self.graph, self.scalars_of = None, {}  # scalars_of: the six scale tensors per recipe's scales
         for out in ("bf16", "e4m3"):
             try:
                 self._build(q8, k8, v8, out)
@@ -86,8 +86,11 @@ class Plan:
 
         sq, sk, _, sv = (float(s) for s in scales)
         e4m3 = self.output == "e4m3"
-        values = (sq, sk, sv, 1.0 / P_SCALE, P_SCALE, 1.0 / sv if e4m3 else 1.0)
-        scalars = torch.tensor(values, dtype=torch.float32, device=self.device).view(6, 1, 1, 1, 1)
+        scalars = self.scalars_of.get((sq, sk, sv))
+        if scalars is None:  # copied to the GPU once per set of scales (one per attention), not on every call
+            values = (sq, sk, sv, 1.0 / P_SCALE, P_SCALE, 1.0 / sv if e4m3 else 1.0)
+            scalars = torch.tensor(values, dtype=torch.float32, device=self.device).view(6, 1, 1, 1, 1)
+            self.scalars_of[(sq, sk, sv)] = scalars
         out = torch.empty(self.shape, dtype=torch.float8_e4m3fn if e4m3 else torch.bfloat16, device=self.device)
         amax = torch.empty(2, 1, 1, 1, 1, dtype=torch.float32, device=self.device)
         pack = dict(zip(self.inputs, (q8, k8, v8)))

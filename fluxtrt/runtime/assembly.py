@@ -259,22 +259,23 @@ class Assembly:
     def _check_split(self, names, o, packages: bool) -> None:
         """The transformer's engines against --parallel: packages compiled split over N ranks (`build --parallel
         N`) run with --parallel N and their compiled attention mode; whole ones, engines and ONNX, with none."""
-        from ..attention import MAX_RANKS
+        from ..attention import ATTENTION, MAX_RANKS
 
-        entries = [(n, self.manifest.component(n)) for n in names if family(n) == "transformer"]
-        for name, e in entries:
-            split = e.parallel if packages else None
+        build = (f"`fluxtrt build --backend torch --static-shape --parallel {o.parallel}`" if o.parallel > 1
+                 else "`fluxtrt build --backend torch` (no --parallel)")
+        if not packages:
+            if o.parallel > 1:
+                raise FluxtrtError("--parallel splits the PyTorch transformer: add --backend torch (engines and ONNX "
+                                   f"run it whole), or compile split packages with {build}")
+            return
+        for name in [n for n in names if family(n) == "transformer"]:
+            split = self.manifest.component(name).parallel
             if split is not None and not (isinstance(split, dict) and type(split.get("ranks")) is int
                                           and 2 <= split["ranks"] <= MAX_RANKS
-                                          and split.get("attention") in ("ulysses", "gather")):
+                                          and split.get("attention") in ATTENTION[1:]):  # a mode, not "auto"
                 raise ManifestError(f"{self.dir}/manifest.json: {name}'s parallel record is damaged; build the "
                                     "packages again with `fluxtrt build --backend torch --parallel N`")
             ranks = split["ranks"] if split else 1
-            build = (f"`fluxtrt build --backend torch --static-shape --parallel {o.parallel}`" if o.parallel > 1
-                     else "`fluxtrt build --backend torch` (no --parallel)")
-            if not packages and o.parallel > 1:
-                raise FluxtrtError("--parallel splits the PyTorch transformer: add --backend torch (engines and ONNX "
-                                   f"run it whole), or compile split packages with {build}")
             if ranks != o.parallel:
                 have = f"compiled split over {ranks} ranks" if ranks > 1 else "compiled to run whole"
                 fix = f"run them with --parallel {ranks}" if ranks > 1 else "run them without --parallel"
