@@ -4,7 +4,7 @@
 # phase by phase, a fresh process timed to its first image (then once more under cProfile), then diffusers eager
 # bf16 against the packages with CUDA graphs in one process. A precision's folder is removed after its rows (the
 # disk holds one).
-#   OUTDIR=/tmp/rows bash scripts/aot_rows.sh "fp8 bf16"
+#   OUTDIR=/tmp/rows bash scripts/aot_rows.sh "fp8 bf16"      (SPEED=0: without the fp8 speed row)
 # Rehearse:  OUTDIR=/tmp/rows GPU=cpu MODEL=tiny SIZE=1024 STEPS=2 bash scripts/aot_rows.sh fp8
 set -uo pipefail
 OUTDIR=${OUTDIR:?}; mkdir -p "$OUTDIR"
@@ -26,7 +26,7 @@ for P in ${1:-fp8 bf16}; do
   python3 -X faulthandler scripts/aot_engines.py load --engines "$DIR" --out "$OUTDIR/load_$P.json"
   if [ "$P" = fp8 ]; then
     $A first --engines "$DIR" --steps "$STEPS" --size "$SIZE" --profile --out "$OUTDIR/first_$P.json"
-    $A speed --engines "$DIR" --steps "$STEPS" --size "$SIZE" --variants diffusers,packages-graph \
+    [ "${SPEED:-1}" = 0 ] || $A speed --engines "$DIR" --steps "$STEPS" --size "$SIZE" --variants diffusers,packages-graph \
       --out "$OUTDIR/speed_$P.json"
   fi
   rm -rf "$DIR"
