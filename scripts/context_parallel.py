@@ -5,8 +5,8 @@ each image against the 1-rank image of the same size. Rows go to --out as JSON a
 
 Device (a machine with several GPUs), random full-size FLUX.1-dev with its linear weights N(0, 0.005) (with the
 default initialisation the transformer is chaotic and runs that differ only in rounding diverge):
-  python3 scripts/write_random_checkpoint.py --out /tmp/flux-cp --components transformer --linear-std 0.005 \\
-      --device cuda
+  python3 scripts/write_random_checkpoint.py --out /tmp/flux-cp \\
+      --components transformer,text_encoder,text_encoder_2,vae --linear-std 0.005 --device cuda
   python3 scripts/context_parallel.py --model /tmp/flux-cp --ranks 1,2,4 --attention auto,gather \\
       --sizes 1024,2048 --compile --calibration CAL.json --out $OUT/context_parallel.json
 Rehearse here: python3 scripts/context_parallel.py --model tiny --device cpu --torch-dtype fp32 --ranks 1,2 \\
