@@ -173,13 +173,18 @@ def fuse_projections(module, by_module: dict | None = None) -> int:
 
 def quantize_attention(module, attention: list, device) -> str:
     """fp8-attn's attention on the transformer `module`, in place: each attention (forward order) gets its scales
-    (sq, sk, sp, sv) and computes on FP8 tensor cores where `device` has them (kernels/fp8_attention.py: a Triton
-    kernel over E4M3 Q, K, V and P), else fp8.attention_recipe emulated (E4M3 quantize-dequantize, fp32 MatMuls and
-    softmax: the graph's arithmetic). Returns what it did, in words."""
+    (sq, sk, sp, sv) and computes on FP8 tensor cores where `device` has them (on Hopper with the flashinfer package:
+    its FA3 FP8 kernel, kernels/flashinfer_fp8_attention.py; else kernels/fp8_attention.py, a Triton kernel over
+    E4M3 Q, K, V and P), else fp8.attention_recipe emulated (E4M3 quantize-dequantize, fp32 MatMuls and softmax:
+    the graph's arithmetic). Returns what it did, in words."""
     from .attention import use_attention
     from .fp8 import attention_recipe
 
     kernel = tensor_cores(device)
+    if kernel:
+        from .kernels import flashinfer_fp8_attention as fa3
+
+        fa3 = fa3 if fa3.available() is None else None
 
     def fn_of(scales):
         def emulated(q, k, v):  # [B, S, H, D], as diffusers' processor holds them
@@ -187,6 +192,8 @@ def quantize_attention(module, attention: list, device) -> str:
             return attention_recipe(q.transpose(*t), k.transpose(*t), v.transpose(*t), scales).transpose(*t)
 
         def on_tensor_cores(q, k, v):
+            if fa3 is not None:
+                return fa3.attention(q, k, v, scales)
             from .kernels.fp8_attention import attention as fp8_attention
 
             return fp8_attention(q, k, v, scales)
@@ -198,7 +205,8 @@ def quantize_attention(module, attention: list, device) -> str:
         raise FluxtrtError(f"the fp8-attn recipe does not fit this transformer ({e}): it was built for another "
                            "model; build the engines again for this one") from None
     if kernel:
-        return f"attention in E4M3 on FP8 tensor cores in {n} attentions (Triton kernel)"
+        which = "FlashInfer's FA3 FP8 kernel" if fa3 is not None else "Triton kernel"
+        return f"attention in E4M3 on FP8 tensor cores in {n} attentions ({which})"
     return f"attention in E4M3 emulated in {n} attentions (fp32 MatMuls of dequantized E4M3)"
 
 

@@ -6,7 +6,9 @@ accuracy: one transformer call of the fp8 recipe through torch._scaled_mm agains
 speed: end to end (text encoders, N steps, VAE decode) for diffusers eager bf16 (the baseline, same run), diffusers
   with the transformer compiled, fluxtrt's torch executor bf16 compiled (q/k/v fused) and fp8 compiled
   (`--calibration` from `fluxtrt calibrate`: the product's two commands), each with its first call (compile) timed;
-  `bf16-graph` / `fp8-graph`: the same with the compiled step captured as a CUDA graph (`--cuda-graph`).
+  `bf16-graph` / `fp8-graph`: the same with the compiled step captured as a CUDA graph (`--cuda-graph`);
+  `fp8attn` / `fp8attn-graph`: the fp8-attn recipe (`fluxtrt calibrate --recipe fp8-attn`: attention in E4M3 too,
+  on FlashInfer's FA3 FP8 kernel where it is, else our Triton kernel; the row's notes say which).
   A variant may carry modifiers after "+": `+flash` (SDPA's cuDNN backend off, so flash attention runs),
   `+cdt` (Inductor's coordinate-descent tuning of its Triton kernels, in all directions, epilogue fusion off,
   1x1 convolutions as matrix multiplies: flux-fast's settings), `+autotune` (Inductor's max-autotune GEMMs: Triton
@@ -33,6 +35,8 @@ from fluxtrt import fp8, fp8_layers
 from fluxtrt.bench import add_ratios, bench_diffusers, bench_fluxtrt
 from fluxtrt.components import ShapePoint, specs_for
 from fluxtrt.models.source import resolve_model
+
+RECIPES = {"fp8": "fp8", "fp8attn": "fp8-attn"}  # variant prefix -> the calibrated recipe it runs
 
 
 def rel(a, b) -> float:
@@ -102,12 +106,12 @@ def speed(a) -> None:
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     variants = [v for v in a.variants.split(",") if v]
-    cal = None
-    if any(v.startswith("fp8") for v in variants):
-        t0 = time.perf_counter()  # what `fluxtrt calibrate` runs for a bf16 checkpoint (module ranges), also random:
-        cal = calibrate_modules(src, "fp8", Path(a.work) / "calibration", None, 1, steps=1, opt_resolution=512,
-                                dtype="bf16", device=a.device)
-        print(f"calibrate: {time.perf_counter() - t0:.1f} s -> {cal.path}", flush=True)
+    cal = {}  # recipe -> calibration: what `fluxtrt calibrate [--recipe fp8-attn]` runs for a bf16 checkpoint
+    for recipe in sorted({RECIPES[v.split("-")[0].split("+")[0]] for v in variants if v.startswith("fp8")}):
+        t0 = time.perf_counter()  # (module ranges; fp8-attn: attention's too), also random:
+        cal[recipe] = calibrate_modules(src, recipe, Path(a.work) / "calibration", None, 1, steps=1,
+                                        opt_resolution=512, dtype="bf16", device=a.device)
+        print(f"calibrate {recipe}: {time.perf_counter() - t0:.1f} s -> {cal[recipe].path}", flush=True)
     rows, table = [], []
 
     def save():
@@ -145,8 +149,9 @@ def speed(a) -> None:
             if kind == "diffusers-compiled":
                 pipe.transformer = torch.compile(pipe.transformer, fullgraph=False, dynamic=False)
         else:
+            recipe = RECIPES.get(kind.split("-")[0])
             pipe = open_pipeline(None, backend="torch", model=src, torch_dtype="bf16" if a.device == "cuda" else "fp32",
-                               compile=a.compile, calibration=cal.path if kind.startswith("fp8") else None,
+                               compile=a.compile, calibration=cal[recipe].path if recipe else None,
                                cuda_graph=kind.endswith("-graph"))
         load_s = time.perf_counter() - t_load
         for size, batch in shapes:

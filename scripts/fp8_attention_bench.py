@@ -6,7 +6,8 @@ on ready E4M3 operands for each launch configuration in --configs (block_m/block
 one with its operands' quantization included (what the processor runs per attention). Each timed with CUDA events
 (median of --reps after warm-up); mean relative error of each against fp32 attention beside the recipe's own
 (fp8.attention_recipe) on a slice; then cuDNN's FP8 flash attention on the same operands where the `cudnn` module
-is here (carry the nvidia-cudnn-frontend wheel). Rows to --out as JSON after each measurement.
+is here (carry the nvidia-cudnn-frontend wheel), and FlashInfer's FP8 prefill (FA3 template) where `flashinfer` is
+(alone, with quantization eager and compiled, error vs fp32 and vs its arithmetic). Rows to --out as JSON after each measurement.
 Device:  python3 scripts/fp8_attention_bench.py --out $OUT/fp8_attention.json
 Rehearse here (CPU, Triton's interpreter; timings meaningless):
          TRITON_INTERPRET=1 python3 scripts/fp8_attention_bench.py --batches 1 --tokens 192 --heads 2 --reps 1 \
@@ -64,7 +65,7 @@ def shape_row(a, dev: str, b: int, s: int) -> dict:
     rel = lambda x: float((x - exact).abs().mean() / exact.abs().mean())  # noqa: E731
     q8, k8, vt8 = fp8_attention.operands(q, k, v, scales)
     best = None
-    for cfg in a.configs.split(","):
+    for cfg in filter(None, a.configs.split(",")):
         bm, bn, w, st = map(int, cfg.split("/"))
         launch = {"block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st}
         try:
@@ -89,6 +90,7 @@ def shape_row(a, dev: str, b: int, s: int) -> dict:
                        *(x.transpose(*t)[:, :, :n] if i == 0 else x.transpose(*t)
                          for i, x in enumerate((q, k, v)))).float()))
     row.update(cudnn_fp8(q, k, v, scales, flops, row["sdpa_bf16_ms"], a.reps, n, rel))
+    row.update(flashinfer_fp8(q, k, v, scales, flops, row["sdpa_bf16_ms"], a.reps, n, rel))
     return row
 
 
@@ -113,6 +115,46 @@ def cudnn_fp8(q, k, v, scales, flops, sdpa_ms, reps, n, rel) -> dict:
             "cudnn_fp8_with_quantize_ms": timed(lambda: cudnn_fa.attention(q, k, v, scales), reps)}
 
 
+def flashinfer_fp8(q, k, v, scales, flops, sdpa_ms, reps, n, rel) -> dict:
+    """FlashInfer's FP8 prefill (its FA3 template, kernels/flashinfer_fp8_attention.py) on the same operands: its time
+    alone, with the operands' quantization, its error on the first n queries against fp32 attention and against
+    kernel_arithmetic with its block of keys; or why it could not run."""
+    from fluxtrt.kernels import flashinfer_fp8_attention as fi
+
+    why = fi.available()
+    if why:
+        return {"flashinfer_fp8": why}
+    try:
+        ops = fi.operands(q, k, v, scales)
+        t0 = time.perf_counter()
+        out = fi.run(*ops, scales)  # the first call JIT-compiles the kernel (cached after)
+        torch.cuda.synchronize()
+        first_s = time.perf_counter() - t0
+        ms = timed(lambda: fi.run(*ops, scales), reps)
+        b, s, h, d = q.shape
+        got = out.view(s, b, h, d).permute(1, 2, 0, 3)[:, :, :n].float()
+        t = (1, 2)
+        arithmetic = fp8_attention.kernel_arithmetic(*(x.transpose(*t)[:, :, :n] if i == 0 else x.transpose(*t)
+                                                       for i, x in enumerate((q, k, v))), scales,
+                                                     block_n=fi.BLOCK_N)
+        vs_arithmetic = float((got - arithmetic).abs().mean() / arithmetic.abs().mean())
+    except Exception as e:  # what this FlashInfer or GPU refuses: said in the row
+        return {"flashinfer_fp8": f"{type(e).__name__}: {str(e).strip()[:300]}"}
+    return {"flashinfer_fp8_first_call_s": round(first_s, 1), "flashinfer_fp8_ms": ms,
+            "flashinfer_fp8_tflops": round(flops / ms / 1e9, 1), "flashinfer_fp8_vs_sdpa_bf16": round(sdpa_ms / ms, 3),
+            "flashinfer_fp8_rel_err": rel(got), "flashinfer_fp8_vs_kernel_arithmetic": vs_arithmetic,
+            "flashinfer_fp8_with_quantize_ms": timed(lambda: fi.attention(q, k, v, scales), reps),
+            "flashinfer_fp8_with_quantize_compiled_ms": timed(functools.partial(_compiled_fi(), q, k, v, scales), reps)}
+
+
+@functools.cache
+def _compiled_fi():
+    """fi.attention under torch.compile: the operands' quantization fused by Inductor, the kernel a custom op."""
+    from fluxtrt.kernels import flashinfer_fp8_attention as fi
+
+    return torch.compile(fi.attention)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,2,4")
@@ -120,7 +162,8 @@ def main():
     ap.add_argument("--heads", type=int, default=24)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--configs", default="128/128/8/3,128/64/8/3,128/128/4/3,64/64/4/3,128/128/8/4")
+    ap.add_argument("--configs", default="128/128/8/3,128/64/8/3,128/128/4/3,64/64/4/3,128/128/8/4",
+                    help="the Triton kernel's launch configurations (block_m/block_n/warps/stages); \"\" for none")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"

@@ -37,19 +37,26 @@ def kernel_arithmetic(q, k, v, scales, *, block_n: int = 128, quantize_p: bool =
     """What the kernel computes, in PyTorch (fp32): q, k, v [..., S, D] after RoPE, scales (sq, sk, sp, sv);
     keys in blocks of `block_n` with the running max, p quantized as exp(S - m) * 448 in E4M3 (or not:
     quantize_p, as the kernel's)."""
-    import torch
-
     from ..fp8 import sdpa_root_scale, to_e4m3
 
     sq, sk, _, sv = scales
     c = sdpa_root_scale(q.shape[-1])
-    q8 = to_e4m3(q.float() * c, sq).float()
-    k8 = to_e4m3(k.float() * c, sk).float()
-    v8 = to_e4m3(v.float(), sv).float()
-    s = (q8 @ k8.transpose(-1, -2)) * (sq * sk)
+    return on_codes(to_e4m3(q.float() * c, sq), to_e4m3(k.float() * c, sk), to_e4m3(v.float(), sv), sq * sk, sv,
+                    block_n=block_n, quantize_p=quantize_p)
+
+
+def on_codes(q8, k8, v8, qk_scale: float, v_scale: float, *, block_n: int = 128, quantize_p: bool = True):
+    """kernel_arithmetic's loop on E4M3 codes q8, k8, v8 [..., S, D] (fp32): S = q8 k8^T * qk_scale, keys in
+    blocks of `block_n`, out = sum p8 v8 * v_scale / 448 / l."""
+    import torch
+
+    from ..fp8 import to_e4m3
+
+    q8, k8, v8 = q8.float(), k8.float(), v8.float()
+    s = (q8 @ k8.transpose(-1, -2)) * qk_scale
     m = torch.full(s.shape[:-1], -math.inf, device=s.device)
     l_sum = torch.zeros(s.shape[:-1], device=s.device)
-    acc = torch.zeros(*s.shape[:-1], q.shape[-1], device=s.device)
+    acc = torch.zeros(*s.shape[:-1], v8.shape[-1], device=s.device)
     for j in range(0, s.shape[-1], block_n):
         blk = s[..., j: j + block_n]
         m_new = torch.maximum(m, blk.amax(-1))
@@ -59,7 +66,7 @@ def kernel_arithmetic(q, k, v, scales, *, block_n: int = 128, quantize_p: bool =
         p8 = to_e4m3(p * P_SCALE, 1.0).float() if quantize_p else p * P_SCALE
         acc = acc * alpha[..., None] + p8 @ v8[..., j: j + block_n, :]
         m = m_new
-    return acc * (sv / P_SCALE) / l_sum[..., None]
+    return acc * (v_scale / P_SCALE) / l_sum[..., None]
 
 
 def attention(q, k, v, scales, **launch):

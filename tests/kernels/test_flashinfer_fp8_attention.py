@@ -1,0 +1,72 @@
+"""kernels/flashinfer_fp8_attention.py without a GPU: the operands FlashInfer reads ([S, B*H, D] E4M3 codes, the
+batch folded into the heads) and the output's way back to [B, S, H, D], with the kernel replaced by its arithmetic
+(fp8_attention.kernel_arithmetic, blocks of 192 keys) computed on those folded operands."""
+
+import pytest
+import torch
+
+from fluxtrt import fp8
+from fluxtrt.kernels import flashinfer_fp8_attention as fi
+from fluxtrt.kernels import fp8_attention
+
+
+def test_folded_operands_and_output_match_the_kernel_arithmetic(monkeypatch):
+    """B 2 and 1, 3 heads, 300 tokens, d 128, fresh N(0, 1) q, k, v [B, S, H, D]: attention() through the folded
+    layout equals kernel_arithmetic on the unfolded inputs within 1e-5 (fp32), and the codes are the recipe's."""
+    seed = int(torch.randint(1 << 30, ()))
+    g = torch.Generator().manual_seed(seed)
+    scales = (0.004, 0.005, 0.002, 0.006)
+
+    def arithmetic_op(q8, k8, v8, sq, sk, sv):  # the kernel's arithmetic on its own [S, heads, D] operands
+        t = (0, 1)
+        return fp8_attention.on_codes(q8.transpose(*t), k8.transpose(*t), v8.transpose(*t), sq * sk, sv,
+                                      block_n=fi.BLOCK_N).transpose(*t)
+
+    monkeypatch.setattr(fi, "_op", lambda: arithmetic_op)
+    for b in (2, 1):
+        q, k, v = (torch.randn(b, 300, 3, 128, generator=g) for _ in range(3))
+        q8, k8, v8 = fi.operands(q, k, v, scales)
+        assert q8.dtype == torch.float8_e4m3fn and q8.shape == (300, b * 3, 128) and q8.is_contiguous()
+        c = float(fp8.sdpa_root_scale(128))
+        assert torch.equal(q8.float().view(300, b, 3, 128).transpose(0, 1) * scales[0],
+                           fp8.fp8_fake_quant(q * c, scales[0])), seed
+        got = fi.attention(q, k, v, scales)
+        t = (1, 2)
+        want = fp8_attention.kernel_arithmetic(q.transpose(*t), k.transpose(*t), v.transpose(*t), scales,
+                                               block_n=fi.BLOCK_N).transpose(*t)
+        assert got.shape == q.shape and got.dtype == q.dtype
+        err = float((got - want).abs().max() / want.abs().max())
+        assert err < 1e-5, (b, err, seed)
+
+
+WHY = fi.available()
+
+
+def test_available_says_what_is_missing():
+    """None exactly where a Hopper GPU and the flashinfer module are both here; else a line naming the missing one."""
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
+        assert WHY == "FlashInfer's FP8 attention (its FA3 template) needs a Hopper (sm90) GPU"
+    else:
+        try:
+            import flashinfer  # noqa: F401
+
+            assert WHY is None
+        except Exception:
+            assert WHY.startswith("the flashinfer module (pip flashinfer-python) does not import here")
+
+
+@pytest.mark.skipif(WHY is not None, reason=WHY or "")
+@pytest.mark.parametrize("b,h,s,d", [(1, 2, 300, 128), (2, 3, 577, 128)])
+def test_flashinfer_computes_the_kernels_arithmetic(b, h, s, d):
+    """On the GPU: FlashInfer's output against kernel_arithmetic with its block of keys, mean relative error within
+    1e-2 (its exp2, block order and bf16 output move values by rounding steps; a wrong scale or layout is O(1))."""
+    from tests.kernels.test_fp8_attention import calibrated
+
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    q, k, v = (torch.randn(b, h, s, d, generator=g) for _ in range(3))
+    scales, _ = calibrated(q, k, v)
+    t = (1, 2)
+    got = fi.attention(*(x.transpose(*t).cuda().bfloat16() for x in (q, k, v)), scales).transpose(*t)
+    want = fp8_attention.kernel_arithmetic(*(x.bfloat16().float() for x in (q, k, v)), scales, block_n=fi.BLOCK_N)
+    rel = float((got.float().cpu() - want).abs().mean() / want.abs().mean())
+    assert rel <= 1e-2, rel
