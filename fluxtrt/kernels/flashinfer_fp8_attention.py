@@ -13,8 +13,6 @@ Needs the `flashinfer` package (pip flashinfer-python; it JIT-compiles the kerne
 under ~/.cache/flashinfer) and an sm90 GPU: `available()` says whether it runs here. The call is a torch custom
 op (`fluxtrt::fa3_fp8_attention`), so torch.compile and CUDA graphs keep it whole. Imported only where it runs."""
 
-from __future__ import annotations
-
 import functools
 
 BLOCK_N = 192  # the keys FlashInfer's sm90 FP8 prefill takes per block at d 128 (prefill_sm90.cuh's CTA_KV)
@@ -42,22 +40,21 @@ def _per_head(value: float, heads: int, device: str):
 
 @functools.cache
 def _op():
-    """The custom op, registered on first use (torch.library): q8, k8, v8 [S, heads, D] E4M3 and the three scales
+    """The custom op, registered on first use (torch.library): q8, k8, v8 [S, heads, D] E4M3 and [sq, sk, sv]
     -> [S_q, heads, D] bf16."""
     import torch
 
     @torch.library.custom_op("fluxtrt::fa3_fp8_attention", mutates_args=())
-    def fa3_fp8_attention(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, sq: float, sk: float,
-                          sv: float) -> torch.Tensor:
+    def fa3_fp8_attention(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scales: list[float]) -> torch.Tensor:
         from flashinfer import single_prefill_with_kv_cache
 
-        heads, dev = q8.shape[1], str(q8.device)
+        (sq, sk, sv), heads, dev = scales, q8.shape[1], str(q8.device)
         return single_prefill_with_kv_cache(
             q8, k8, v8, scale_q=_per_head(sq, heads, dev), scale_k=_per_head(sk, heads, dev),
             scale_v=_per_head(sv, heads, dev), o_dtype=torch.bfloat16, sm_scale=1.0, backend="fa3")
 
     @fa3_fp8_attention.register_fake
-    def _(q8, k8, v8, sq, sk, sv):
+    def _(q8, k8, v8, scales):
         return q8.new_empty(q8.shape, dtype=torch.bfloat16)
 
     return fa3_fp8_attention
@@ -81,7 +78,7 @@ def operands(q, k, v, scales):
 def run(q8, k8, v8, scales):
     """The kernel on operands(...)'s codes with the recipe's (sq, sk, sp, sv): [S_q, B*H, D] bf16."""
     sq, sk, _, sv = (float(x) for x in scales)
-    return _op()(q8, k8, v8, sq, sk, sv)
+    return _op()(q8, k8, v8, [sq, sk, sv])
 
 
 def attention(q, k, v, scales):

@@ -17,8 +17,8 @@ def test_folded_operands_and_output_match_the_kernel_arithmetic(monkeypatch):
     g = torch.Generator().manual_seed(seed)
     scales = (0.004, 0.005, 0.002, 0.006)
 
-    def arithmetic_op(q8, k8, v8, sq, sk, sv):  # the kernel's arithmetic on its own [S, heads, D] operands
-        t = (0, 1)
+    def arithmetic_op(q8, k8, v8, qkv_scales):  # the kernel's arithmetic on its own [S, heads, D] operands
+        (sq, sk, sv), t = qkv_scales, (0, 1)
         return fp8_attention.on_codes(q8.transpose(*t), k8.transpose(*t), v8.transpose(*t), sq * sk, sv,
                                       block_n=fi.BLOCK_N).transpose(*t)
 
@@ -70,3 +70,16 @@ def test_flashinfer_computes_the_kernels_arithmetic(b, h, s, d):
     want = fp8_attention.kernel_arithmetic(*(x.bfloat16().float() for x in (q, k, v)), scales, block_n=fi.BLOCK_N)
     rel = float((got.float().cpu() - want).abs().mean() / want.abs().mean())
     assert rel <= 1e-2, rel
+
+
+def test_the_custom_op_registers_and_traces_without_a_gpu():
+    """The op torch.compile and CUDA graphs see: registered as fluxtrt::fa3_fp8_attention, its fake gives a bf16
+    tensor of q's shape without running FlashInfer (what Inductor traces)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fi._op()
+    q8 = torch.randn(64, 4, 128).to(torch.float8_e4m3fn)
+    with FakeTensorMode() as mode:
+        fq = mode.from_tensor(q8)
+        out = torch.ops.fluxtrt.fa3_fp8_attention(fq, fq, fq, [0.5, 0.25, 2.0])
+    assert out.shape == (64, 4, 128) and out.dtype == torch.bfloat16
