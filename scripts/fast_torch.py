@@ -1,7 +1,8 @@
 """The torch executor's fast paths against diffusers on one GPU (issue: speed you can see), in one process per phase.
 
 accuracy: one transformer call of the fp8 recipe through torch._scaled_mm against the recipe emulated in fp32, beside
-  the bf16-vs-fp32 pair, on the random full-size transformer with its linear weights redrawn N(0, 0.005) (with the
+  the bf16-vs-fp32 pair, and fp8-attn's (attention in E4M3 too: its kernel in bf16 and the recipe emulated in fp32,
+  attention scales from the same call), on the random full-size transformer with its linear weights redrawn N(0, 0.005) (with the
   class's default initialisation the model is chaotic); the scales come from one calibration call.
 speed: end to end (text encoders, N steps, VAE decode) for diffusers eager bf16 (the baseline, same run), diffusers
   with the transformer compiled, fluxtrt's torch executor bf16 compiled (q/k/v fused) and fp8 compiled
@@ -32,9 +33,11 @@ from pathlib import Path
 import torch
 
 from fluxtrt import fp8, fp8_layers
+from fluxtrt.attention import attention_modules, sdpa, use_attention
 from fluxtrt.bench import add_ratios, bench_diffusers, bench_fluxtrt
 from fluxtrt.components import ShapePoint, specs_for
 from fluxtrt.models.source import resolve_model
+from fluxtrt.quantize.calibration import attention_ranges
 
 RECIPES = {"fp8": "fp8", "fp8attn": "fp8-attn"}  # variant prefix -> the calibrated recipe it runs
 
@@ -71,9 +74,20 @@ def accuracy(a) -> None:
         if isinstance(m, torch.nn.Linear):
             hooks.append(m.register_forward_pre_hook(
                 lambda mod, inp, n=name: amax.__setitem__(n, max(amax.get(n, 0.0), float(inp[0].abs().max())))))
+    ranges = [None] * len(attention_modules(raw))  # fp8-attn's: each attention's [|q c|, |k c|, P, |v|] maxima
+
+    def measuring(i):
+        def fn(q, k, v):
+            ranges[i] = attention_ranges(q, k, v)
+            return sdpa(q, k, v)
+        return fn
+
+    use_attention(raw, [measuring(i) for i in range(len(ranges))])
     ref32 = run(raw, torch.float32)  # the calibration call (max |input| of every linear) and the fp32 reference
+    use_attention(raw, [sdpa] * len(ranges))
     for h in hooks:
         h.remove()
+    attention = [tuple(fp8.activation_scale(float(x)) for x in r) for r in ranges]
     b16 = src.load_component("transformer", torch.bfloat16, a.device).eval()
     b16.load_state_dict(raw.state_dict())  # the same (bf16-exact) weights, without an fp32 copy
     out_b16 = run(b16, torch.bfloat16)
@@ -82,16 +96,24 @@ def accuracy(a) -> None:
     scales = fp8.scales_from_calibration(b16, amax, fp8.linear_groups(spec.wrap(b16), args16, root=b16))
     note = fp8_layers.quantize_module(b16, scales, a.device, scaled_mm=True)
     out_mm = run(b16, torch.bfloat16)
+    note_attn = fp8_layers.quantize_attention(b16, attention, a.device)  # fp8-attn: attention on its kernel too
+    out_attn = run(b16, torch.bfloat16)
     del b16
     fp8.emulate(raw, scales)
     out_emu32 = run(raw, torch.float32)
+    fp8_layers.quantize_attention(raw, attention, "cpu")  # "cpu": no FP8 tensor cores, the recipe emulated (fp32)
+    out_attn_emu32 = run(raw, torch.float32)
+    use_attention(raw, [sdpa] * len(ranges))  # back to the fp8 recipe alone
     out_emu16 = run(raw.to(torch.bfloat16), torch.bfloat16)
     rows = {"model": a.model, "weights": "linear weights and biases N(0, 0.005), bf16-exact", "size": a.size,
             "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "torch": torch.__version__,
             "layers": len(scales), "how": note, "metric": "mean |a - b| / mean |b|, one transformer call",
             "scaled_mm_bf16_vs_emulated_fp32": rel(out_mm, out_emu32),
             "emulated_bf16_vs_emulated_fp32": rel(out_emu16, out_emu32),
-            "bf16_vs_fp32_unquantized": rel(out_b16, ref32), "recipe_error_emulated_fp32_vs_fp32": rel(out_emu32, ref32)}
+            "bf16_vs_fp32_unquantized": rel(out_b16, ref32), "recipe_error_emulated_fp32_vs_fp32": rel(out_emu32, ref32),
+            "fp8_attn": {"how": note_attn, "recipe_error_emulated_fp32_vs_fp32": rel(out_attn_emu32, ref32),
+                         "kernel_bf16_vs_fp32": rel(out_attn, ref32), "fp8_kernel_bf16_vs_fp32": rel(out_mm, ref32),
+                         "kernel_bf16_vs_emulated_fp32": rel(out_attn, out_attn_emu32)}}
     print(json.dumps(rows, indent=1), flush=True)
     write(a.out, rows)
 
