@@ -32,13 +32,6 @@ def available() -> str | None:
 
 
 @functools.cache
-def _per_head(value: float, heads: int, device: str):
-    import torch
-
-    return torch.full((heads,), value, dtype=torch.float32, device=device)
-
-
-@functools.cache
 def _op():
     """The custom op, registered on first use (torch.library): q8, k8, v8 [S, heads, D] E4M3 and [sq, sk, sv]
     -> [S_q, heads, D] bf16."""
@@ -48,10 +41,9 @@ def _op():
     def fa3_fp8_attention(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scales: list[float]) -> torch.Tensor:
         from flashinfer import single_prefill_with_kv_cache
 
-        (sq, sk, sv), heads, dev = scales, q8.shape[1], str(q8.device)
-        return single_prefill_with_kv_cache(
-            q8, k8, v8, scale_q=_per_head(sq, heads, dev), scale_k=_per_head(sk, heads, dev),
-            scale_v=_per_head(sv, heads, dev), o_dtype=torch.bfloat16, sm_scale=1.0, backend="fa3")
+        sq, sk, sv = scales  # one scale for all heads: FlashInfer's scalar form of its per-head scales
+        return single_prefill_with_kv_cache(q8, k8, v8, scale_q=sq, scale_k=sk, scale_v=sv, o_dtype=torch.bfloat16,
+                                            sm_scale=1.0, backend="fa3")
 
     @fa3_fp8_attention.register_fake
     def _(q8, k8, v8, scales):
