@@ -9,6 +9,8 @@ one with its operands' quantization included (what the processor runs per attent
 is here (carry the nvidia-cudnn-frontend wheel), and FlashInfer's FP8 prefill (FA3 template) where `flashinfer` is
 (alone, with quantization eager and compiled, error vs fp32 and vs its arithmetic). Rows to --out as JSON after each measurement.
 Device:  python3 scripts/fp8_attention_bench.py --out $OUT/fp8_attention.json
+         (FlashInfer there: `bash scripts/carry_flashinfer.sh` here first, carry .whl; its kernel JIT-compiles on
+         the first call, about a minute on 16 cores: its sources compiled here with nvcc 13.0 for sm_90a)
 Rehearse here (CPU, Triton's interpreter; timings meaningless):
          TRITON_INTERPRET=1 python3 scripts/fp8_attention_bench.py --batches 1 --tokens 192 --heads 2 --reps 1 \
            --configs 64/64/4/1 --out /tmp/fa.json"""
