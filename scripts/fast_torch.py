@@ -33,11 +33,11 @@ from pathlib import Path
 import torch
 
 from fluxtrt import fp8, fp8_layers
-from fluxtrt.attention import attention_modules, sdpa, use_attention
+from fluxtrt.attention import sdpa, use_attention
 from fluxtrt.bench import add_ratios, bench_diffusers, bench_fluxtrt
 from fluxtrt.components import ShapePoint, specs_for
 from fluxtrt.models.source import resolve_model
-from fluxtrt.quantize.calibration import attention_ranges
+from fluxtrt.quantize.calibration import recording_attention_ranges
 
 RECIPES = {"fp8": "fp8", "fp8attn": "fp8-attn"}  # variant prefix -> the calibrated recipe it runs
 
@@ -74,15 +74,7 @@ def accuracy(a) -> None:
         if isinstance(m, torch.nn.Linear):
             hooks.append(m.register_forward_pre_hook(
                 lambda mod, inp, n=name: amax.__setitem__(n, max(amax.get(n, 0.0), float(inp[0].abs().max())))))
-    ranges = [None] * len(attention_modules(raw))  # fp8-attn's: each attention's [|q c|, |k c|, P, |v|] maxima
-
-    def measuring(i):
-        def fn(q, k, v):
-            ranges[i] = attention_ranges(q, k, v)
-            return sdpa(q, k, v)
-        return fn
-
-    use_attention(raw, [measuring(i) for i in range(len(ranges))])
+    ranges = recording_attention_ranges(raw)  # fp8-attn's: each attention's [|q c|, |k c|, P, |v|] maxima
     ref32 = run(raw, torch.float32)  # the calibration call (max |input| of every linear) and the fp32 reference
     use_attention(raw, [sdpa] * len(ranges))
     for h in hooks:

@@ -99,7 +99,6 @@ def linear_input_ranges(source, prompts: list[str], sizes: list[tuple[int, int]]
     else None. The maxima stay on the device until the end (no host sync per layer)."""
     import torch
 
-    from ..attention import attention_modules, sdpa, use_attention
     from ..dtypes import torch_dtype
 
     pipe = source.load_pipeline(torch_dtype(dtype), device, diffusers_pipeline="FluxPipeline")
@@ -116,7 +115,25 @@ def linear_input_ranges(source, prompts: list[str], sizes: list[tuple[int, int]]
     for name, m in pipe.transformer.named_modules():
         if isinstance(m, torch.nn.Linear):
             handles.append(m.register_forward_pre_hook(hook(name)))
-    ranges = [None] * len(attention_modules(pipe.transformer)) if attention else None
+    ranges = recording_attention_ranges(pipe.transformer) if attention else None
+    try:
+        _run_pipeline(pipe, source, prompts, sizes, steps, on_prompt=on_prompt)
+    finally:
+        for h in handles:
+            h.remove()
+    return ({k: float(v) for k, v in amax.items()}, calls[0],
+            [[float(x) for x in r] for r in ranges] if attention else None)
+
+
+def recording_attention_ranges(module) -> list:
+    """Every attention of the transformer `module` (forward order) computed by SDPA and its fp8-attn ranges
+    recorded: the returned list holds, per attention, attention_ranges' tensor, the maximum over the calls made
+    (None before the first)."""
+    import torch
+
+    from ..attention import attention_modules, sdpa, use_attention
+
+    ranges = [None] * len(attention_modules(module))
 
     def measuring(i):
         def fn(q, k, v):
@@ -125,15 +142,8 @@ def linear_input_ranges(source, prompts: list[str], sizes: list[tuple[int, int]]
             return sdpa(q, k, v)
         return fn
 
-    if attention:
-        use_attention(pipe.transformer, [measuring(i) for i in range(len(ranges))])
-    try:
-        _run_pipeline(pipe, source, prompts, sizes, steps, on_prompt=on_prompt)
-    finally:
-        for h in handles:
-            h.remove()
-    return ({k: float(v) for k, v in amax.items()}, calls[0],
-            [[float(x) for x in r] for r in ranges] if attention else None)
+    use_attention(module, [measuring(i) for i in range(len(ranges))])
+    return ranges
 
 
 def attention_ranges(q, k, v, chunk: int = 1024):

@@ -92,9 +92,8 @@ def test_hopper_with_flashinfer_takes_it_in_the_transformer(monkeypatch, tiny_de
     note names FlashInfer, and one transformer call is closer to the recipe emulated (the two differ where P is
     rounded) than 0.6x the recipe's own distance from the unquantized call."""
     from fluxtrt import fp8_layers
-    from fluxtrt.attention import attention_modules, sdpa, use_attention
     from fluxtrt.components import ShapePoint, specs_for
-    from fluxtrt.quantize.calibration import attention_ranges
+    from fluxtrt.quantize.calibration import recording_attention_ranges
 
     spec = specs_for(tiny_dev.geometry, ["transformer"])["transformer"]
     seed = int(np.random.default_rng().integers(1 << 30))
@@ -106,15 +105,7 @@ def test_hopper_with_flashinfer_takes_it_in_the_transformer(monkeypatch, tiny_de
             return spec.wrap(module)(*args).float()
 
     module = tiny_dev.load_component("transformer", torch.float32, "cpu").eval()
-    ranges = [None] * len(attention_modules(module))  # the recipe's scales from this call, as calibration takes them
-
-    def measuring(i):
-        def fn(q, k, v):
-            ranges[i] = attention_ranges(q, k, v)
-            return sdpa(q, k, v)
-        return fn
-
-    use_attention(module, [measuring(i) for i in range(len(ranges))])
+    ranges = recording_attention_ranges(module)  # the recipe's scales from this call, as calibration takes them
     plain = call(module)
     attention = [tuple(fp8.activation_scale(float(x)) for x in r) for r in ranges]
     fp8_layers.quantize_attention(module, attention, "cpu")
