@@ -181,10 +181,11 @@ def quantize_attention(module, attention: list, device) -> str:
     from .fp8 import attention_recipe
 
     kernel = tensor_cores(device)
+    fa3 = None  # FlashInfer's kernel module where it runs here
     if kernel:
-        from .kernels import flashinfer_fp8_attention as fa3
+        from .kernels import flashinfer_fp8_attention
 
-        fa3 = fa3 if fa3.available() is None else None
+        fa3 = flashinfer_fp8_attention if flashinfer_fp8_attention.available() is None else None
 
     def fn_of(scales):
         def emulated(q, k, v):  # [B, S, H, D], as diffusers' processor holds them

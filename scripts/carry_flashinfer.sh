@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # FlashInfer for the lent Hopper machine, small enough to carry (issue 42: fp8-attn's FA3 FP8 kernel).
-# flashinfer-python's wheel is 101 MB, over a call's 64 MiB carry; all fluxtrt uses of it is one JIT-built kernel
+# flashinfer-python's wheel is 101 MB, over a call's 64 MiB carry; fluxtrt uses one JIT-built kernel of it
 # (single-request FP8 prefill, FA3 template): its Python package, headers, CUTLASS/CCCL headers and the four
 # source templates of that kernel. This keeps those, drops the other kernels' sources, and packs the rest
-# (~17 MB as tar.xz) beside apache-tvm-ffi (cp312) and the small pure-Python dependencies the import needs, in
+# (16 MB as tar.xz) beside apache-tvm-ffi (cp312) and the small pure-Python dependencies the import needs, in
 # DIR (default .whl, which scripts/device_env.sh installs: wheels with pip, *.tar.xz unpacked into /tmp/site).
-# The kernel compiles on first use there (nvcc on the device image; several minutes), cached under ~/.cache.
+# The kernel compiles on first use there (nvcc on the device image; its five sources took about a minute each on
+# one core of this machine), cached under ~/.cache.
 # Usage (on your machine, in the project's root): bash scripts/carry_flashinfer.sh [DIR]
 set -euo pipefail
 dir=${1:-.whl}

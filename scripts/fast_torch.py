@@ -42,6 +42,11 @@ from fluxtrt.quantize.calibration import recording_attention_ranges
 RECIPES = {"fp8": "fp8", "fp8attn": "fp8-attn"}  # variant prefix -> the calibrated recipe it runs
 
 
+def recipe_of(variant: str) -> str | None:
+    """The calibrated recipe a variant runs ("fp8attn-graph+flash" -> "fp8-attn"), None for bf16 and diffusers."""
+    return RECIPES.get(variant.split("+")[0].split("-")[0])
+
+
 def rel(a, b) -> float:
     return float((a.float() - b.float()).abs().mean() / b.float().abs().mean())
 
@@ -121,7 +126,7 @@ def speed(a) -> None:
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     variants = [v for v in a.variants.split(",") if v]
     cal = {}  # recipe -> calibration: what `fluxtrt calibrate [--recipe fp8-attn]` runs for a bf16 checkpoint
-    for recipe in sorted({RECIPES[v.split("-")[0].split("+")[0]] for v in variants if v.startswith("fp8")}):
+    for recipe in sorted({recipe_of(v) for v in variants} - {None}):
         t0 = time.perf_counter()  # (module ranges; fp8-attn: attention's too), also random:
         cal[recipe] = calibrate_modules(src, recipe, Path(a.work) / "calibration", None, 1, steps=1,
                                         opt_resolution=512, dtype="bf16", device=a.device)
@@ -163,7 +168,7 @@ def speed(a) -> None:
             if kind == "diffusers-compiled":
                 pipe.transformer = torch.compile(pipe.transformer, fullgraph=False, dynamic=False)
         else:
-            recipe = RECIPES.get(kind.split("-")[0])
+            recipe = recipe_of(variant)
             pipe = open_pipeline(None, backend="torch", model=src, torch_dtype="bf16" if a.device == "cuda" else "fp32",
                                compile=a.compile, calibration=cal[recipe].path if recipe else None,
                                cuda_graph=kind.endswith("-graph"))

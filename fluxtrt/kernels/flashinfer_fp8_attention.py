@@ -59,11 +59,10 @@ def operands(q, k, v, scales):
 
     sq, sk, _, sv = scales
     c = float(sdpa_root_scale(q.shape[-1]))
-    b, s, h, d = q.shape
+    b, _, h, d = q.shape
 
-    def fold(x, scale, factor=1.0):  # [B, S, H, D] -> [S, B*H, D] codes (B = 1: a view of the quantized tensor)
-        x8 = to_e4m3(x.float() * factor, scale)
-        return (x8.view(s, h, d) if b == 1 else x8.transpose(0, 1).contiguous()).view(x.shape[1], b * h, d)
+    def fold(x, scale, factor=1.0):  # [B, S, H, D] -> [S, B*H, D] codes (B = 1: no copy, the transpose is a view)
+        return to_e4m3(x.float() * factor, scale).transpose(0, 1).contiguous().view(x.shape[1], b * h, d)
     return fold(q, sq, c), fold(k, sk, c), fold(v, sv)
 
 
@@ -77,5 +76,4 @@ def attention(q, k, v, scales):
     """fp8-attn's attention through FlashInfer: q, k, v [B, S, H, D] (after RoPE, as diffusers' processor holds them),
     scales (sq, sk, sp, sv) -> [B, S, H, D] in q's dtype."""
     b, s, h, d = q.shape
-    out = run(*operands(q, k, v, scales), scales).view(s, b, h, d)
-    return (out.view(1, s, h, d) if b == 1 else out.transpose(0, 1)).to(q.dtype)
+    return run(*operands(q, k, v, scales), scales).view(s, b, h, d).transpose(0, 1).to(q.dtype)

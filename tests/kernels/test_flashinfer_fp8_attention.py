@@ -11,17 +11,19 @@ from fluxtrt.kernels import flashinfer_fp8_attention as fi
 from fluxtrt.kernels import fp8_attention
 
 
+def arithmetic_op(q8, k8, v8, qkv_scales):
+    """The kernel faked by its arithmetic on its own [S, heads, D] operands (fp8_attention.on_codes, fp32)."""
+    (sq, sk, sv), t = qkv_scales, (0, 1)
+    return fp8_attention.on_codes(q8.transpose(*t), k8.transpose(*t), v8.transpose(*t), sq * sk, sv,
+                                  block_n=fi.BLOCK_N).transpose(*t)
+
+
 def test_folded_operands_and_output_match_the_kernel_arithmetic(monkeypatch):
     """B 2 and 1, 3 heads, 300 tokens, d 128, fresh N(0, 1) q, k, v [B, S, H, D]: attention() through the folded
     layout equals kernel_arithmetic on the unfolded inputs within 1e-5 (fp32), and the codes are the recipe's."""
     seed = int(np.random.default_rng().integers(1 << 30))
     g = torch.Generator().manual_seed(seed)
     scales = (0.004, 0.005, 0.002, 0.006)
-
-    def arithmetic_op(q8, k8, v8, qkv_scales):  # the kernel's arithmetic on its own [S, heads, D] operands
-        (sq, sk, sv), t = qkv_scales, (0, 1)
-        return fp8_attention.on_codes(q8.transpose(*t), k8.transpose(*t), v8.transpose(*t), sq * sk, sv,
-                                      block_n=fi.BLOCK_N).transpose(*t)
 
     monkeypatch.setattr(fi, "_op", lambda: arithmetic_op)
     for b in (2, 1):
@@ -110,11 +112,6 @@ def test_hopper_with_flashinfer_takes_it_in_the_transformer(monkeypatch, tiny_de
     attention = [tuple(fp8.activation_scale(float(x)) for x in r) for r in ranges]
     fp8_layers.quantize_attention(module, attention, "cpu")
     emulated = call(module)
-
-    def arithmetic_op(q8, k8, v8, qkv_scales):
-        (sq, sk, sv), t = qkv_scales, (0, 1)
-        return fp8_attention.on_codes(q8.transpose(*t), k8.transpose(*t), v8.transpose(*t), sq * sk, sv,
-                                      block_n=fi.BLOCK_N).transpose(*t)
 
     monkeypatch.setattr(fp8_layers, "tensor_cores", lambda device: True)
     monkeypatch.setattr(fi, "available", lambda: None)
