@@ -11,17 +11,16 @@ blocks of 192 keys (its CTA_KV for d 128).
 
 Needs the `flashinfer` package (pip flashinfer-python; it JIT-compiles the kernel with nvcc on first use, cached
 under ~/.cache/flashinfer) and an sm90 GPU: `available()` says whether it runs here. The call is a torch custom
-op (`fluxtrt::fa3_fp8_attention`), so torch.compile and CUDA graphs keep it whole. Imported only where it runs."""
+op (`fluxtrt::fa3_fp8_attention`, registered on import; flashinfer is imported only when it runs), so
+torch.compile and CUDA graphs keep it whole."""
 
-import functools
+import torch
 
 BLOCK_N = 192  # the keys FlashInfer's sm90 FP8 prefill takes per block at d 128 (prefill_sm90.cuh's CTA_KV)
 
 
 def available() -> str | None:
     """None where FlashInfer's FP8 attention can run here, else why not (one line)."""
-    import torch
-
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         return "FlashInfer's FP8 attention (its FA3 template) needs a Hopper (sm90) GPU"
     try:
@@ -31,34 +30,29 @@ def available() -> str | None:
     return None
 
 
-@functools.cache
-def _op():
-    """The custom op, registered on first use (torch.library): q8, k8, v8 [S, heads, D] E4M3 and [sq, sk, sv]
-    -> [S_q, heads, D] bf16."""
-    import torch
+@torch.library.custom_op("fluxtrt::fa3_fp8_attention", mutates_args=())
+def fa3_fp8_attention(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scales: list[float]) -> torch.Tensor:
+    """q8, k8, v8 [S, heads, D] E4M3 and [sq, sk, sv] -> [S_q, heads, D] bf16 (FlashInfer's FA3 FP8 prefill)."""
+    from flashinfer import single_prefill_with_kv_cache
 
-    @torch.library.custom_op("fluxtrt::fa3_fp8_attention", mutates_args=())
-    def fa3_fp8_attention(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scales: list[float]) -> torch.Tensor:
-        from flashinfer import single_prefill_with_kv_cache
+    sq, sk, sv = scales  # one scale for all heads: FlashInfer's scalar form of its per-head scales
+    return single_prefill_with_kv_cache(q8, k8, v8, scale_q=sq, scale_k=sk, scale_v=sv, o_dtype=torch.bfloat16,
+                                        sm_scale=1.0, backend="fa3")
 
-        sq, sk, sv = scales  # one scale for all heads: FlashInfer's scalar form of its per-head scales
-        return single_prefill_with_kv_cache(q8, k8, v8, scale_q=sq, scale_k=sk, scale_v=sv, o_dtype=torch.bfloat16,
-                                            sm_scale=1.0, backend="fa3")
 
-    @fa3_fp8_attention.register_fake
-    def _(q8, k8, v8, scales):
-        return q8.new_empty(q8.shape, dtype=torch.bfloat16)
-
-    return fa3_fp8_attention
+@fa3_fp8_attention.register_fake
+def _(q8, k8, v8, scales):
+    return q8.new_empty(q8.shape, dtype=torch.bfloat16)
 
 
 def operands(q, k, v, scales):
     """The kernel's operands from q, k, v [B, S, H, D] (after RoPE) and the recipe's (sq, sk, sp, sv): E4M3 codes
     of q*c/sq, k*c/sk and v/sv, each [S, B*H, D] contiguous."""
-    from ..fp8 import sdpa_root_scale, to_e4m3
+    from ..fp8 import to_e4m3
+    from .fp8_attention import root_scale
 
     sq, sk, _, sv = scales
-    c = float(sdpa_root_scale(q.shape[-1]))
+    c = root_scale(q.shape[-1])
     b, _, h, d = q.shape
 
     def fold(x, scale, factor=1.0):  # [B, S, H, D] -> [S, B*H, D] codes (B = 1: no copy, the transpose is a view)
@@ -69,7 +63,7 @@ def operands(q, k, v, scales):
 def run(q8, k8, v8, scales):
     """The kernel on operands(...)'s codes with the recipe's (sq, sk, sp, sv): [S_q, B*H, D] bf16."""
     sq, sk, _, sv = (float(x) for x in scales)
-    return _op()(q8, k8, v8, [sq, sk, sv])
+    return fa3_fp8_attention(q8, k8, v8, [sq, sk, sv])
 
 
 def attention(q, k, v, scales):

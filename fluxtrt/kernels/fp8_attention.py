@@ -15,18 +15,29 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 P_SCALE = 448.0  # p in (0, 1] times this fills E4M3's range (largest finite 448)
 LOG2E = 1.4426950408889634
+
+
+@torch.compiler.assume_constant_result
+def root_scale(head_dim: int) -> float:
+    """fp8.sdpa_root_scale(head_dim) as a Python float (the same fp32 value): a constant to torch.compile, where
+    float() of the tensor would break the graph (Tensor.item) at every attention."""
+    from ..fp8 import sdpa_root_scale
+
+    return float(sdpa_root_scale(head_dim))
 
 
 def operands(q, k, v, scales, v_transposed: bool = True):
     """The kernel's operands from q, k, v [B, S, H, D] (after RoPE) and the recipe's (sq, sk, sp, sv): E4M3 codes
     of q*c/sq and k*c/sk as [B, H, S, D], of v/sv as [B, H, D, S] (or [B, H, S, D]: not `v_transposed`, as
     cuDNN's FP8 attention takes it)."""
-    from ..fp8 import sdpa_root_scale, to_e4m3
+    from ..fp8 import to_e4m3
 
     sq, sk, _, sv = scales
-    c = float(sdpa_root_scale(q.shape[-1]))
+    c = root_scale(q.shape[-1])
     q8 = to_e4m3(q.float() * c, sq).transpose(1, 2).contiguous()
     k8 = to_e4m3(k.float() * c, sk).transpose(1, 2).contiguous()
     v8 = to_e4m3(v, sv).permute(0, 2, 3, 1) if v_transposed else to_e4m3(v, sv).transpose(1, 2)
