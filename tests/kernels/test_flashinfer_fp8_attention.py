@@ -128,7 +128,8 @@ def test_the_transformer_on_flashinfer_compiles_without_graph_breaks(monkeypatch
     """torch.compile takes the tiny transformer with fp8-attn on FlashInfer (Hopper faked; the real custom op, given a
     CPU kernel: its arithmetic in bf16) as one graph (dynamo.explain; fullgraph=True let these breaks pass): a
     break (a Tensor.item() per attention, or the op registered inside the trace) left the H100's compiled step at
-    201 ms against diffusers' 180, eager elementwise kernels between compiled pieces. The compiled call equals the eager one within 1e-3."""
+    201 ms against diffusers' 180, eager elementwise kernels between compiled pieces. The compiled call equals the
+    eager one within 1e-3."""
     import torch._dynamo as dynamo
 
     from fluxtrt import fp8_layers
