@@ -138,7 +138,7 @@ def flashinfer_fp8(q, k, v, scales, flops, sdpa_ms, reps, n, rel) -> dict:
         t = (1, 2)
         arithmetic = fp8_attention.kernel_arithmetic(*(x.transpose(*t)[:, :, :n] if i == 0 else x.transpose(*t)
                                                        for i, x in enumerate((q, k, v))), scales,
-                                                     block_n=fi.BLOCK_N)
+                                                     **fi.WALK)
         vs_arithmetic = float((got - arithmetic).abs().mean() / arithmetic.abs().mean())
     except Exception as e:  # what this FlashInfer or GPU refuses: said in the row
         return {"flashinfer_fp8": f"{type(e).__name__}: {str(e).strip()[:300]}"}

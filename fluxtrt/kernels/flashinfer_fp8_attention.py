@@ -7,7 +7,8 @@ FlashInfer's single-request prefill takes them: [tokens, heads, d] ("NHD"), the 
 ([S, B*H, D]; for B = 1 the processor's own [B, S, H, D] as it is). FlashInfer's DefaultFP8Attention computes
 S = Q8 K8^T * sq sk (sm_scale 1: c is in the codes), the online softmax in fp32, each block's exp(S - m) times 448
 rounded to E4M3, O = P8 V8 * sv / 448 / l in bf16: the arithmetic of `fp8_attention.kernel_arithmetic` with
-blocks of 192 keys (its CTA_KV for d 128).
+blocks of 192 keys (its CTA_KV for d 128) visited from the last (FA3's mainloop walks the key tiles backwards;
+walked forwards, the arithmetic differed from the H100's output by 3.5%, the P roundings falling elsewhere).
 
 Needs the `flashinfer` package (pip flashinfer-python; it JIT-compiles the kernel with nvcc on first use, cached
 under ~/.cache/flashinfer) and an sm90 GPU: `available()` says whether it runs here. The call is a torch custom
@@ -17,6 +18,7 @@ torch.compile and CUDA graphs keep it whole."""
 import torch
 
 BLOCK_N = 192  # the keys FlashInfer's sm90 FP8 prefill takes per block at d 128 (prefill_sm90.cuh's CTA_KV)
+WALK = {"block_n": BLOCK_N, "reverse": True}  # its key blocks, last first: kernel_arithmetic's / on_codes' keywords
 
 
 def available() -> str | None:

@@ -44,21 +44,24 @@ def operands(q, k, v, scales, v_transposed: bool = True):
     return q8, k8, v8.contiguous()
 
 
-def kernel_arithmetic(q, k, v, scales, *, block_n: int = 128, quantize_p: bool = True):
+def kernel_arithmetic(q, k, v, scales, *, block_n: int = 128, quantize_p: bool = True, reverse: bool = False):
     """What the kernel computes, in PyTorch (fp32): q, k, v [..., S, D] after RoPE, scales (sq, sk, sp, sv);
-    keys in blocks of `block_n` with the running max, p quantized as exp(S - m) * 448 in E4M3 (or not:
-    quantize_p, as the kernel's)."""
+    keys in blocks of `block_n` with the running max (`reverse`: the last block first), p quantized as
+    exp(S - m) * 448 in E4M3 (or not: quantize_p, as the kernel's)."""
     from ..fp8 import sdpa_root_scale, to_e4m3
 
     sq, sk, _, sv = scales
     c = sdpa_root_scale(q.shape[-1])
     return on_codes(to_e4m3(q.float() * c, sq), to_e4m3(k.float() * c, sk), to_e4m3(v.float(), sv), sq * sk, sv,
-                    block_n=block_n, quantize_p=quantize_p)
+                    block_n=block_n, quantize_p=quantize_p, reverse=reverse)
 
 
-def on_codes(q8, k8, v8, qk_scale: float, v_scale: float, *, block_n: int = 128, quantize_p: bool = True):
+def on_codes(q8, k8, v8, qk_scale: float, v_scale: float, *, block_n: int = 128, quantize_p: bool = True,
+             reverse: bool = False):
     """kernel_arithmetic's loop on E4M3 codes q8, k8, v8 [..., S, D] (fp32): S = q8 k8^T * qk_scale, keys in
-    blocks of `block_n`, out = sum p8 v8 * v_scale / 448 / l."""
+    blocks of `block_n` (starting at 0; `reverse`: visited from the last, as FlashAttention-3's mainloop walks
+    them), out = sum p8 v8 * v_scale / 448 / l. Where P's roundings fall follows the running max m, so the block
+    size and order are part of the arithmetic."""
     import torch
 
     from ..fp8 import to_e4m3
@@ -68,7 +71,8 @@ def on_codes(q8, k8, v8, qk_scale: float, v_scale: float, *, block_n: int = 128,
     m = torch.full(s.shape[:-1], -math.inf, device=s.device)
     l_sum = torch.zeros(s.shape[:-1], device=s.device)
     acc = torch.zeros(*s.shape[:-1], v8.shape[-1], device=s.device)
-    for j in range(0, s.shape[-1], block_n):
+    starts = range(0, s.shape[-1], block_n)
+    for j in reversed(starts) if reverse else starts:
         blk = s[..., j: j + block_n]
         m_new = torch.maximum(m, blk.amax(-1))
         p = torch.exp(blk - m_new[..., None])

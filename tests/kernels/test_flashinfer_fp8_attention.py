@@ -12,10 +12,10 @@ from fluxtrt.kernels import fp8_attention
 
 
 def arithmetic_op(q8, k8, v8, qkv_scales):
-    """The kernel faked by its arithmetic on its own [S, heads, D] operands (fp8_attention.on_codes, fp32)."""
+    """The kernel faked by its arithmetic on its own [S, heads, D] operands (fp8_attention.on_codes with its walk, fp32)."""
     (sq, sk, sv), t = qkv_scales, (0, 1)
     return fp8_attention.on_codes(q8.transpose(*t), k8.transpose(*t), v8.transpose(*t), sq * sk, sv,
-                                  block_n=fi.BLOCK_N).transpose(*t)
+                                  **fi.WALK).transpose(*t)
 
 
 def test_folded_operands_and_output_match_the_kernel_arithmetic(monkeypatch):
@@ -36,7 +36,7 @@ def test_folded_operands_and_output_match_the_kernel_arithmetic(monkeypatch):
         got = fi.attention(q, k, v, scales)
         t = (1, 2)
         want = fp8_attention.kernel_arithmetic(q.transpose(*t), k.transpose(*t), v.transpose(*t), scales,
-                                               block_n=fi.BLOCK_N).transpose(*t)
+                                               **fi.WALK).transpose(*t)
         assert got.shape == q.shape and got.dtype == q.dtype
         err = float((got - want).abs().max() / want.abs().max())
         assert err < 1e-5, (b, err, seed)
@@ -70,7 +70,7 @@ def test_flashinfer_computes_the_kernels_arithmetic(b, h, s, d):
     scales, _ = calibrated(q, k, v)
     t = (1, 2)
     got = fi.attention(*(x.transpose(*t).cuda().bfloat16() for x in (q, k, v)), scales).transpose(*t)
-    want = fp8_attention.kernel_arithmetic(*(x.bfloat16().float() for x in (q, k, v)), scales, block_n=fi.BLOCK_N)
+    want = fp8_attention.kernel_arithmetic(*(x.bfloat16().float() for x in (q, k, v)), scales, **fi.WALK)
     rel = float((got.float().cpu() - want).abs().mean() / want.abs().mean())
     assert rel <= 1e-2, rel
 
