@@ -171,6 +171,16 @@ def fuse_projections(module, by_module: dict | None = None) -> int:
     return count
 
 
+def attention_kernel(device) -> str | None:
+    """Which kernel computes fp8-attn's attention on `device`: "flashinfer" (Hopper with the flashinfer package),
+    "triton" (other FP8 tensor cores), None (emulated)."""
+    if not tensor_cores(device):
+        return None
+    from .kernels import flashinfer_fp8_attention
+
+    return "flashinfer" if flashinfer_fp8_attention.available() is None else "triton"
+
+
 def quantize_attention(module, attention: list, device) -> str:
     """fp8-attn's attention on the transformer `module`, in place: each attention (forward order) gets its scales
     (sq, sk, sp, sv) and computes on FP8 tensor cores where `device` has them (on Hopper with the flashinfer package:
@@ -180,12 +190,10 @@ def quantize_attention(module, attention: list, device) -> str:
     from .attention import use_attention
     from .fp8 import attention_recipe
 
-    kernel = tensor_cores(device)
+    kernel = attention_kernel(device)
     fa3 = None  # FlashInfer's kernel module where it runs here
-    if kernel:
-        from .kernels import flashinfer_fp8_attention
-
-        fa3 = flashinfer_fp8_attention if flashinfer_fp8_attention.available() is None else None
+    if kernel == "flashinfer":
+        from .kernels import flashinfer_fp8_attention as fa3
 
     def fn_of(scales):
         def emulated(q, k, v):  # [B, S, H, D], as diffusers' processor holds them

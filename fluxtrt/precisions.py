@@ -35,7 +35,7 @@ REGISTRY = {p.name: p for p in (
     Precision(name="fp8", description="E4M3 weights and activations of the linear layers (calibrated)",
               components=_T, recipe=True, calibrated=True, rest="bf16", min_cc=(8, 9), zero_copy_graph="bf16"),
     Precision(name="fp8-attn", description="fp8, plus E4M3 on both inputs of attention's two MatMuls",
-              components=_T, recipe=True, calibrated=True, rest="bf16", min_cc=(8, 9), backends=_TRT),
+              components=_T, recipe=True, calibrated=True, rest="bf16", min_cc=(8, 9)),
     Precision(name="fp8-wo", description="E4M3 weights of the linear layers, a scale per output row, multiplied in "
               "bf16 (weight bytes halved; no calibration): T5's, as ComfyUI's t5xxl_fp8_e4m3fn", components=("t5",),
               recipe=True, rest="bf16", backends=("torch",)),

@@ -547,6 +547,14 @@ class PackageExecutor(Executor):
         if not self.path.is_file():
             raise ManifestError(f"{self.component}: {self.path} is missing; build it again with `fluxtrt build "
                                 "--backend torch`")
+        recipe = self.entry.recipe if isinstance(self.entry.recipe, dict) else {}
+        if recipe.get("attention_kernel") == "flashinfer":
+            from ..kernels.flashinfer_fp8_attention import available
+
+            why = available()
+            if why:
+                raise FluxtrtError(f"{self.component}: {self.path.name} calls FlashInfer's FP8 attention, and {why}: "
+                                   "pip install flashinfer-python, or build the package again here")
 
         size = self.path.stat().st_size
         if size != self.entry.bytes or sha256_file(self.path) != self.entry.sha256:

@@ -28,17 +28,20 @@ def module_dtype(precision: str, device: str) -> str:
     return (p.rest if device == "cuda" else "fp32") if p.recipe else precision
 
 
-def fp8_scales(source, calib, out_root: Path, raw, *, device: str, dtype: str) -> dict:
+def fp8_scales(source, calib, out_root: Path, raw, *, device: str, dtype: str, recipe: str = "fp8") -> tuple:
     """The fp8 recipe's scales for the transformer (and its First-Block Cache parts alike): calibrated ranges by
     module (OUT/calibration/, as `fluxtrt calibrate` leaves them; measured now if not there), applied to the
-    module's weights, projections grouped as the whole transformer joins them."""
-    from .. import fp8_layers
+    module's weights, projections grouped as the whole transformer joins them: ({module: (sx, sw)}, attention),
+    attention (`recipe` fp8-attn) [(sq, sk, sp, sv)] in forward order, else None."""
+    from .. import fp8, fp8_layers
     from ..components import specs_for
     from .zerocopy_plan import calibrate_zero_copy
 
-    cal = calibrate_zero_copy(source, Path(out_root), calib)
+    cal = calibrate_zero_copy(source, Path(out_root), calib, recipe=recipe)
     spec = specs_for(source.geometry, ["transformer"])["transformer"]
-    return fp8_layers.calibrated_scales(raw, spec, source.geometry, cal.amax, device=device, dtype=torch_dtype(dtype))
+    scales = fp8_layers.calibrated_scales(raw, spec, source.geometry, cal.amax, device=device,
+                                          dtype=torch_dtype(dtype))
+    return scales, fp8.read_calibration(cal.path, source.content_hash).get("attention") if recipe == "fp8-attn" else None
 
 
 def check_parallel(request, cfg) -> None:
@@ -93,7 +96,7 @@ def package_stage(source, cfg, request, *, spec, rng, manifest, gpu_dir: Path, l
     dtype = module_dtype(precision, device)
     rng = profile_range(geo, family(name), rng)
     profile = spec.profile(rng, geo)
-    recipe_inputs = calibration_inputs(calib) if precision == "fp8" else None
+    recipe_inputs = calibration_inputs(calib) if precision in ("fp8", "fp8-attn") else None
     ranks = request.parallel if family(name) == "transformer" else 1  # context parallelism: the transformer's
     split = {"ranks": ranks, "attention": request.parallel_attention} if ranks > 1 else None
     key = sha256_json({"model": source.content_hash, "precision": precision, "dtype": dtype, "profile": profile,
@@ -111,11 +114,14 @@ def package_stage(source, cfg, request, *, spec, rng, manifest, gpu_dir: Path, l
     t0 = time.perf_counter()
     raw = source.load_component(spec.subfolder, torch_dtype(dtype), device)
     recipe, note = None, ""
-    if precision == "fp8":
+    if precision in ("fp8", "fp8-attn"):  # fp8-attn: its attention kernel (or emulation) compiled in
         on_phase("calibrate")
-        scales = fp8_scales(source, calib, request.out_dir, raw, device=device, dtype=dtype)
-        note = fp8_layers.quantize_module(raw, scales, device)
-        recipe = fp8.recipe_record(scales)
+        scales, attention = fp8_scales(source, calib, request.out_dir, raw, device=device, dtype=dtype,
+                                       recipe=precision)
+        note = fp8_layers.quantize_module(raw, scales, device, attention=attention)
+        recipe = fp8.recipe_record(scales, attention)
+        if attention:  # the kernel compiled in: a FlashInfer op needs the flashinfer package where it runs
+            recipe["attention_kernel"] = fp8_layers.attention_kernel(device)
     elif precision == "fp8-wo":
         note = fp8_layers.weight_only(raw)
     share = None

@@ -326,3 +326,41 @@ def test_opening_a_package_folder_reads_the_weights_ahead_unless_low_vram(packag
     assert all(ex._reading is None and ex._weights is weights[n] for n, ex in pipe.executors.items())
     low = open_pipeline(folder, backend="torch", torch_dtype="fp32", low_vram=True)
     assert all(ex._reading is None for ex in low.executors.values())
+
+
+def test_fp8_attn_transformer_package_computes_the_recipe_as_the_jit_executor(packages, tmp_path):
+    """`-p transformer=fp8-attn --backend torch` on a CPU (3 prompts, 2 steps of calibration): the package records
+    the recipe with each attention's four scales, and its image equals the JIT torch executor's on the same
+    calibration file within 2/255 (both emulate the recipe in fp32 here; on Hopper the package holds FlashInfer's
+    op, on other sm89+ GPUs the Triton kernel). A package recorded as calling FlashInfer's op is refused in one
+    line where flashinfer cannot run."""
+    from fluxtrt.attention import attention_modules
+    from fluxtrt.errors import FluxtrtError
+    from fluxtrt.gpus import load_gpu
+    from fluxtrt.records import CalibrationSettings, read_manifest
+    from fluxtrt.stages.build import build_gpu
+
+    src, _, _ = packages("tiny")  # its fp32 packages of the other components
+    build_gpu(src, load_gpu("cpu").with_precision({"transformer": "fp8-attn"}), tmp_path, components=["transformer"],
+              calibration=CalibrationSettings(size=3, steps=2))
+    entry = read_manifest(tmp_path / "cpu").components["transformer"]
+    raw = src.load_component("transformer", torch.float32, "cpu")
+    assert entry.precision == "fp8-attn" and entry.recipe["name"] == "fp8-attn"
+    assert len(entry.recipe["attention"]) == len(attention_modules(raw)) and all(
+        len(a) == 4 and min(a) > 0 for a in entry.recipe["attention"])
+    (calibration,) = (tmp_path / "calibration").glob("*.json")
+    seed = int(np.random.default_rng().integers(1000))
+    got = _image(open_pipeline(tmp_path / "cpu", backend="torch", fallback=["clip", "t5", "vae_decoder"],
+                               torch_dtype="fp32"), "a lighthouse at dusk", seed)
+    jit = _image(open_pipeline(None, backend="torch", model=src, torch_dtype="fp32", calibration=calibration),
+                 "a lighthouse at dusk", seed)
+    assert np.abs(got - jit).max() <= MAX_UINT8_DIFF and got.std() > 5
+    # a package that calls FlashInfer's op (recorded by a Hopper build) where flashinfer cannot run: one line
+    assert entry.recipe["attention_kernel"] is None  # emulated on this CPU
+    manifest = json.loads((tmp_path / "cpu" / "manifest.json").read_text())
+    manifest["components"]["transformer"]["recipe"]["attention_kernel"] = "flashinfer"
+    (tmp_path / "cpu" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FluxtrtError, match=r"transformer: transformer.pt2 calls FlashInfer's FP8 attention, and .*: "
+                       r"pip install flashinfer-python, or build the package again here$"):
+        _image(open_pipeline(tmp_path / "cpu", backend="torch", fallback=["clip", "t5", "vae_decoder"],
+                             torch_dtype="fp32"), "a lighthouse at dusk", seed)
