@@ -96,7 +96,8 @@ def package_stage(source, cfg, request, *, spec, rng, manifest, gpu_dir: Path, l
     dtype = module_dtype(precision, device)
     rng = profile_range(geo, family(name), rng)
     profile = spec.profile(rng, geo)
-    recipe_inputs = calibration_inputs(calib) if precision in ("fp8", "fp8-attn") else None
+    fp8_recipe = precision in ("fp8", "fp8-attn")  # fp8-attn: its attention kernel (or emulation) compiled in too
+    recipe_inputs = calibration_inputs(calib) if fp8_recipe else None
     ranks = request.parallel if family(name) == "transformer" else 1  # context parallelism: the transformer's
     split = {"ranks": ranks, "attention": request.parallel_attention} if ranks > 1 else None
     key = sha256_json({"model": source.content_hash, "precision": precision, "dtype": dtype, "profile": profile,
@@ -114,7 +115,7 @@ def package_stage(source, cfg, request, *, spec, rng, manifest, gpu_dir: Path, l
     t0 = time.perf_counter()
     raw = source.load_component(spec.subfolder, torch_dtype(dtype), device)
     recipe, note = None, ""
-    if precision in ("fp8", "fp8-attn"):  # fp8-attn: its attention kernel (or emulation) compiled in
+    if fp8_recipe:
         on_phase("calibrate")
         scales, attention = fp8_scales(source, calib, request.out_dir, raw, device=device, dtype=dtype,
                                        recipe=precision)
