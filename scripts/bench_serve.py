@@ -88,14 +88,17 @@ def sequential(model, sizes, counts, steps, baseline="pipeline"):
 
 def calibration_file(model: str, work: str) -> str:
     """What `fluxtrt calibrate` writes for a bf16 checkpoint (module ranges; 1 prompt, 1 step: scales do not
-    change speed), for `--calibration`."""
+    change speed), for `--calibration`; on the GPU when there is one (a CPU rehearses it on tiny)."""
     from pathlib import Path
+
+    import torch
 
     from fluxtrt.models.source import resolve_model
     from fluxtrt.quantize.calibration import calibrate_modules
 
     return str(calibrate_modules(resolve_model(model), "fp8", Path(work) / "calibration", None, 1, steps=1,
-                                 opt_resolution=512, dtype="bf16", device="cuda").path)
+                                 opt_resolution=512, dtype="bf16",
+                                 device="cuda" if torch.cuda.is_available() else "cpu").path)
 
 
 def serve(model, replicas, max_batch, sizes, counts, concurrencies, steps, extra=(), partial=None):
