@@ -159,3 +159,47 @@ def test_a_package_whose_wrapper_links_libstdcxx_statically_is_told_from_one_tha
     assert needed_libraries(zipfile.ZipFile(cut).read(so.filename)) is None and not links_shared_libstdcxx(cut)
     (tmp_path / "junk.pt2").write_bytes(torch.randint(0, 255, (4096,), dtype=torch.uint8).numpy().tobytes())
     assert not links_shared_libstdcxx(tmp_path / "junk.pt2")
+
+
+BODY = "lambda q8, k8, v8, s: (q8.float() * s[0] + k8.float() * s[1] - v8.float() * s[2]).bfloat16()"
+
+
+@pytest.mark.slow
+def test_a_package_calling_flashinfers_op_reaches_it_through_load_package_alone(tmp_path):
+    """An fp8-attn package built on Hopper calls fluxtrt::fa3_fp8_attention, a Python custom op that AOTInductor's
+    runtime reaches through the dispatcher: in a fresh process, torch's bare loader refuses the package ("Could not
+    find schema"), while load_package (its _open registers the op) loads it, and the call runs the op's kernel on
+    the package's E4M3 operands (here a CPU kernel registered after the load): the eager arithmetic exactly."""
+    import subprocess
+    import sys
+
+    from fluxtrt.kernels import flashinfer_fp8_attention  # noqa: F401  the op, for the export here
+
+    scales = [float(x) for x in torch.empty(3).uniform_(0.005, 0.02)]
+
+    class Calls(torch.nn.Module):
+        def forward(self, q):
+            q8 = (q / scales[0]).clamp(-448, 448).to(torch.float8_e4m3fn)
+            return torch.ops.fluxtrt.fa3_fp8_attention(q8, q8, q8, scales).float() + 1
+
+    q = torch.randn(64, 4, 128)
+    path = tmp_path / "transformer.pt2"
+    torch._inductor.aoti_compile_and_package(torch.export.export(Calls(), (q,)), package_path=str(path))
+    torch.save(q, tmp_path / "q.pt")
+    q8 = (q / scales[0]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    want = eval(BODY)(q8, q8, q8, scales).float() + 1
+
+    def child(code):
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+    bare = child(f"import torch; torch._C._aoti.AOTIModelPackageLoader({str(path)!r}, 'model', True, 1, -1)")
+    assert bare.returncode != 0 and "Could not find schema for fluxtrt::fa3_fp8_attention" in bare.stderr, bare.stderr
+    ours = child(f"""import pathlib, torch
+from fluxtrt.core.packages import load_package
+m = load_package(pathlib.Path({str(path)!r}), "transformer", "cpu")
+torch.library.register_kernel("fluxtrt::fa3_fp8_attention", "cpu", {BODY})
+torch.save(m(torch.load({str(tmp_path / 'q.pt')!r})), {str(tmp_path / 'out.pt')!r})""")
+    assert ours.returncode == 0, ours.stderr[-2000:]
+    got = torch.load(tmp_path / "out.pt")
+    got = got[0] if isinstance(got, (list, tuple)) else got
+    assert torch.equal(got, want) and want.std() > 0.1
