@@ -315,6 +315,8 @@ def lora_side(base, down, up):
     """`base` (an nn.Linear or an fp8 GEMM) plus the low-rank term (x down^T) up^T."""
     import torch
 
+    from ..kernels.lora_add import lora_add_
+
     class LoraSide(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -324,8 +326,10 @@ def lora_side(base, down, up):
             self.register_buffer("up", up)
 
         def forward(self, x):
-            f = torch.nn.functional
-            return self.base(x) + f.linear(f.linear(x, self.down), self.up)
+            y = self.base(x)
+            h = torch.nn.functional.linear(x, self.down).reshape(1, -1, self.down.shape[0])
+            lora_add_(y, h, self.up.T[None], 0, self.out_features)  # in place: kernels/lora_add.py
+            return y
 
     return LoraSide()
 
@@ -585,6 +589,8 @@ def _mixed_lora(base, bank: LoraBank, ranks: dict, *, span: tuple, slots: int, d
     columns `span` (lo, hi) that the adapters can touch."""
     import torch
 
+    from ..kernels.lora_add import lora_add_
+
     rank = sum(ranks.values())
     columns, col = {}, 0
     for layer, r in ranks.items():
@@ -621,8 +627,8 @@ def _mixed_lora(base, bank: LoraBank, ranks: dict, *, span: tuple, slots: int, d
             down = self.down[idx].reshape(n, k * rank, -1)  # [n, K*R, in]
             up = self.up[idx].reshape(n, k * rank, -1)  # [n, K*R, hi - lo]
             h = torch.bmm(x3, down.transpose(1, 2)) * scale.repeat_interleave(rank, dim=1)[:, None, :]
-            # in place, on the touched columns only: no second full-width output is written and read again
-            y.view(n, -1, self.out_features)[..., self.lo:self.hi].add_(torch.bmm(h, up))
+            # in place, on the touched columns only: the product is never materialised (kernels/lora_add.py)
+            lora_add_(y, h, up, self.lo, self.hi)
             return y
 
     return MixedLora()
