@@ -14,13 +14,18 @@ speed: end to end (text encoders, N steps, VAE decode) for diffusers eager bf16 
   `+cdt` (Inductor's coordinate-descent tuning of its Triton kernels, in all directions, epilogue fusion off,
   1x1 convolutions as matrix multiplies: flux-fast's settings), `+autotune` (Inductor's max-autotune GEMMs: Triton
   templates, fp8 scaled_mm included, against cuBLAS, with the pointwise work after a winning template fused into
-  its epilogue), e.g. `bf16-graph+flash`, `fp8-graph+autotune`.
+  its epilogue), `+lora` (`run --lora` with a random rank-32 LoRA over every attention projection: merged into
+  bf16 weights, low-rank terms beside fp8 GEMMs), e.g. `bf16-graph+flash`, `fp8-graph+autotune`, `fp8-graph+lora`.
+lora: the fp8 recipe with a LoRA merged before quantizing against the base quantized with the low-rank terms
+  beside its GEMMs (issue 43: which one the fp8 path takes), in fp32, on accuracy's model and call.
 
 Rows go to --out as JSON after every measurement (a cut run keeps what it measured); `speed` also writes the
 `fast_torch.json` form: [{size, batch, steps, variant, e2e_s, baseline_s, ratio, ...}].
 Device:  python3 scripts/fast_torch.py accuracy --out $OUT/acc.json
          python3 scripts/fast_torch.py speed --shapes 1024x1 --out $OUT/speed.json
+         python3 scripts/fast_torch.py lora --out $OUT/lora.json
 Rehearse here: python3 scripts/fast_torch.py accuracy --model tiny --device cpu --size 256 --out /tmp/a.json
+               python3 scripts/fast_torch.py lora --model tiny --device cpu --size 256 --out /tmp/l.json
                python3 scripts/fast_torch.py speed --model tiny --device cpu --shapes 256x1 --steps 2 --no-compile ..."""
 
 import argparse
@@ -55,30 +60,52 @@ def write(path, obj) -> None:
     Path(path).write_text(json.dumps(obj, indent=1, default=str))
 
 
-def accuracy(a) -> None:
-    src = resolve_model(a.model)
-    spec = specs_for(src.geometry, ["transformer"])["transformer"]
-    raw = src.load_component("transformer", torch.float32, a.device).eval()
-    g = torch.Generator(a.device).manual_seed(1)
+def redrawn(src, device):
+    """The fp32 transformer with its linear weights and biases redrawn N(0, 0.005), bf16-exact (a bf16 module loaded
+    with its state has the same weights); the same draw every call."""
+    raw = src.load_component("transformer", torch.float32, device).eval()
+    g = torch.Generator(device).manual_seed(1)
     with torch.no_grad():
         for m in raw.modules():
-            if isinstance(m, torch.nn.Linear):  # N(0, 0.005), bf16-exact: the bf16 module has the same weights
-                m.weight.copy_((torch.randn(m.weight.shape, generator=g, device=a.device) * 0.005).bfloat16().float())
+            if isinstance(m, torch.nn.Linear):
+                m.weight.copy_((torch.randn(m.weight.shape, generator=g, device=device) * 0.005).bfloat16().float())
                 if m.bias is not None:
-                    m.bias.copy_((torch.randn(m.bias.shape, generator=g, device=a.device) * 0.005).bfloat16().float())
+                    m.bias.copy_((torch.randn(m.bias.shape, generator=g, device=device) * 0.005).bfloat16().float())
+    return raw
+
+
+def one_call(a, src, spec):
+    """run(module, dtype): one transformer call on fixed inputs at --size, as fp32; run.args(dtype): its inputs."""
     feeds = spec.sample_inputs(ShapePoint(1, a.size, a.size), src.geometry, 7)
 
-    def run(module, dtype):
-        args = [feeds[t.name].to(a.device, dtype) if feeds[t.name].is_floating_point() else feeds[t.name].to(a.device)
+    def args(dtype):
+        return [feeds[t.name].to(a.device, dtype) if feeds[t.name].is_floating_point() else feeds[t.name].to(a.device)
                 for t in spec.inputs if t.name in feeds]
-        with torch.inference_mode():
-            return spec.wrap(module)(*args).float()
 
+    def run(module, dtype):
+        with torch.inference_mode():
+            return spec.wrap(module)(*args(dtype)).float()
+
+    run.args = args
+    return run
+
+
+def recording_amax(raw):
+    """{linear: max |input|} filled by the next calls, and the hooks to remove."""
     amax, hooks = {}, []
     for name, m in raw.named_modules():
         if isinstance(m, torch.nn.Linear):
             hooks.append(m.register_forward_pre_hook(
                 lambda mod, inp, n=name: amax.__setitem__(n, max(amax.get(n, 0.0), float(inp[0].abs().max())))))
+    return amax, hooks
+
+
+def accuracy(a) -> None:
+    src = resolve_model(a.model)
+    spec = specs_for(src.geometry, ["transformer"])["transformer"]
+    raw = redrawn(src, a.device)
+    run = one_call(a, src, spec)
+    amax, hooks = recording_amax(raw)
     ranges = recording_attention_ranges(raw)  # fp8-attn's: each attention's [|q c|, |k c|, P, |v|] maxima
     ref32 = run(raw, torch.float32)  # the calibration call (max |input| of every linear) and the fp32 reference
     use_attention(raw, [sdpa] * len(ranges))
@@ -88,9 +115,8 @@ def accuracy(a) -> None:
     b16 = src.load_component("transformer", torch.bfloat16, a.device).eval()
     b16.load_state_dict(raw.state_dict())  # the same (bf16-exact) weights, without an fp32 copy
     out_b16 = run(b16, torch.bfloat16)
-    args16 = [feeds[t.name].to(a.device, torch.bfloat16) if feeds[t.name].is_floating_point()
-              else feeds[t.name].to(a.device) for t in spec.inputs if t.name in feeds]
-    scales = fp8.scales_from_calibration(b16, amax, fp8.linear_groups(spec.wrap(b16), args16, root=b16))
+    scales = fp8.scales_from_calibration(b16, amax, fp8.linear_groups(spec.wrap(b16), run.args(torch.bfloat16),
+                                                                      root=b16))
     note = fp8_layers.quantize_module(b16, scales, a.device, scaled_mm=True)
     out_mm = run(b16, torch.bfloat16)
     note_attn = fp8_layers.quantize_attention(b16, attention, a.device)  # fp8-attn: attention on its kernel too
@@ -111,6 +137,71 @@ def accuracy(a) -> None:
             "fp8_attn": {"how": note_attn, "recipe_error_emulated_fp32_vs_fp32": rel(out_attn_emu32, ref32),
                          "kernel_bf16_vs_fp32": rel(out_attn, ref32), "fp8_kernel_bf16_vs_fp32": rel(out_mm, ref32),
                          "kernel_bf16_vs_emulated_fp32": rel(out_attn, out_attn_emu32)}}
+    print(json.dumps(rows, indent=1), flush=True)
+    write(a.out, rows)
+
+
+def the_lora(a, src) -> Path:
+    """One random rank-`--lora-rank` LoRA over every attention projection (serve_lora_bench's: A, B N(0, 0.01))."""
+    from serve_lora_bench import write_loras
+
+    folder = Path(a.work) / f"lora-r{a.lora_rank}"
+    return folder / f"{write_loras(src, folder, 1, a.lora_rank)[0]}.safetensors"
+
+
+def lora(a) -> None:
+    """The fp8 recipe with a LoRA, two ways, in fp32 (the recipe emulated): the LoRA merged into the weights before
+    they are quantized (weight scales of the merged weights, activation scales of the base's calibration: the
+    calibration file a user has), or the base quantized and the low-rank term beside each GEMM (the torch
+    executor's way, runtime/lora.add_side_paths). Each against the fp32 model with the LoRA merged; `effect_error`:
+    how far the change the LoRA makes (with LoRA - without, each computed that way) is from fp32's."""
+    from fluxtrt.runtime import lora as lr
+    from fluxtrt.runtime.lora import LoraRef
+
+    src = resolve_model(a.model)
+    spec = specs_for(src.geometry, ["transformer"])["transformer"]
+    loras = lr.read_loras([LoraRef(the_lora(a, src), 1.0)])
+    run = one_call(a, src, spec)
+    raw = redrawn(src, a.device)
+    amax, hooks = recording_amax(raw)
+    base32 = run(raw, torch.float32)  # the calibration call and the fp32 reference without the LoRA
+    for h in hooks:
+        h.remove()
+    groups = fp8.linear_groups(spec.wrap(raw), run.args(torch.float32), root=raw)
+    scales = fp8.scales_from_calibration(raw, amax, groups)
+    targets = sorted({layer for lf, _ in loras for layer in lf.factors})
+    before = {t: raw.get_submodule(t).weight.detach().to("cpu", copy=True) for t in targets}
+    layers = lr.merge_into(raw, loras)
+    ref32 = run(raw, torch.float32)
+    scales_merged = fp8.scales_from_calibration(raw, amax, groups)
+    # in the weights: the E4M3 merged weight's change against the E4M3 base weight, vs the LoRA's delta
+    kept = []
+    for t in targets:
+        w, d = before[t].to(a.device), raw.get_submodule(t).weight.detach() - before[t].to(a.device)
+        q = fp8.fp8_fake_quant((w + d).bfloat16().float(), scales_merged[t][1]) - fp8.fp8_fake_quant(w, scales[t][1])
+        kept.append(rel(q, d))
+    del before
+    fp8.emulate(raw, scales_merged)
+    merged = run(raw, torch.float32)
+    del raw
+    gc.collect()
+    raw = redrawn(src, a.device)
+    fp8.emulate(raw, scales)
+    fp8_base = run(raw, torch.float32)
+    hosts = lr.add_side_paths(raw, lr.side_path_plan(raw, loras), torch.float32)
+    side = run(raw, torch.float32)
+    effect = ref32 - base32
+    rows = {"model": a.model, "weights": "linear weights and biases N(0, 0.005), bf16-exact", "size": a.size,
+            "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "torch": torch.__version__,
+            "lora": f"rank {a.lora_rank} over every attention projection ({layers} layers; A, B N(0, 0.01)), scale 1",
+            "metric": "mean |a - b| / mean |b|, one transformer call, the fp8 recipe emulated in fp32",
+            "lora_effect_vs_base_fp32": rel(ref32, base32), "fp8_without_lora_vs_fp32": rel(fp8_base, base32),
+            "merged_before_quantize": {"vs_fp32_with_lora": rel(merged, ref32),
+                                       "effect_error": rel(merged - fp8_base, effect),
+                                       "delta_error_in_weights_mean": sum(kept) / len(kept),
+                                       "delta_error_in_weights_max": max(kept)},
+            "side_terms": {"hosts": hosts, "vs_fp32_with_lora": rel(side, ref32),
+                           "effect_error": rel(side - fp8_base, effect)}}
     print(json.dumps(rows, indent=1), flush=True)
     write(a.out, rows)
 
@@ -144,7 +235,7 @@ def speed(a) -> None:
     default_backends = inductor.max_autotune_gemm_backends
     for variant in variants:
         kind, *mods = variant.split("+")
-        unknown = set(mods) - {"flash", "cdt", "autotune"}
+        unknown = set(mods) - {"flash", "cdt", "autotune", "lora"}
         if unknown:
             raise SystemExit(f"unknown modifier(s) {sorted(unknown)} in {variant}")
 
@@ -171,7 +262,7 @@ def speed(a) -> None:
             recipe = recipe_of(variant)
             pipe = open_pipeline(None, backend="torch", model=src, torch_dtype="bf16" if a.device == "cuda" else "fp32",
                                compile=a.compile, calibration=cal[recipe].path if recipe else None,
-                               cuda_graph=kind.endswith("-graph"))
+                               cuda_graph=kind.endswith("-graph"), lora=(the_lora(a, src),) if "lora" in mods else ())
         load_s = time.perf_counter() - t_load
         for size, batch in shapes:
             t1 = time.perf_counter()
@@ -220,7 +311,7 @@ def profile(pipe, size: int, batch: int, path: Path) -> None:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("phase", choices=["accuracy", "speed"])
+    ap.add_argument("phase", choices=["accuracy", "speed", "lora"])
     ap.add_argument("--model", default="random:flux.1-dev")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--size", type=int, default=1024, help="accuracy: image size of the one call")
@@ -231,9 +322,10 @@ def main():
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--work", default="/tmp/fast-torch", help="speed: calibration cache root")
     ap.add_argument("--profile", default="", help="speed: this variant's kernels over 2 steps, after its runs")
+    ap.add_argument("--lora-rank", type=int, default=32, help="lora, and speed's +lora: the random LoRA's rank")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    accuracy(a) if a.phase == "accuracy" else speed(a)
+    {"accuracy": accuracy, "speed": speed, "lora": lora}[a.phase](a)
 
 
 if __name__ == "__main__":
