@@ -15,7 +15,9 @@ speed: end to end (text encoders, N steps, VAE decode) for diffusers eager bf16 
   1x1 convolutions as matrix multiplies: flux-fast's settings), `+autotune` (Inductor's max-autotune GEMMs: Triton
   templates, fp8 scaled_mm included, against cuBLAS, with the pointwise work after a winning template fused into
   its epilogue), `+lora` (`run --lora` with a random rank-32 LoRA over every attention projection: merged into
-  bf16 weights, low-rank terms beside fp8 GEMMs), e.g. `bf16-graph+flash`, `fp8-graph+autotune`, `fp8-graph+lora`.
+  bf16 weights, low-rank terms beside fp8 GEMMs), `+percall` (the AdaLN modulation computed in every transformer
+  call, as before runtime/modulation.py computed the schedule's up front), e.g. `bf16-graph+flash`,
+  `fp8-graph+autotune`, `fp8-graph+lora`, `fp8attn-graph+percall`.
 lora: the fp8 recipe with a LoRA merged before quantizing against the base quantized with the low-rank terms
   beside its GEMMs (issue 43: which one the fp8 path takes), in fp32, on accuracy's model and call.
 
@@ -235,7 +237,7 @@ def speed(a) -> None:
     default_backends = inductor.max_autotune_gemm_backends
     for variant in variants:
         kind, *mods = variant.split("+")
-        unknown = set(mods) - {"flash", "cdt", "autotune", "lora"}
+        unknown = set(mods) - {"flash", "cdt", "autotune", "lora", "percall"}
         if unknown:
             raise SystemExit(f"unknown modifier(s) {sorted(unknown)} in {variant}")
 
@@ -263,6 +265,8 @@ def speed(a) -> None:
             pipe = open_pipeline(None, backend="torch", model=src, torch_dtype="bf16" if a.device == "cuda" else "fp32",
                                compile=a.compile, calibration=cal[recipe].path if recipe else None,
                                cuda_graph=kind.endswith("-graph"), lora=(the_lora(a, src),) if "lora" in mods else ())
+            if "percall" in mods:  # the modulation computed in every call, not for the schedule up front
+                pipe.executors["transformer"].schedule_rows = lambda feeds, schedule: None
         load_s = time.perf_counter() - t_load
         for size, batch in shapes:
             t1 = time.perf_counter()

@@ -284,6 +284,7 @@ class TorchExecutor(Executor):
         self.module = None
         self._cpu_copy = None
         self._parts: dict = {}  # First-Block Cache's parts over the same module, made when first asked
+        self.modulation = None  # runtime/modulation.ScheduleModulation: the transformer's, in `generate`
 
     @property
     def device(self):
@@ -329,6 +330,10 @@ class TorchExecutor(Executor):
                 context_parallel(raw, self.context.group, mode, sizes=call_sizes)
                 self.parallel_mode = mode
                 self.parallel_note = f"the transformer split over {self.context.size} ranks ({mode} attention)"
+            elif hasattr(raw, "time_text_embed"):  # every step's modulation computed before the loop
+                from .modulation import ScheduleModulation
+
+                self.modulation = ScheduleModulation(raw)
             self.module = self.spec.wrap(raw).eval()
         self._fn = self.module
         if self.compile:
@@ -350,6 +355,22 @@ class TorchExecutor(Executor):
 
             self._fn = torch.compile(self.module, fullgraph=False, dynamic=False)
         return slots
+
+    def schedule_rows(self, feeds: dict, timesteps):
+        """The AdaLN modulation of every step of a generation (runtime/modulation.Rows), or None where this
+        transformer computes it each call."""
+        if not self.active:
+            self.activate()
+        if self.modulation is None:
+            return None
+        batch = feeds["pooled_projections"].shape[0]
+        padded = next((b for b in self.batch_buckets if b >= batch), batch)
+        return self.modulation.rows(timesteps.to(self.device), {k: v.to(self.device) for k, v in feeds.items()},
+                                    self.dtype, padded)
+
+    def modulation_off(self) -> None:
+        if self.modulation is not None:
+            self.modulation.off()
 
     def _quantize(self, raw) -> str:
         """The build's fp8 recipe on the PyTorch transformer (fp8.py): scales recorded by the build, or from a

@@ -300,30 +300,33 @@ class Pipeline:
             dts = (prep.sigmas[1:] - prep.sigmas[:-1]).to(dev)
             feeds = self.step_inputs(cond.model_input(latents), text.to(dev), pooled.to(dev), t_in[0].expand(batch),
                                      cond.img_ids, guidance=torch.full([batch], guidance, dtype=torch.float32).to(dev))
-            step = (self.steps.step_function(feeds, refresh=negative is not None) if cache is None
-                    else self.steps.cached_step(feeds, cache, "cond"))
+            step = (self.steps.step_function(feeds, refresh=negative is not None, schedule=t_in) if cache is None
+                    else self.steps.cached_step(feeds, cache, "cond", schedule=t_in))
             if negative is not None:  # the same call with the negative prompts' embeddings
                 neg_feeds = dict(feeds, encoder_hidden_states=negative[1].to(dev),
                                  pooled_projections=negative[0].to(dev))
-                step_neg = (self.steps.step_function(neg_feeds, refresh=True) if cache is None
-                            else self.steps.cached_step(neg_feeds, cache, "uncond"))
+                step_neg = (self.steps.step_function(neg_feeds, refresh=True, schedule=t_in) if cache is None
+                            else self.steps.cached_step(neg_feeds, cache, "uncond", schedule=t_in))
             tokens = latents.shape[1]  # Kontext: the output's first tokens are the target's
             trace_latents = []
             step_marks = [_mark(dev)]
-            with _sync_guard(dev, self.sync_check and cache is None):
-                for i in range(steps):
-                    model_input = cond.model_input(latents)
-                    noise_pred = step(model_input, t_in[i].expand(batch))[:, :tokens]
-                    if negative is not None:  # the executor reuses its output buffer on the next call: keep this one
-                        pos = noise_pred.clone()
-                        neg = step_neg(model_input, t_in[i].expand(batch))[:, :tokens]
-                        noise_pred = neg + true_cfg * (pos - neg)
-                    latents = fm.euler_step(latents, noise_pred.float(), dts[i])
-                    step_marks.append(_mark(dev))
-                    if on_step is not None:
-                        on_step(i)  # host-side callback (progress bar); reads nothing from the device
-                    if trace:
-                        trace_latents.append(latents.detach().to("cpu", copy=True))
+            try:
+                with _sync_guard(dev, self.sync_check and cache is None):
+                    for i in range(steps):
+                        model_input = cond.model_input(latents)
+                        noise_pred = step(model_input, t_in[i].expand(batch))[:, :tokens]
+                        if negative is not None:  # the executor reuses its output buffer next call: keep this one
+                            pos = noise_pred.clone()
+                            neg = step_neg(model_input, t_in[i].expand(batch))[:, :tokens]
+                            noise_pred = neg + true_cfg * (pos - neg)
+                        latents = fm.euler_step(latents, noise_pred.float(), dts[i])
+                        step_marks.append(_mark(dev))
+                        if on_step is not None:
+                            on_step(i)  # host-side callback (progress bar); reads nothing from the device
+                        if trace:
+                            trace_latents.append(latents.detach().to("cpu", copy=True))
+            finally:
+                self.steps.end()  # the transformer's calls outside a generation compute their modulation
         timings.steps = _intervals(step_marks, dev)
         return latents, trace_latents
 

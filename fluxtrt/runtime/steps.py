@@ -21,14 +21,17 @@ class TransformerStep:
     def device(self):
         return self.executors["transformer"].device
 
-    def step_function(self, feeds: dict, refresh: bool = False):
+    def step_function(self, feeds: dict, refresh: bool = False, schedule=None):
         """step(latents, timestep) -> noise_pred: eager, or a CUDA graph captured once per shape. `refresh`: the
-        graph is shared with another set of feeds of the same shapes (true CFG), so copy these in every call."""
+        graph is shared with another set of feeds of the same shapes (true CFG), so copy these in every call.
+        `schedule`: the timesteps the calls will be made at, in order (a generation): the PyTorch transformer then
+        computes every step's modulation up front (runtime/modulation.py); call `end` after the last step."""
         ex = self.executors["transformer"]
         if isinstance(ex, TensorRTExecutor) and not ex.active:
             ex.activate()  # whether TensorRT captures the graph itself is known once the context exists
+        rows = self._rows(feeds, schedule)
         if self.cuda_graph and captures_step_itself(ex) and self.device.type == "cuda":
-            key = tuple((k, tuple(v.shape)) for k, v in sorted(feeds.items()))
+            key = (tuple((k, tuple(v.shape)) for k, v in sorted(feeds.items())), rows is not None)
             if key not in self.graphs:
                 self.graphs[key] = CudaGraphStep(ex, feeds, self.stream)
             graph = self.graphs[key]
@@ -37,15 +40,32 @@ class TransformerStep:
                     graph.set_call_inputs(feeds)
                     return graph(latents, timestep)
 
-                return replay
+                return _scheduled(replay, rows)
             graph.set_call_inputs(feeds)
-            return graph
+            return _scheduled(graph, rows)
 
         def eager(latents, timestep):
             feeds["hidden_states"], feeds["timestep"] = latents, timestep
             return ex.infer(feeds)["noise_pred"]
 
-        return eager
+        return _scheduled(eager, rows)
+
+    def _rows(self, feeds: dict, schedule):
+        """The schedule's modulation rows (step 0 selected, so a graph captured next reads them), or None: the
+        transformer computes its modulation in each call (and is told so)."""
+        ex = self.executors["transformer"]
+        rows = ex.schedule_rows(feeds, schedule) if schedule is not None and hasattr(ex, "schedule_rows") else None
+        if rows is None:
+            self.end()
+        else:
+            rows.select(0)
+        return rows
+
+    def end(self) -> None:
+        """After a generation's last step: the transformer computes its modulation again (the batcher's calls)."""
+        ex = self.executors["transformer"]
+        if hasattr(ex, "modulation_off"):
+            ex.modulation_off()
 
     def step_cache(self, threshold: float):
         """A fresh First-Block Cache for one generation, or None for threshold 0 (the uncached step, bit for
@@ -71,14 +91,16 @@ class TransformerStep:
         spec = specs_for(self.geo, [name])[name]
         return self.executors[name].infer({t.name: feeds[t.name] for t in spec.inputs})
 
-    def cached_step(self, feeds: dict, cache, branch: str):
-        """step(latents, timestep) -> noise_pred through the transformer's parts and `cache` (stepcache.py)."""
+    def cached_step(self, feeds: dict, cache, branch: str, schedule=None):
+        """step(latents, timestep) -> noise_pred through the transformer's parts and `cache` (stepcache.py);
+        `schedule` as step_function's."""
+        rows = self._rows(feeds, schedule)
 
         def step(latents, timestep):
             feeds["hidden_states"], feeds["timestep"] = latents, timestep
             return self.cached_transformer(feeds, [(cache, slice(None))], branch)
 
-        return step
+        return _scheduled(step, rows)
 
     def cached_transformer(self, feeds: dict, groups: list, branch: str = "cond"):
         """noise_pred through First-Block Cache's parts for `groups` [(FirstBlockCache or None, row slice)]: each
@@ -102,6 +124,19 @@ class TransformerStep:
             hidden.append(tail[rows] if compute else c.cached(branch, head["head_hidden"][rows]))
         hidden = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
         return self.run_part("transformer_out", {"hidden": hidden, "temb": head["temb"]})["noise_pred"]
+
+
+def _scheduled(step, rows):
+    """`step`, selecting the next step's modulation row before each call (rows None: `step` itself)."""
+    if rows is None:
+        return step
+    calls = iter(range(rows.table.shape[0]))
+
+    def scheduled(latents, timestep):
+        rows.select(next(calls))
+        return step(latents, timestep)
+
+    return scheduled
 
 
 def captures_step_itself(ex) -> bool:
