@@ -311,7 +311,7 @@ def profile(pipe, size: int, batch: int, path: Path) -> None:
     with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         pipe.generate(["a photo of a cat"] * batch, size, size, 2, seed=3)
     table = p.key_averages().table(sort_by="cuda_time_total" if torch.cuda.is_available() else "cpu_time_total",
-                                   row_limit=70)
+                                   row_limit=-1, max_name_column_width=160)  # every kernel, whole names
     path.write_text(table)
     print(table[:6000], flush=True)
 
