@@ -257,6 +257,8 @@ def speed(a) -> None:
         # Inductor's caches key on the traced graph, not on SDPA's backend switches: one cache folder per variant
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(a.work) / "inductor" / variant.replace("+", "_"))
         torch.backends.cuda.enable_cudnn_sdp("flash" not in mods)
+        # what the process holds before this variant loads: peak_gb includes it (calibration, earlier variants)
+        held = round(torch.cuda.memory_allocated() / 2**30, 2) if a.device == "cuda" else None
         t_load = time.perf_counter()
         if kind.startswith("diffusers"):
             pipe = src.load_pipeline(dtype, a.device)
@@ -292,7 +294,7 @@ def speed(a) -> None:
                           "baseline_s": round(base.end_to_end_s.median, 4) if base is not None else None,
                           "ratio": round(base.end_to_end_s.median / row.end_to_end_s.median, 3) if base else None,
                           "step_ms": round(row.transformer_step_s.median * 1000, 2),
-                          "first_call_s": round(first, 1), "peak_gb": row.peak_memory_gb})
+                          "first_call_s": round(first, 1), "peak_gb": row.peak_memory_gb, "held_before_gb": held})
             print(json.dumps(table[-1]), flush=True)
             save()
             if variant == a.profile:
