@@ -37,11 +37,12 @@ def fp8_linear(lin, sx: float, sw: float):
             self.bias = None if lin.bias is None else torch.nn.Parameter(lin.bias.detach().clone(), requires_grad=False)
 
         def forward(self, x):
-            shape = x.shape
-            x8 = to_e4m3(x.reshape(-1, shape[-1]), self.sx)
-            y = torch._scaled_mm(x8, self.w8.t(), scale_a=self.sx, scale_b=self.sw, bias=self.bias,
-                                 out_dtype=x.dtype)
-            return y.reshape(*shape[:-1], self.out_features)
+            return self.on_codes(to_e4m3(x.reshape(-1, x.shape[-1]), self.sx), x.shape[:-1], x.dtype)
+
+        def on_codes(self, x8, lead, dtype):
+            """The GEMM on the input's E4M3 codes x8 [rows, in] (quantized with `sx`): [*lead, out] in `dtype`."""
+            y = torch._scaled_mm(x8, self.w8.t(), scale_a=self.sx, scale_b=self.sw, bias=self.bias, out_dtype=dtype)
+            return y.reshape(*lead, self.out_features)
 
     return Fp8Linear()
 
@@ -95,11 +96,50 @@ def _single_block_forward(self, hidden_states, encoder_hidden_states, temb, imag
     norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
     qkv, mlp = self.proj_qkv_mlp(norm_hidden_states).split([self.qkv_width, self.mlp_hidden_dim], dim=-1)
     attn_output = self.attn(hidden_states=qkv, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
-    hidden_states = torch.cat([attn_output, self.act_mlp(mlp)], dim=2)
-    hidden_states = residual + gate.unsqueeze(1) * self.proj_out(hidden_states)
+    out = gelu_linear(self.proj_out, self.act_mlp, mlp, attn_output, tanh=self.act_mlp.approximate == "tanh")
+    hidden_states = residual + gate.unsqueeze(1) * out
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
     return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+
+
+def gelu_linear(lin, act, m, a=None, *, tanh: bool):
+    """lin(cat([a, act(m)], -1)) (a: none, or the part before the activation's). Where `act` is a GELU with the tanh
+    approximation (`tanh`) and `lin` an fp8 GEMM as fp8_linear makes it, the GELU and the GEMM's input quantize
+    are one kernel (kernels/gelu_quantize.py) writing the E4M3 codes the GEMM reads; any other `lin` (a LoRA's
+    wrapper reads the activation itself) or activation: computed as written."""
+    import torch
+
+    if tanh and hasattr(lin, "on_codes"):
+        from .kernels.gelu_quantize import gelu_quantize
+
+        return lin.on_codes(gelu_quantize(m, lin.sx, a), m.shape[:-1], m.dtype)
+    x = act(m)
+    return lin(x if a is None else torch.cat([a, x], dim=-1))
+
+
+def _feed_forward(self, hidden_states, *args, **kwargs):
+    """diffusers' FeedForward.forward for net = [GELU(tanh), Dropout, Linear] (eval: the dropout is the identity),
+    its GELU and the last GEMM's input quantize as one kernel where that GEMM is fp8 (gelu_linear)."""
+    act, _, out = self.net
+    return gelu_linear(out, act.gelu, act.proj(hidden_states), tanh=True)
+
+
+def fuse_gelu_quantize(module) -> int:
+    """Each feed-forward of `module` that is [GELU(tanh), Dropout, Linear] computes through gelu_linear (the
+    single-stream blocks' forward of fuse_projections does already). Returns how many."""
+    import types
+
+    import torch
+
+    count = 0
+    for sub in module.modules():
+        net = getattr(sub, "net", None)
+        if (isinstance(net, torch.nn.ModuleList) and len(net) == 3 and hasattr(net[0], "proj")
+                and getattr(net[0], "approximate", None) == "tanh" and isinstance(net[1], torch.nn.Dropout)):
+            sub.forward = types.MethodType(_feed_forward, sub)
+            count += 1
+    return count
 
 
 def _joined(parts):
@@ -237,6 +277,7 @@ def _quantize_linear(module, by_module: dict, device, fuse: bool, scaled_mm: boo
         emulate(module, by_module)
         return f"fp8 recipe emulated on {device} (dequantized E4M3, same arithmetic; no speedup without FP8 tensor cores)"
     fused = fuse_projections(module, by_module) if fuse else 0
+    feed_forwards = fuse_gelu_quantize(module)
     done = 0
     for name, (sx, sw) in by_module.items():
         parent, _, leaf = name.rpartition(".")
@@ -244,8 +285,23 @@ def _quantize_linear(module, by_module: dict, device, fuse: bool, scaled_mm: boo
         if isinstance(getattr(owner, leaf, None), torch.nn.Linear):  # joined parts are gone
             setattr(owner, leaf, fp8_linear(getattr(owner, leaf), sx, sw))
             done += 1
+    gelu = gelu_quantize_note(device, feed_forwards + (fused and _single_blocks(module)))
     return (f"fp8 recipe on {device} through torch._scaled_mm (E4M3 GEMMs): {len(by_module)} linear layers in "
-            f"{done + fused} GEMMs ({fused} joined projections)")
+            f"{done + fused} GEMMs ({fused} joined projections){gelu}")
+
+
+def _single_blocks(module) -> int:
+    return sum(1 for sub in module.modules() if hasattr(sub, "proj_qkv_mlp"))
+
+
+def gelu_quantize_note(device, gemms: int) -> str:
+    """What computes the GELU and input quantize of `gemms` fp8 GEMMs on `device`, in words ("" for none)."""
+    if not gemms:
+        return ""
+    from .kernels.gelu_quantize import runs_on
+
+    how = "one Triton kernel" if runs_on(device) else "PyTorch (no Triton kernel on this device)"
+    return f"; GELU and input quantize of {gemms} GEMMs as {how}"
 
 
 def calibrated_scales(raw, spec, geo, module_amax: dict, *, device, dtype) -> dict:

@@ -16,17 +16,22 @@ speed: end to end (text encoders, N steps, VAE decode) for diffusers eager bf16 
   templates, fp8 scaled_mm included, against cuBLAS, with the pointwise work after a winning template fused into
   its epilogue), `+lora` (`run --lora` with a random rank-32 LoRA over every attention projection: merged into
   bf16 weights, low-rank terms beside fp8 GEMMs), `+percall` (the AdaLN modulation computed in every transformer
-  call, as before runtime/modulation.py computed the schedule's up front), e.g. `bf16-graph+flash`,
-  `fp8-graph+autotune`, `fp8-graph+lora`, `fp8attn-graph+percall`.
+  call, as before runtime/modulation.py computed the schedule's up front), `+unfused` (each GELU and the next
+  GEMM's input quantize left to Inductor, as before kernels/gelu_quantize.py), e.g. `bf16-graph+flash`,
+  `fp8-graph+autotune`, `fp8-graph+lora`, `fp8attn-graph+percall`, `fp8attn-graph+unfused`.
 lora: the fp8 recipe with a LoRA merged before quantizing against the base quantized with the low-rank terms
   beside its GEMMs (issue 43: which one the fp8 path takes), in fp32, on accuracy's model and call.
+kernels: the GELU + input quantize before the GEMMs that read a GELU (kernels/gelu_quantize.py) at --size, batch 1:
+  Inductor's fused kernel against ours in several tiles (microseconds, TB/s moved, codes differing).
 
 Rows go to --out as JSON after every measurement (a cut run keeps what it measured); `speed` also writes the
 `fast_torch.json` form: [{size, batch, steps, variant, e2e_s, baseline_s, ratio, ...}].
 Device:  python3 scripts/fast_torch.py accuracy --out $OUT/acc.json
          python3 scripts/fast_torch.py speed --shapes 1024x1 --out $OUT/speed.json
          python3 scripts/fast_torch.py lora --out $OUT/lora.json
+         python3 scripts/fast_torch.py kernels --out $OUT/kernels.json
 Rehearse here: python3 scripts/fast_torch.py accuracy --model tiny --device cpu --size 256 --out /tmp/a.json
+               TRITON_INTERPRET=1 python3 scripts/fast_torch.py kernels --model tiny --device cpu --size 256 ...
                python3 scripts/fast_torch.py lora --model tiny --device cpu --size 256 --out /tmp/l.json
                python3 scripts/fast_torch.py speed --model tiny --device cpu --shapes 256x1 --steps 2 --no-compile ..."""
 
@@ -35,6 +40,7 @@ import gc
 import json
 import os
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -47,6 +53,16 @@ from fluxtrt.models.source import resolve_model
 from fluxtrt.quantize.calibration import recording_attention_ranges
 
 RECIPES = {"fp8": "fp8", "fp8attn": "fp8-attn"}  # variant prefix -> the calibrated recipe it runs
+
+
+FUSED_GELU_LINEAR = fp8_layers.gelu_linear
+
+
+def unfused_gelu_linear(lin, act, m, a=None, *, tanh: bool):
+    """fp8_layers.gelu_linear without kernels/gelu_quantize (speed's +unfused): the GELU, then the GEMM's own
+    input quantize, which Inductor fuses with it."""
+    x = act(m)
+    return lin(x if a is None else torch.cat([a, x], dim=-1))
 
 
 def recipe_of(variant: str) -> str | None:
@@ -240,7 +256,7 @@ def speed(a) -> None:
     default_backends = inductor.max_autotune_gemm_backends
     for variant in variants:
         kind, *mods = variant.split("+")
-        unknown = set(mods) - {"flash", "cdt", "autotune", "lora", "percall"}
+        unknown = set(mods) - {"flash", "cdt", "autotune", "lora", "percall", "unfused"}
         if unknown:
             raise SystemExit(f"unknown modifier(s) {sorted(unknown)} in {variant}")
 
@@ -257,6 +273,8 @@ def speed(a) -> None:
         # Inductor's caches key on the traced graph, not on SDPA's backend switches: one cache folder per variant
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(a.work) / "inductor" / variant.replace("+", "_"))
         torch.backends.cuda.enable_cudnn_sdp("flash" not in mods)
+        # +unfused: each GELU written out and quantized as the next GEMM's input, as Inductor fuses it by itself
+        fp8_layers.gelu_linear = unfused_gelu_linear if "unfused" in mods else FUSED_GELU_LINEAR
         # what the process holds before this variant loads: peak_gb includes it (calibration, earlier variants)
         held = round(torch.cuda.memory_allocated() / 2**30, 2) if a.device == "cuda" else None
         t_load = time.perf_counter()
@@ -305,6 +323,57 @@ def speed(a) -> None:
             torch.cuda.empty_cache()
 
 
+def kernels(a) -> None:
+    """The GELU + input quantize before the fp8 GEMMs that read a GELU, at 1024² batch 1: Inductor's fused kernel
+    (torch.compile of kernels/gelu_quantize.reference, as the compiled model fused it) against ours
+    (kernels/triton_gelu_quantize.py) in its default tiles, other tiles, and with libdevice's tanh."""
+    from fluxtrt.kernels import gelu_quantize
+    from fluxtrt.kernels.triton_gelu_quantize import launch
+
+    geo = resolve_model(a.model).geometry
+    dim, text = geo.transformer_dim, geo.t5_length
+    tokens = (a.size // (2 * geo.vae_scale_factor)) ** 2
+    cases = {"single block proj_out": (tokens + text, dim, 4 * dim), "ff.net.2": (tokens, 0, 4 * dim),
+             "ff_context.net.2": (text, 0, 4 * dim)}
+    tiles = [(16, 512, 4), (8, 1024, 4), (32, 256, 4), (16, 1024, 8), (64, 128, 4), (4, 2048, 8)]
+    inductor = torch.compile(gelu_quantize.reference, fullgraph=True, dynamic=False)
+
+    def timed(fn, n: int = 50 if a.device == "cuda" else 2) -> float:  # us (a CPU rehearses in the interpreter)
+        for _ in range(3):
+            fn()
+        sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        sync()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    rows = []
+    for case, (n, na, nm) in cases.items():
+        wide = torch.randn(1, n, dim * 3 + nm, device=a.device, dtype=torch.bfloat16) * 2  # a joined GEMM's output
+        m = wide[..., dim * 3:]
+        x = torch.randn(1, n, na, device=a.device, dtype=torch.bfloat16) * 2 if na else None
+        scale = torch.tensor(float(gelu_quantize.gelu_tanh(m).abs().max()) / 448, device=a.device)
+        want = gelu_quantize.reference(m, scale, x).reshape(n, na + nm)
+        moved = n * (na + nm) * 3  # bf16 read, E4M3 written
+        variants = {"inductor": partial(inductor, m, scale, x)}
+        for r, c, w in tiles:
+            variants[f"triton {r}x{c} w{w}"] = partial(launch, m, scale, x, block_r=r, block_c=c, num_warps=w)
+        if a.device == "cuda":  # (the interpreter has no libdevice)
+            variants["triton default, libdevice tanh"] = partial(launch, m, scale, x, exact_tanh=True)
+        for name, fn in variants.items():
+            got = fn().reshape(n, na + nm)
+            row = {"case": case, "rows": n, "na": na, "nm": nm, "kernel": name, "us": round(timed(fn), 2),
+                   "codes_differing": float((got.view(torch.uint8) != want.view(torch.uint8)).float().mean())}
+            row["TB_s"] = round(moved / row["us"] / 1e6, 3)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    device = torch.cuda.get_device_name() if a.device == "cuda" else "cpu (Triton's interpreter)"
+    write(a.out, {"meta": {"device": device, "torch": torch.__version__, "size": a.size,
+                           "date": time.strftime("%Y-%m-%d")}, "rows": rows})
+
+
 def profile(pipe, size: int, batch: int, path: Path) -> None:
     """Device time by kernel over a 2-step generation (after the measured runs: nothing is compiled here)."""
     from torch.profiler import ProfilerActivity
@@ -320,7 +389,7 @@ def profile(pipe, size: int, batch: int, path: Path) -> None:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("phase", choices=["accuracy", "speed", "lora"])
+    ap.add_argument("phase", choices=["accuracy", "speed", "lora", "kernels"])
     ap.add_argument("--model", default="random:flux.1-dev")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--size", type=int, default=1024, help="accuracy: image size of the one call")
@@ -334,7 +403,7 @@ def main():
     ap.add_argument("--lora-rank", type=int, default=32, help="lora, and speed's +lora: the random LoRA's rank")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    {"accuracy": accuracy, "speed": speed, "lora": lora}[a.phase](a)
+    {"accuracy": accuracy, "speed": speed, "lora": lora, "kernels": kernels}[a.phase](a)
 
 
 if __name__ == "__main__":

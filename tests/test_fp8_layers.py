@@ -44,6 +44,9 @@ def test_scaled_mm_layers_compute_the_emulated_recipe(transformer):
             singles = sum(hasattr(m, "proj_qkv_mlp") for m in raw.modules())
             assert singles == raw.config.num_single_layers and f"in {gemms} GEMMs" in note
             assert gemms == len(scales) - 3 * singles - 2 * 2 * raw.config.num_layers
+            # every GEMM after a GELU reads the codes of kernels/gelu_quantize (its PyTorch arithmetic on a CPU)
+            gelus = 2 * raw.config.num_layers + singles
+            assert f"GELU and input quantize of {gelus} GEMMs as PyTorch" in note, note
     rel = lambda a, b: float((a - b).abs().mean() / b.abs().mean())  # noqa: E731
     assert rel(outs["scaled_mm"], outs["emulated"]) <= min(1e-4, rel(outs["none"], outs["emulated"]) / 50), \
         (rel(outs["scaled_mm"], outs["emulated"]), rel(outs["none"], outs["emulated"]))
