@@ -362,6 +362,7 @@ def kernels(a) -> None:
             variants[f"triton {r}x{c} w{w}"] = partial(launch, m, scale, x, block_r=r, block_c=c, num_warps=w)
         if a.device == "cuda":  # (the interpreter has no libdevice)
             variants["triton default, libdevice tanh"] = partial(launch, m, scale, x, exact_tanh=True)
+        variants["triton default, x * (1/sx)"] = partial(launch, m, scale, x, reciprocal=True)
         for name, fn in variants.items():
             got = fn().reshape(n, na + nm)
             row = {"case": case, "rows": n, "na": na, "nm": nm, "kernel": name, "us": round(timed(fn), 2),

@@ -102,7 +102,8 @@ def _open(path: str, device_index: int):
     pipeline calls its executors from one thread at a time."""
     import torch
 
-    from ..kernels import flashinfer_fp8_attention  # noqa: F401  its op, which fp8-attn packages built on Hopper call
+    # the custom ops that packages built on a GPU call: fp8-attn's FlashInfer attention (Hopper), fp8's GELU + quantize
+    from ..kernels import flashinfer_fp8_attention, gelu_quantize  # noqa: F401
 
     return Compiled(torch._C._aoti.AOTIModelPackageLoader(path, "model", True, 1, device_index))
 

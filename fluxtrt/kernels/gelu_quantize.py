@@ -11,16 +11,14 @@ index arithmetic, no masked double loads), the GELU's tanh as 2 sigmoid(2u) - 1 
     out = E4M3(clamp(cat([a, dtype(gelu_tanh(m))]) / sx, -448, 448))
 
 with the GELU rounded to the activation's dtype first, as the layer computes it (`reference` is this in PyTorch,
-and what runs on a CPU). `fluxtrt::gelu_quantize` is a torch.library.triton_op: torch.compile and AOTInductor see
-the kernel and keep it whole (a compiled package carries it); CUDA graphs capture it. The Triton kernel is
-kernels/triton_gelu_quantize.py, imported only where it runs."""
+and what runs on a CPU). `fluxtrt::gelu_quantize` is a torch custom op: torch.compile, CUDA graphs and AOTInductor
+packages keep it whole (a package calls it, as it calls FlashInfer's, with Triton on the machine that runs it).
+The Triton kernel is kernels/triton_gelu_quantize.py, imported only where it runs."""
 
-from __future__ import annotations
+import importlib.util
+from typing import Optional
 
 import torch
-
-SQRT_2_OVER_PI = 0.7978845608028654
-KAPPA = 0.044715
 
 
 def gelu_tanh(m: torch.Tensor) -> torch.Tensor:
@@ -28,7 +26,7 @@ def gelu_tanh(m: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(m.float(), approximate="tanh").to(m.dtype)
 
 
-def reference(m: torch.Tensor, scale, a: torch.Tensor | None = None) -> torch.Tensor:
+def reference(m: torch.Tensor, scale, a: Optional[torch.Tensor] = None) -> torch.Tensor:
     """What the kernel computes, in PyTorch: E4M3 codes of cat([a, gelu_tanh(m)], -1) / scale."""
     from ..fp8 import to_e4m3
 
@@ -36,40 +34,28 @@ def reference(m: torch.Tensor, scale, a: torch.Tensor | None = None) -> torch.Te
     return to_e4m3(x if a is None else torch.cat([a.to(m.dtype), x], dim=-1), scale)
 
 
+TRITON = importlib.util.find_spec("triton") is not None
+
+
 def runs_on(device) -> bool:
-    """Whether the Triton kernel computes gelu_quantize on `device`: a CUDA device with Triton importable."""
-    if torch.device(device).type != "cuda":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether the Triton kernel computes gelu_quantize on `device`: a CUDA device with Triton installed."""
+    return torch.device(device).type == "cuda" and TRITON
 
 
-def gelu_quantize(m: torch.Tensor, scale: torch.Tensor, a: torch.Tensor | None = None) -> torch.Tensor:
+@torch.library.custom_op("fluxtrt::gelu_quantize", mutates_args=())
+def gelu_quantize(m: torch.Tensor, scale: torch.Tensor, a: Optional[torch.Tensor] = None) -> torch.Tensor:
     """E4M3 codes [rows, na + nm] of cat([a, gelu_tanh(m)], -1) / scale: m [..., nm] and a [..., na] (same leading
     dimensions, each contiguous in its last one), scale a 0-d fp32 tensor (the layer's static input scale). On a
-    CUDA GPU one Triton kernel; elsewhere `reference`."""
+    CUDA GPU one Triton kernel; elsewhere `reference`. A custom op registered on import (registered inside a
+    trace, it would break the compiled graph at every block)."""
     if runs_on(m.device):
-        return _op()(m, scale, a)
+        from .triton_gelu_quantize import launch
+
+        return launch(m, scale, a)
     return reference(m, scale, a).reshape(-1, m.shape[-1] + (0 if a is None else a.shape[-1]))
 
 
-_OP = []
-
-
-def _op():
-    """`fluxtrt::gelu_quantize`, registered on first use (a triton_op, so Inductor and AOTInductor see the kernel)."""
-    if _OP:
-        return _OP[0]
-    from torch.library import triton_op, wrap_triton
-
-    from .triton_gelu_quantize import launch
-
-    @triton_op("fluxtrt::gelu_quantize", mutates_args=())
-    def op(m: torch.Tensor, scale: torch.Tensor, a: torch.Tensor | None = None) -> torch.Tensor:
-        return launch(m, scale, a, wrap=wrap_triton)
-
-    _OP.append(op)
-    return op
+@gelu_quantize.register_fake
+def _(m, scale, a=None):
+    nm = m.shape[-1]
+    return m.new_empty((m.numel() // nm, nm + (0 if a is None else a.shape[-1])), dtype=torch.float8_e4m3fn)

@@ -12,7 +12,8 @@ BLOCK_R, BLOCK_C, NUM_WARPS = 16, 512, 4  # a tile: 16 rows of 512 columns, all 
 
 @triton.jit
 def _gelu_quantize(M, A, Out, Scale, rows, NM, NA, stride_m, stride_a, stride_o,
-                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, HAS_A: tl.constexpr, EXACT_TANH: tl.constexpr):
+                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, HAS_A: tl.constexpr, EXACT_TANH: tl.constexpr,
+                   RECIPROCAL: tl.constexpr):
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -40,16 +41,20 @@ def _gelu_quantize(M, A, Out, Scale, rows, NM, NA, stride_m, stride_a, stride_o,
             g = x / (1.0 + tl.math.exp2(-2.8853900817779268 * u))
         x = g.to(m.dtype).to(tl.float32)
         out_cols = NA + cols
-    y = tl.math.div_rn(x, scale)  # the recipe's fp32 divide, rounded to nearest
+    if RECIPROCAL:  # x * (1 / sx): a multiply for the divide, within one fp32 rounding of it
+        y = x * (1.0 / scale)
+    else:
+        y = tl.math.div_rn(x, scale)  # the recipe's fp32 divide, rounded to nearest
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
     tl.store(Out + r64 * stride_o + out_cols[None, :], y.to(Out.dtype.element_ty), mask=mask)
 
 
-def launch(m, scale, a=None, *, wrap=None, out_dtype=None, block_r: int = BLOCK_R, block_c: int = BLOCK_C,
-           num_warps: int = NUM_WARPS, exact_tanh: bool = False):
-    """E4M3 codes [rows, na + nm] of cat([a, gelu_tanh(m)], -1) / scale (kernels/gelu_quantize.py). `wrap`:
-    torch.library.wrap_triton inside the triton_op; `out_dtype` float32 writes the clamped quotient unrounded
-    (Triton's interpreter converts to E4M3 inexactly: tests check the rest so)."""
+def launch(m, scale, a=None, *, out_dtype=None, block_r: int = BLOCK_R, block_c: int = BLOCK_C,
+           num_warps: int = NUM_WARPS, exact_tanh: bool = False, reciprocal: bool = False):
+    """E4M3 codes [rows, na + nm] of cat([a, gelu_tanh(m)], -1) / scale (kernels/gelu_quantize.py). `out_dtype`
+    float32 writes the clamped quotient unrounded (Triton's interpreter converts to E4M3 inexactly: tests check
+    the rest so); `exact_tanh`: PyTorch's formula with libdevice's tanh, `reciprocal`: x * (1/sx) for x / sx
+    (scripts/fast_torch.py kernels measures both)."""
     import torch
 
     nm = m.shape[-1]
@@ -61,7 +66,7 @@ def launch(m, scale, a=None, *, wrap=None, out_dtype=None, block_r: int = BLOCK_
     rows = m2.shape[0]
     out = torch.empty((rows, na + nm), dtype=out_dtype or torch.float8_e4m3fn, device=m.device)
     grid = (triton.cdiv(rows, block_r), triton.cdiv(na, block_c) + triton.cdiv(nm, block_c))
-    kernel = (wrap or (lambda k: k))(_gelu_quantize)
-    kernel[grid](m2, a2, out, scale, rows, nm, na, m2.stride(0), a2.stride(0), out.stride(0),
-                 BLOCK_R=block_r, BLOCK_C=block_c, HAS_A=a is not None, EXACT_TANH=exact_tanh, num_warps=num_warps)
+    _gelu_quantize[grid](m2, a2, out, scale, rows, nm, na, m2.stride(0), a2.stride(0), out.stride(0),
+                         BLOCK_R=block_r, BLOCK_C=block_c, HAS_A=a is not None, EXACT_TANH=exact_tanh,
+                         RECIPROCAL=reciprocal, num_warps=num_warps)
     return out
