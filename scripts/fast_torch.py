@@ -243,6 +243,9 @@ def speed(a) -> None:
         cal[recipe] = calibrate_modules(src, recipe, Path(a.work) / "calibration", None, 1, steps=1,
                                         opt_resolution=512, dtype="bf16", device=a.device)
         print(f"calibrate {recipe}: {time.perf_counter() - t0:.1f} s -> {cal[recipe].path}", flush=True)
+    gc.collect()  # the calibration's pipeline sits in reference cycles: run 12's diffusers row held its 22 GB
+    if a.device == "cuda":
+        torch.cuda.empty_cache()
     rows, table = [], []
 
     def save():
