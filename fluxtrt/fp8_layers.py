@@ -108,12 +108,17 @@ def gelu_linear(lin, act, m, a=None, *, tanh: bool):
     approximation (`tanh`) and `lin` an fp8 GEMM as fp8_linear makes it, the GELU and the GEMM's input quantize
     are one kernel (kernels/gelu_quantize.py) writing the E4M3 codes the GEMM reads; any other `lin` (a LoRA's
     wrapper reads the activation itself) or activation: computed as written."""
-    import torch
-
     if tanh and hasattr(lin, "on_codes"):
         from .kernels.gelu_quantize import gelu_quantize
 
         return lin.on_codes(gelu_quantize(m, lin.sx, a), m.shape[:-1], m.dtype)
+    return written_out(lin, act, m, a)
+
+
+def written_out(lin, act, m, a=None):
+    """lin(cat([a, act(m)], -1)) as written: the activation materialised, then the layer (its own quantize)."""
+    import torch
+
     x = act(m)
     return lin(x if a is None else torch.cat([a, x], dim=-1))
 

@@ -22,7 +22,8 @@ speed: end to end (text encoders, N steps, VAE decode) for diffusers eager bf16 
 lora: the fp8 recipe with a LoRA merged before quantizing against the base quantized with the low-rank terms
   beside its GEMMs (issue 43: which one the fp8 path takes), in fp32, on accuracy's model and call.
 kernels: the GELU + input quantize before the GEMMs that read a GELU (kernels/gelu_quantize.py) at --size, batch 1:
-  Inductor's fused kernel against ours in several tiles (microseconds, TB/s moved, codes differing).
+  Inductor's fused kernel against ours in several tiles (median microseconds of 50 calls, each between CUDA
+  events, as fp8_attention_bench.py times; TB/s moved; codes differing).
 
 Rows go to --out as JSON after every measurement (a cut run keeps what it measured); `speed` also writes the
 `fast_torch.json` form: [{size, batch, steps, variant, e2e_s, baseline_s, ratio, ...}].
@@ -61,8 +62,7 @@ FUSED_GELU_LINEAR = fp8_layers.gelu_linear
 def unfused_gelu_linear(lin, act, m, a=None, *, tanh: bool):
     """fp8_layers.gelu_linear without kernels/gelu_quantize (speed's +unfused): the GELU, then the GEMM's own
     input quantize, which Inductor fuses with it."""
-    x = act(m)
-    return lin(x if a is None else torch.cat([a, x], dim=-1))
+    return fp8_layers.written_out(lin, act, m, a)
 
 
 def recipe_of(variant: str) -> str | None:
@@ -341,17 +341,9 @@ def kernels(a) -> None:
     tiles = [(16, 512, 4), (8, 1024, 4), (32, 256, 4), (16, 1024, 8), (64, 128, 4), (4, 2048, 8)]
     inductor = torch.compile(gelu_quantize.reference, fullgraph=True, dynamic=False)
 
-    def timed(fn, n: int = 50 if a.device == "cuda" else 2) -> float:  # us (a CPU rehearses in the interpreter)
-        for _ in range(3):
-            fn()
-        sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        sync()
-        return (time.perf_counter() - t0) / n * 1e6
+    from fp8_attention_bench import timed  # scripts/: median ms of a call (CUDA events; the host clock on a CPU)
 
+    reps = 50 if a.device == "cuda" else 2  # a CPU rehearses in Triton's interpreter
     rows = []
     for case, (n, na, nm) in cases.items():
         wide = torch.randn(1, n, dim * 3 + nm, device=a.device, dtype=torch.bfloat16) * 2  # a joined GEMM's output
@@ -368,7 +360,7 @@ def kernels(a) -> None:
         variants["triton default, x * (1/sx)"] = partial(launch, m, scale, x, reciprocal=True)
         for name, fn in variants.items():
             got = fn().reshape(n, na + nm)
-            row = {"case": case, "rows": n, "na": na, "nm": nm, "kernel": name, "us": round(timed(fn), 2),
+            row = {"case": case, "rows": n, "na": na, "nm": nm, "kernel": name, "us": round(timed(fn, reps) * 1000, 2),
                    "codes_differing": float((got.view(torch.uint8) != want.view(torch.uint8)).float().mean())}
             row["TB_s"] = round(moved / row["us"] / 1e6, 3)
             rows.append(row)
