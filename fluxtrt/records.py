@@ -104,7 +104,9 @@ class ComponentEntry(JsonRecord):
     memory: dict | None = None  # device memory the builder reported: activations (profile max), weights, persistent
     computed_layers: int | None = None  # layers that depend on an input (engine.build.computed_layers)
     # the quantization recipe's numbers a runtime needs to compute it (fp8: {"name", "scales": {module: [sx, sw]}};
-    # fp8-attn adds "attention": [[sq, sk, sp, sv], ...], one per attention in forward order),
+    # fp8-attn adds "attention": [[sq, sk, sp, sv], ...], one per attention in forward order, and for packages
+    # built on Hopper "attention_kernel": "flashinfer" and "attention_module": {"file", "sha256", "flashinfer",
+    # "head_dim"}, the FlashInfer kernel module shipped beside them),
     # recorded at build time so that an unpacked archive runs on every backend that computes the recipe
     recipe: dict | None = None
     constants: dict | None = None  # a compiled package's weights file: {"file", "tree_sha256", "bytes"}
@@ -375,6 +377,13 @@ def check_manifest(m: Manifest, folder: Path) -> None:
             raise bad(f"component {name!r}", "its profile, tensors or sizes")
         if e.recipe is not None and not _recipe_ok(e.recipe):
             raise bad(f"component {name!r} recipe", "not a recipe of scales")
+        module = (e.recipe or {}).get("attention_module")
+        if module is not None:  # fp8-attn packages built on Hopper: FlashInfer's kernel module beside them
+            if not (isinstance(module, dict) and isinstance(module.get("file"), str)
+                    and re.fullmatch(r"[0-9a-f]{64}", str(module.get("sha256"))) and isinstance(module.get("flashinfer"), str)
+                    and _is_int(module.get("head_dim")) and module["head_dim"] > 0):
+                raise bad(f"component {name!r} attention_module", module)
+            inside(folder, module["file"], f"{name}.attention_module")
         if e.constants is not None:
             c = e.constants
             if not (isinstance(c.get("file"), str) and isinstance(c.get("tree_sha256"), str) and _is_int(c.get("bytes"))):

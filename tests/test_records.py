@@ -41,6 +41,11 @@ def test_a_manifest_of_the_older_model_field_name_still_reads(folder):
     (lambda m: m.update(workflows="txt2img"), "workflows"),
     (lambda m: m["model"].update(variant=7), "variant"),
     (lambda m: m.update(shape_range={"min": [1], "opt": [1, 2, 3], "max": [1, 2, 3]}), "shape_range"),
+    (lambda m: m["components"]["transformer"].update(recipe={"name": "fp8-attn", "scales": {}, "attention_module": {
+        "file": "flashinfer/m/m.so", "sha256": "not hex", "flashinfer": "0.7.4", "head_dim": 128}}), "attention_module"),
+    (lambda m: m["components"]["transformer"].update(recipe={"name": "fp8-attn", "scales": {}, "attention_module": {
+        "file": "../../m.so", "sha256": "ab" * 32, "flashinfer": "0.7.4", "head_dim": 128}}),
+     r"transformer.attention_module '\.\./\.\./m\.so' leads outside"),
 ])
 def test_a_field_of_the_wrong_type_is_one_line_naming_it(folder, tmp_path, edit, field):
     import shutil

@@ -13,9 +13,20 @@ walked forwards, the arithmetic differed from the H100's output by 3.5%, the P r
 Needs the `flashinfer` package (pip flashinfer-python; it JIT-compiles the kernel with nvcc on first use, cached
 under ~/.cache/flashinfer) and an sm90 GPU: `available()` says whether it runs here. The call is a torch custom
 op (`fluxtrt::fa3_fp8_attention`, registered on import; flashinfer is imported only when it runs), so
-torch.compile and CUDA graphs keep it whole."""
+torch.compile and CUDA graphs keep it whole.
+
+That first-use compile took about 97 s of a fresh machine's first image from fp8-attn packages (H100,
+docs/bench/aot_engines.json `h100_2026_12_07_fp8attn`). So a package build ships the compiled kernel module in the
+engine folder (`ship_module`: `flashinfer/<module>/<module>.so`, recorded in the recipe with its sha256 and the
+flashinfer version), and the runtime loads it from there (`use_shipped`) as FlashInfer loads its own prebuilt
+modules, instead of compiling."""
+
+import logging
+from pathlib import Path
 
 import torch
+
+MODULE_DIR = "flashinfer"  # in an engine folder: flashinfer/<module>/<module>.so, FlashInfer's prebuilt layout
 
 BLOCK_N = 192  # the keys FlashInfer's sm90 FP8 prefill takes per block at d 128 (prefill_sm90.cuh's CTA_KV)
 WALK = {"block_n": BLOCK_N, "reverse": True}  # its key blocks, last first: kernel_arithmetic's / on_codes' keywords
@@ -45,6 +56,66 @@ def fa3_fp8_attention(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scal
 @fa3_fp8_attention.register_fake
 def _(q8, k8, v8, scales):
     return q8.new_empty(q8.shape, dtype=torch.bfloat16)
+
+
+def _module_args(head_dim: int) -> tuple:
+    """The arguments single_prefill_with_kv_cache passes to get_single_prefill_module for fa3_fp8_attention's call
+    (after the backend): E4M3 q and k/v, bf16 out, head dims, no positional encoding, sliding window, soft cap,
+    fp16 QK reduction or token-head scales. Which kernel module the call loads is keyed on these."""
+    return (torch.float8_e4m3fn, torch.float8_e4m3fn, torch.bfloat16, head_dim, head_dim, 0, False, False, False,
+            False)
+
+
+def ship_module(folder: Path, head_dim: int) -> dict:
+    """Compile (or take from FlashInfer's cache) the kernel module fa3_fp8_attention loads and copy it into the
+    engine folder `folder`: the recipe's record {"file", "sha256", "flashinfer", "head_dim"}. Needs flashinfer and
+    nvcc (where it is not cached yet), as the op's first call does."""
+    import shutil
+
+    import flashinfer
+    from flashinfer.jit import gen_single_prefill_module
+
+    from ..fileio import atomic_path, sha256_file
+
+    spec = gen_single_prefill_module("fa3", *_module_args(head_dim))
+    spec.build_and_load()
+    rel = f"{MODULE_DIR}/{spec.name}/{spec.name}.so"
+    with atomic_path(Path(folder) / rel) as tmp:
+        shutil.copyfile(spec.get_library_path(), tmp)
+    return {"file": rel, "sha256": sha256_file(Path(folder) / rel), "flashinfer": flashinfer.__version__,
+            "head_dim": head_dim}
+
+
+def use_shipped(folder: Path, record: dict, component: str) -> bool:
+    """Load the kernel module an engine folder ships (ship_module's `record`, read from its manifest) so that the
+    op's first call finds it loaded instead of compiling it. A module of another flashinfer version is left alone
+    (one warning line: the first call compiles as before); a file unlike its record is refused in one line.
+    Returns whether it was loaded."""
+    import flashinfer
+    import flashinfer.jit.env as jit_env
+    from flashinfer.prefill import get_single_prefill_module
+
+    from ..errors import ManifestError
+    from ..fileio import inside, sha256_file
+
+    if record["flashinfer"] != flashinfer.__version__:
+        logging.getLogger("fluxtrt").warning(
+            "%s: its FlashInfer kernel module was compiled by flashinfer %s and this machine has %s: compiling it "
+            "at the first call instead (minutes); build the packages here to ship this one's", component,
+            record["flashinfer"], flashinfer.__version__)
+        return False
+    path = inside(Path(folder), record["file"], f"{component}.attention_module")
+    if not path.is_file() or sha256_file(path) != record["sha256"]:
+        raise ManifestError(f"{component}: {record['file']} is not the FlashInfer kernel module the manifest records "
+                            "(missing, or its sha256 differs): build the packages again with `fluxtrt build --backend "
+                            "torch`, or unpack the archive again")
+    saved = jit_env.FLASHINFER_AOT_DIR  # where FlashInfer looks first for <module>/<module>.so, built ahead of time
+    jit_env.FLASHINFER_AOT_DIR = path.parent.parent
+    try:
+        get_single_prefill_module("fa3", *_module_args(record["head_dim"]))  # functools.cache: the op's calls reuse it
+    finally:
+        jit_env.FLASHINFER_AOT_DIR = saved
+    return True
 
 
 def operands(q, k, v, scales):

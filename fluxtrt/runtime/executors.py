@@ -619,6 +619,13 @@ class PackageExecutor(Executor):
 
                 context_attention_op()
                 bind_context(self.context.group, self.context.size, call_sizes)
+            recipe = self.entry.recipe or {}
+            module = recipe.get("attention_module")
+            if recipe.get("attention_kernel") == "flashinfer" and module:  # the FlashInfer kernel module the package
+                # calls, compiled at build time (check() found flashinfer here)
+                from ..kernels.flashinfer_fp8_attention import use_shipped
+
+                use_shipped(self.path.parent, module, self.component)
             if self.probe is not None:
                 self.probe.start()  # its child loads the kernels while this process reads the weights
             adjust = None

@@ -137,6 +137,10 @@ def package_stage(source, cfg, request, *, spec, rng, manifest, gpu_dir: Path, l
     on_phase("compile")
     built = compile_package(module, spec, geo, rng, device=device, dtype=torch_dtype(dtype), package_path=path,
                             share=share)
+    if recipe and recipe.get("attention_kernel") == "flashinfer":  # its kernel module ships beside the package
+        from ..kernels.flashinfer_fp8_attention import ship_module
+
+        recipe["attention_module"] = ship_module(gpu_dir, raw.config.attention_head_dim)
     del module, raw
     seconds = time.perf_counter() - t0
     result = StageResult(component=name, stage="package", status="built", seconds=seconds,

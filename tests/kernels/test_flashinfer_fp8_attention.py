@@ -153,3 +153,101 @@ def test_the_transformer_on_flashinfer_compiles_without_graph_breaks(monkeypatch
         compiled = torch.compile(wrapped, backend="aot_eager")(*args).float()
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), [b.reason for b in explained.break_reasons]
     assert float((compiled - eager).abs().max() / eager.abs().max()) <= 1e-3, seed
+
+
+def fake_flashinfer(monkeypatch, tmp_path, version="0.7.4"):
+    """A stand-in for the flashinfer package's surface that ship_module and use_shipped reach (its JIT spec, the
+    prebuilt-module folder, the module cache keyed on single_prefill's arguments): [args of each module load, with
+    the prebuilt folder FlashInfer would look in at that moment], the jit env, and the module's bytes."""
+    import sys
+    import types
+
+    so = np.random.default_rng().integers(0, 255, 4096).astype(np.uint8).tobytes()
+    built = tmp_path / "jit-cache" / "single_prefill_fa3_e4m3" / "single_prefill_fa3_e4m3.so"
+    built.parent.mkdir(parents=True)
+    built.write_bytes(so)
+    env = types.SimpleNamespace(FLASHINFER_AOT_DIR=tmp_path / "package-data-aot")
+    loads = []
+
+    class Spec:
+        name = "single_prefill_fa3_e4m3"
+
+        def __init__(self, backend, *args):
+            self.args = (backend, *args)
+
+        def build_and_load(self):
+            loads.append((self.args, None))
+
+        def get_library_path(self):
+            return built
+
+    def get_single_prefill_module(backend, *args):
+        loads.append(((backend, *args), env.FLASHINFER_AOT_DIR))
+
+    top, jit, prefill = (types.ModuleType(n) for n in ("flashinfer", "flashinfer.jit", "flashinfer.prefill"))
+    top.__version__, top.jit, top.prefill = version, jit, prefill
+    jit.gen_single_prefill_module, jit.env = Spec, env
+    prefill.get_single_prefill_module = get_single_prefill_module
+    for module in (top, jit, prefill):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(sys.modules, "flashinfer.jit.env", env)
+    return loads, env, so
+
+
+def test_a_package_ships_flashinfers_module_and_the_runtime_loads_it_from_there(monkeypatch, tmp_path, caplog):
+    """ship_module copies the compiled module into the engine folder as FlashInfer lays out prebuilt modules and
+    records it (sha256, version, head dim); use_shipped points FlashInfer's prebuilt folder at it for exactly the
+    load (restored after), with the op's arguments; another flashinfer version is one warning and no load; a
+    changed file is one line. (flashinfer faked: the real one needs a Hopper GPU, the GPU test below.)"""
+    import hashlib
+
+    from fluxtrt.errors import ManifestError
+
+    loads, env, so = fake_flashinfer(monkeypatch, tmp_path)
+    folder, d = tmp_path / "h100-torch", int(np.random.default_rng().choice([64, 128]))
+    record = fi.ship_module(folder, d)
+    want_args = ("fa3", torch.float8_e4m3fn, torch.float8_e4m3fn, torch.bfloat16, d, d, 0, False, False, False, False)
+    assert loads == [(want_args, None)]
+    assert record == {"file": "flashinfer/single_prefill_fa3_e4m3/single_prefill_fa3_e4m3.so",
+                      "sha256": hashlib.sha256(so).hexdigest(), "flashinfer": "0.7.4", "head_dim": d}
+    assert (folder / record["file"]).read_bytes() == so
+
+    saved = env.FLASHINFER_AOT_DIR
+    assert fi.use_shipped(folder, record, "transformer") is True
+    assert loads[-1] == (want_args, folder / "flashinfer") and env.FLASHINFER_AOT_DIR == saved
+
+    with caplog.at_level("WARNING", logger="fluxtrt"):
+        assert fi.use_shipped(folder, {**record, "flashinfer": "0.6.0"}, "transformer") is False
+    assert len(loads) == 2 and "compiled by flashinfer 0.6.0 and this machine has 0.7.4" in caplog.text
+
+    (folder / record["file"]).write_bytes(so[:-1] + bytes([so[-1] ^ 1]))
+    with pytest.raises(ManifestError, match=r"^transformer: flashinfer/.*\.so is not the FlashInfer kernel module "
+                       r"the manifest records \(missing, or its sha256 differs\)"):
+        fi.use_shipped(folder, record, "transformer")
+    assert len(loads) == 2
+
+
+SHIPPED_CHILD = """import pathlib, sys, json, torch
+from fluxtrt.kernels import flashinfer_fp8_attention as fi
+folder, record = pathlib.Path(sys.argv[1]), json.loads(sys.argv[2])
+assert fi.use_shipped(folder, record, "transformer")
+q8, k8, v8 = (torch.randn(256, 2, 128, device="cuda").to(torch.float8_e4m3fn) for _ in range(3))
+print(float(fi.fa3_fp8_attention(q8, k8, v8, [0.01, 0.01, 0.01]).float().abs().mean()))
+"""
+
+
+@pytest.mark.skipif(WHY is not None, reason=WHY or "")
+def test_the_shipped_module_runs_in_a_fresh_process_without_compiling(tmp_path):
+    """On Hopper with flashinfer: the module ship_module copied runs the op in a fresh process whose FlashInfer
+    cache is empty and whose JIT is off (FLASHINFER_DISABLE_JIT: a module not found prebuilt is an error)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    record = fi.ship_module(tmp_path / "gpu", 128)
+    env = {**os.environ, "FLASHINFER_DISABLE_JIT": "1", "FLASHINFER_WORKSPACE_BASE": str(tmp_path / "empty")}
+    res = subprocess.run([sys.executable, "-c", SHIPPED_CHILD, str(tmp_path / "gpu"), json.dumps(record)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert float(res.stdout.strip().splitlines()[-1]) > 0
