@@ -45,8 +45,9 @@ def runs_on(device) -> bool:
 @torch.library.custom_op("fluxtrt::gelu_quantize", mutates_args=())
 def gelu_quantize(m: torch.Tensor, scale: torch.Tensor, a: Optional[torch.Tensor] = None) -> torch.Tensor:
     """E4M3 codes [rows, na + nm] of cat([a, gelu_tanh(m)], -1) / scale: m [..., nm] and a [..., na] (same leading
-    dimensions, each contiguous in its last one), scale a 0-d fp32 tensor (the layer's static input scale). On a
-    CUDA GPU one Triton kernel; elsewhere `reference`. A custom op registered on import (registered inside a
+    dimensions, each contiguous in its last one; a's rows may lie at two strides, as a transposed [B, S, na]),
+    scale a 0-d fp32 tensor (the layer's static input scale). On a CUDA GPU one Triton kernel; elsewhere
+    `reference`. A custom op registered on import (registered inside a
     trace, it would break the compiled graph at every block)."""
     if runs_on(m.device):
         from .triton_gelu_quantize import launch

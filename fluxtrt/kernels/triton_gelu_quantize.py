@@ -11,7 +11,7 @@ BLOCK_R, BLOCK_C, NUM_WARPS = 16, 512, 4  # a tile: 16 rows of 512 columns, all 
 
 
 @triton.jit
-def _gelu_quantize(M, A, Out, Scale, rows, NM, NA, stride_m, stride_a, stride_o,
+def _gelu_quantize(M, A, Out, Scale, rows, NM, NA, stride_m, inner_a, stride_a_outer, stride_a, stride_o,
                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, HAS_A: tl.constexpr, EXACT_TANH: tl.constexpr,
                    RECIPROCAL: tl.constexpr):
     pid_r = tl.program_id(0)
@@ -27,7 +27,8 @@ def _gelu_quantize(M, A, Out, Scale, rows, NM, NA, stride_m, stride_a, stride_o,
     if pid_c < blocks_a:  # a tile of the first part: copied
         cols = pid_c * BLOCK_C + c
         mask = (r[:, None] < rows) & (cols[None, :] < NA)
-        x = tl.load(A + r64 * stride_a + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        row_a = (r64 // inner_a) * stride_a_outer + (r64 % inner_a) * stride_a  # a's rows: [outer, inner] strided
+        x = tl.load(A + row_a + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         out_cols = cols
     else:  # a tile of m: GELU(tanh) in fp32, rounded to m's dtype as the layer's output is
         cols = (pid_c - blocks_a) * BLOCK_C + c
@@ -59,14 +60,20 @@ def launch(m, scale, a=None, *, out_dtype=None, block_r: int = BLOCK_R, block_c:
 
     nm = m.shape[-1]
     m2 = m.reshape(-1, nm)
-    na = 0 if a is None else a.shape[-1]
-    a2 = m2 if a is None else a.reshape(-1, na)
-    if m2.stride(-1) != 1 or a2.stride(-1) != 1:
-        m2, a2 = m2.contiguous(), a2.contiguous()
+    if m2.stride(-1) != 1:
+        m2 = m2.contiguous()
     rows = m2.shape[0]
+    na = 0 if a is None else a.shape[-1]
+    # a read where it lies as [outer, inner, na] (its rows need not be one stride apart): the attention output of a
+    # batch above 1 is [B, S, na] with S's stride B*na (FlashInfer's [S, B*H, D], transposed), which reshape(-1, na)
+    # would copy first (113 MB a single block at 1024², batch 4)
+    a3 = m2.view(1, rows, nm) if a is None else (a.view(1, *a.shape) if a.dim() == 2 else a.flatten(0, -3))
+    if a3.stride(-1) != 1:
+        a3 = a3.contiguous()
     out = torch.empty((rows, na + nm), dtype=out_dtype or torch.float8_e4m3fn, device=m.device)
     grid = (triton.cdiv(rows, block_r), triton.cdiv(na, block_c) + triton.cdiv(nm, block_c))
-    _gelu_quantize[grid](m2, a2, out, scale, rows, nm, na, m2.stride(0), a2.stride(0), out.stride(0),
+    _gelu_quantize[grid](m2, a3, out, scale, rows, nm, na, m2.stride(0), a3.shape[1], a3.stride(0), a3.stride(1),
+                         out.stride(0),
                          BLOCK_R=block_r, BLOCK_C=block_c, HAS_A=a is not None, EXACT_TANH=exact_tanh,
                          RECIPROCAL=reciprocal, num_warps=num_warps)
     return out

@@ -19,23 +19,25 @@ if not GPU and not os.environ.get("TRITON_INTERPRET"):
                 allow_module_level=True)
 
 
-def operands(rows: int, na: int, nm: int, device):
+def operands(rows: int, na: int, nm: int, device, batch: int = 1):
     """m as a slice of a wider activation (a joined GEMM's output, as a single block's MLP input is), a beside it,
-    both bf16 of spread N(0, 2), and the recipe's scale from their range."""
+    both bf16 of spread N(0, 2), and the recipe's scale from their range. batch > 1: [batch, rows / batch, ...], a
+    transposed from [rows / batch, batch, na] as FlashInfer's attention output comes (its rows at two strides)."""
     g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
     wide = (torch.randn(rows, 64 + nm, generator=g) * 2).bfloat16()
-    m = wide.to(device)[None, :, 64:]  # [1, rows, nm], row stride 64 + nm
-    a = (torch.randn(1, rows, na, generator=g) * 2).bfloat16().to(device) if na else None
+    m = wide.to(device).view(batch, rows // batch, 64 + nm)[:, :, 64:]  # row stride 64 + nm
+    a = (torch.randn(rows // batch, batch, na, generator=g) * 2).bfloat16().to(device).transpose(0, 1) if na else None
     top = max(float(gelu_quantize.gelu_tanh(m).abs().max()), float(a.abs().max()) if na else 0.0)
     return m, a, torch.tensor(top / 448 * 0.9, device=device)  # a few values saturate
 
 
-@pytest.mark.parametrize("rows,na,nm", [(37, 0, 300), (45, 96, 700)])
-def test_kernel_computes_its_arithmetic(rows, na, nm):
+@pytest.mark.parametrize("rows,na,nm,batch", [(37, 0, 300, 1), (45, 96, 700, 1), (45, 96, 200, 3)])
+def test_kernel_computes_its_arithmetic(rows, na, nm, batch):
     from fluxtrt.kernels.triton_gelu_quantize import launch
 
     device = "cuda" if GPU else "cpu"
-    m, a, scale = operands(rows, na, nm, device)
+    m, a, scale = operands(rows, na, nm, device, batch)
+    assert batch == 1 or not a.is_contiguous()
     want = gelu_quantize.reference(m, scale, a).reshape(rows, na + nm).float().cpu()
     if GPU:
         got = launch(m, scale, a).float().cpu()
