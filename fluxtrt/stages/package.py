@@ -85,6 +85,18 @@ def rank_share(spec, feeds: dict, ranks: int) -> dict:
     return out
 
 
+def shipped_module_intact(gpu_dir: Path, recipe: dict | None) -> bool:
+    """Whether the FlashInfer kernel module a package's recipe records (fp8-attn built on Hopper) is in the folder as
+    recorded; True where it records none. A package is reused only with it."""
+    from ..fileio import sha256_file
+
+    module = (recipe or {}).get("attention_module")
+    if not module:
+        return True
+    path = gpu_dir / module["file"]
+    return path.is_file() and sha256_file(path) == module["sha256"]
+
+
 def package_stage(source, cfg, request, *, spec, rng, manifest, gpu_dir: Path, log, on_phase, calib, device: str,
                   runtime: dict) -> StageResult:
     """Compile (or reuse) one component's package into `gpu_dir` and record it in `manifest`."""
@@ -108,7 +120,8 @@ def package_stage(source, cfg, request, *, spec, rng, manifest, gpu_dir: Path, l
     if not request.force and prev is not None and prev.constants and unchanged(
             path, prev.sha256, {"build_key": prev.build_key}, {"build_key": key}) and \
             (gpu_dir / prev.constants["file"]).is_file() and \
-            tree_sha256(gpu_dir / prev.constants["file"]) == prev.constants.get("tree_sha256"):
+            tree_sha256(gpu_dir / prev.constants["file"]) == prev.constants.get("tree_sha256") and \
+            shipped_module_intact(gpu_dir, prev.recipe):
         on_phase("reused")
         return StageResult(name, "package", "reused", 0.0, "same model, precision, profile and torch")
     on_phase("load")

@@ -364,3 +364,23 @@ def test_fp8_attn_transformer_package_computes_the_recipe_as_the_jit_executor(pa
                        r"pip install flashinfer-python, or build the package again here$"):
         _image(open_pipeline(tmp_path / "cpu", backend="torch", fallback=["clip", "t5", "vae_decoder"],
                              torch_dtype="fp32"), "a lighthouse at dusk", seed)
+
+
+def test_a_package_is_reused_only_with_its_shipped_flashinfer_module(tmp_path):
+    """shipped_module_intact: a recipe without a FlashInfer module needs none; with one (fp8-attn built on Hopper),
+    the file must be there with its recorded sha256, so a rebuild after it was deleted or changed ships it again."""
+    import hashlib
+
+    from fluxtrt.stages.package import shipped_module_intact
+
+    data = np.random.default_rng().integers(0, 255, 2048).astype(np.uint8).tobytes()
+    rel = "flashinfer/m/m.so"
+    recipe = {"name": "fp8-attn", "scales": {}, "attention_module": {
+        "file": rel, "sha256": hashlib.sha256(data).hexdigest(), "flashinfer": "0.7.4", "head_dim": 128}}
+    assert shipped_module_intact(tmp_path, None) and shipped_module_intact(tmp_path, {"name": "fp8", "scales": {}})
+    assert not shipped_module_intact(tmp_path, recipe)
+    (tmp_path / rel).parent.mkdir(parents=True)
+    (tmp_path / rel).write_bytes(data)
+    assert shipped_module_intact(tmp_path, recipe)
+    (tmp_path / rel).write_bytes(data[:-1])
+    assert not shipped_module_intact(tmp_path, recipe)
