@@ -1,7 +1,9 @@
 """FLUX attention with the attention itself a function: `Processor` is diffusers' FluxAttnProcessor (q/k/v
 projections, RMSNorm of q and k, the text stream joined in front, RoPE, the output projections) around
 `fn(q, k, v)` on [B, S, H, D] tensors, so a recipe (fp8-attn: fp8.attention_recipe) or another kernel computes
-the attention alone and everything else stays diffusers' code path. `use_attention` puts one processor on each
+the attention alone and everything else stays diffusers' code path. A `fn` with a `single_stream(q, k, v, attn,
+rotary)` attribute takes a single-stream block's q, k, v before their RMSNorm and RoPE instead (a kernel that fuses
+them with its operands' quantize: fp8-attn on FlashInfer). `use_attention` puts one processor on each
 attention module of a transformer, in forward order (the order the exported graph's attentions have)."""
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ class Processor:
         query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
             attn, hidden_states, encoder_hidden_states)
         query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in (query, key, value))
+        single = getattr(self.fn, "single_stream", None)  # a kernel that takes q and k before RMSNorm and RoPE
+        if single is not None and attn.added_kv_proj_dim is None and image_rotary_emb is not None:
+            return single(query, key, value, attn, image_rotary_emb).flatten(2, 3).to(query.dtype)
         query, key = attn.norm_q(query), attn.norm_k(key)
         if attn.added_kv_proj_dim is not None:  # a double-stream block: the text stream's q/k/v in front
             encoder_query, encoder_key, encoder_value = (t.unflatten(-1, (-1, attn.head_dim))

@@ -226,6 +226,12 @@ def attention_kernel(device) -> str | None:
     return "flashinfer" if flashinfer_fp8_attention.available() is None else "triton"
 
 
+def single_stream_fn(fa3, scales):
+    """fp8-attn's attention of a single-stream block on FlashInfer from its projections before RMSNorm and RoPE (the
+    processor calls it where an attention fn has it, attention.Processor): fa3.attention_single_stream."""
+    return lambda q, k, v, attn, rotary: fa3.attention_single_stream(q, k, v, attn, rotary, scales=scales)
+
+
 def quantize_attention(module, attention: list, device) -> str:
     """fp8-attn's attention on the transformer `module`, in place: each attention (forward order) gets its scales
     (sq, sk, sp, sv) and computes on FP8 tensor cores where `device` has them (on Hopper with the flashinfer package:
@@ -251,6 +257,10 @@ def quantize_attention(module, attention: list, device) -> str:
             from .kernels.fp8_attention import attention as fp8_attention
 
             return fp8_attention(q, k, v, scales)
+        if fa3 is not None:  # single-stream blocks: q's and k's RMSNorm, RoPE and quantize as one kernel each
+            single = single_stream_fn(fa3, scales)
+            if single is not None:
+                on_tensor_cores.single_stream = single
         return on_tensor_cores if kernel else emulated
 
     try:
@@ -260,7 +270,11 @@ def quantize_attention(module, attention: list, device) -> str:
                            "model; build the engines again for this one") from None
     if kernel:
         which = "FlashInfer's FA3 FP8 kernel" if fa3 is not None else "Triton kernel"
-        return f"attention in E4M3 on FP8 tensor cores in {n} attentions ({which})"
+        singles = sum(1 for m in module.modules() if getattr(m, "added_kv_proj_dim", 0) is None
+                      and hasattr(m, "norm_q")) if fa3 is not None and single_stream_fn(fa3, ()) is not None else 0
+        fused = f"; q and k of {singles} single blocks normed, rotated and quantized in one Triton kernel each" \
+            if singles else ""
+        return f"attention in E4M3 on FP8 tensor cores in {n} attentions ({which}{fused})"
     return f"attention in E4M3 emulated in {n} attentions (fp32 MatMuls of dequantized E4M3)"
 
 

@@ -8,14 +8,15 @@
 # and scripts/carry_flashinfer.sh's FlashInfer), which scripts/device_env.sh installs. The steps run in the order
 # given; a cut chain keeps every finished step and every row a step saved.
 #   issue 42's speed rows (run 13): start gpu_tests kernels speed1024 accuracy speedmore bf16
-#   fp8-attn packages and the batch-4 profile: start fa_tests packages profile_b4
+#   the new kernels' tests, fp8-attn packages, the single-stream kernel's A/B and the batch-4 profile:
+#     start gpu_tests fa_tests packages norm_ab profile_b4
 # Rehearse on a CPU: OUT=/tmp/o bash scripts/device_chain.sh steps (lists the steps and their commands)
 set -u
 cd "$(dirname "$0")/.."
 R=/tmp/chain
 F="python3 scripts/fast_torch.py"
 declare -A CMD=(
-  [gpu_tests]="python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_gelu_quantize.py tests/kernels/test_gelu_quantize.py"
+  [gpu_tests]="python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_gelu_quantize.py tests/kernels/test_gelu_quantize.py tests/kernels/test_triton_norm_rope_quantize.py tests/kernels/test_norm_rope_quantize.py"
   [fa_tests]="python3 -m pytest -q -p no:cacheprovider tests/kernels/test_flashinfer_fp8_attention.py"
   [kernels]="$F kernels --out $R/kernels.json"
   [speed1024]="$F speed --shapes 1024x1 --variants diffusers,fp8attn-graph,fp8attn-graph+unfused --profile fp8attn-graph --out $R/s1024/speed.json"
@@ -24,6 +25,7 @@ declare -A CMD=(
   [bf16]="$F speed --shapes 1024x1 --variants diffusers,bf16-graph --out $R/bf16/speed.json"
   [packages]="env OUTDIR=$R/packages BRIEF=1 bash scripts/aot_rows.sh fp8-attn"
   [profile_b4]="$F speed --shapes 1024x4 --variants diffusers,fp8attn-graph --profile fp8attn-graph --out $R/b4/speed.json"
+  [norm_ab]="$F speed --shapes 1024x1,1024x4 --variants diffusers,fp8attn-graph,fp8attn-graph+unfusednorm --out $R/norm/speed.json"
 )
 case "${1:-}" in
 start)
@@ -45,7 +47,7 @@ steps)
 chain)
   shift
   OUTDIR=$R source scripts/device_env.sh > $R/env.log 2>&1
-  mkdir -p $R/s1024 $R/acc $R/smore $R/bf16 $R/b4 $R/packages
+  mkdir -p $R/s1024 $R/acc $R/smore $R/bf16 $R/b4 $R/packages $R/norm
   for name in "$@"; do
     echo "== $name $(date +%T)" >> $R/log
     ( eval "${CMD[$name]}" ) > $R/$name.log 2>&1

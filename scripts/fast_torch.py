@@ -17,8 +17,10 @@ speed: end to end (text encoders, N steps, VAE decode) for diffusers eager bf16 
   its epilogue), `+lora` (`run --lora` with a random rank-32 LoRA over every attention projection: merged into
   bf16 weights, low-rank terms beside fp8 GEMMs), `+percall` (the AdaLN modulation computed in every transformer
   call, as before runtime/modulation.py computed the schedule's up front), `+unfused` (each GELU and the next
-  GEMM's input quantize left to Inductor, as before kernels/gelu_quantize.py), e.g. `bf16-graph+flash`,
-  `fp8-graph+autotune`, `fp8-graph+lora`, `fp8attn-graph+percall`, `fp8attn-graph+unfused`.
+  GEMM's input quantize left to Inductor, as before kernels/gelu_quantize.py), `+unfusednorm` (fp8-attn on
+  FlashInfer: each single block's q/k RMSNorm, RoPE and quantize left to Inductor, as before
+  kernels/norm_rope_quantize.py), e.g. `bf16-graph+flash`, `fp8-graph+autotune`, `fp8-graph+lora`,
+  `fp8attn-graph+percall`, `fp8attn-graph+unfused`, `fp8attn-graph+unfusednorm`.
 lora: the fp8 recipe with a LoRA merged before quantizing against the base quantized with the low-rank terms
   beside its GEMMs (issue 43: which one the fp8 path takes), in fp32, on accuracy's model and call.
 kernels: the GELU + input quantize before the GEMMs that read a GELU (kernels/gelu_quantize.py) at --size, batch 1:
@@ -57,6 +59,7 @@ RECIPES = {"fp8": "fp8", "fp8attn": "fp8-attn"}  # variant prefix -> the calibra
 
 
 FUSED_GELU_LINEAR = fp8_layers.gelu_linear
+FUSED_SINGLE_STREAM = fp8_layers.single_stream_fn
 
 
 def unfused_gelu_linear(lin, act, m, a=None, *, tanh: bool):
@@ -259,7 +262,7 @@ def speed(a) -> None:
     default_backends = inductor.max_autotune_gemm_backends
     for variant in variants:
         kind, *mods = variant.split("+")
-        unknown = set(mods) - {"flash", "cdt", "autotune", "lora", "percall", "unfused"}
+        unknown = set(mods) - {"flash", "cdt", "autotune", "lora", "percall", "unfused", "unfusednorm"}
         if unknown:
             raise SystemExit(f"unknown modifier(s) {sorted(unknown)} in {variant}")
 
@@ -278,6 +281,8 @@ def speed(a) -> None:
         torch.backends.cuda.enable_cudnn_sdp("flash" not in mods)
         # +unfused: each GELU written out and quantized as the next GEMM's input, as Inductor fuses it by itself
         fp8_layers.gelu_linear = unfused_gelu_linear if "unfused" in mods else FUSED_GELU_LINEAR
+        # +unfusednorm: single blocks' q/k through the processor's RMSNorm and RoPE, quantized where Inductor fuses it
+        fp8_layers.single_stream_fn = (lambda fa3, scales: None) if "unfusednorm" in mods else FUSED_SINGLE_STREAM
         # what the process holds before this variant loads: peak_gb includes it (calibration, earlier variants)
         held = round(torch.cuda.memory_allocated() / 2**30, 2) if a.device == "cuda" else None
         t_load = time.perf_counter()

@@ -102,8 +102,9 @@ def _open(path: str, device_index: int):
     pipeline calls its executors from one thread at a time."""
     import torch
 
-    # the custom ops that packages built on a GPU call: fp8-attn's FlashInfer attention (Hopper), fp8's GELU + quantize
-    from ..kernels import flashinfer_fp8_attention, gelu_quantize  # noqa: F401
+    # the custom ops that packages built on a GPU call: fp8-attn's FlashInfer attention and its single-stream norm +
+    # RoPE + quantize (Hopper), fp8's GELU + quantize
+    from ..kernels import flashinfer_fp8_attention, gelu_quantize, norm_rope_quantize  # noqa: F401
 
     return Compiled(torch._C._aoti.AOTIModelPackageLoader(path, "model", True, 1, device_index))
 

@@ -121,16 +121,19 @@ def use_shipped(folder: Path, record: dict, component: str) -> bool:
 def operands(q, k, v, scales):
     """The kernel's operands from q, k, v [B, S, H, D] (after RoPE) and the recipe's (sq, sk, sp, sv): E4M3 codes
     of q*c/sq, k*c/sk and v/sv, each [S, B*H, D] contiguous."""
-    from ..fp8 import to_e4m3
     from .fp8_attention import root_scale
 
     sq, sk, _, sv = scales
     c = root_scale(q.shape[-1])
-    b, _, h, d = q.shape
-
-    def fold(x, scale, factor=1.0):  # [B, S, H, D] -> [S, B*H, D] codes (B = 1: no copy, the transpose is a view)
-        return to_e4m3(x.float() * factor, scale).transpose(0, 1).contiguous().view(x.shape[1], b * h, d)
     return fold(q, sq, c), fold(k, sk, c), fold(v, sv)
+
+
+def fold(x, scale, factor=1.0):
+    """[B, S, H, D] -> E4M3 codes of x * factor / scale as [S, B*H, D] (B = 1: no copy, the transpose is a view)."""
+    from ..fp8 import to_e4m3
+
+    b, s, h, d = x.shape
+    return to_e4m3(x.float() * factor, scale).transpose(0, 1).contiguous().view(s, b * h, d)
 
 
 def run(q8, k8, v8, scales):
@@ -144,3 +147,18 @@ def attention(q, k, v, scales):
     scales (sq, sk, sp, sv) -> [B, S, H, D] in q's dtype."""
     b, s, h, d = q.shape
     return run(*operands(q, k, v, scales), scales).view(s, b, h, d).transpose(0, 1).to(q.dtype)
+
+
+def attention_single_stream(q, k, v, attn, rotary, *, scales):
+    """attention() for a single-stream block from its projections before RMSNorm and RoPE (q, k, v [B, S, H, D],
+    the block's attention module `attn` with its norm_q / norm_k, and rotary (cos, sin)): q's and k's norm, RoPE
+    and E4M3 quantize as one kernel each (kernels/norm_rope_quantize.py), v's quantize as operands() does it. The
+    same arithmetic as the processor's path into attention()."""
+    from .fp8_attention import root_scale
+    from .norm_rope_quantize import codes
+
+    sq, sk, _, sv = scales
+    b, s, h, d = q.shape
+    c = root_scale(d)
+    q8, k8 = codes(q, attn.norm_q, rotary, c, sq), codes(k, attn.norm_k, rotary, c, sk)
+    return run(q8, k8, fold(v, sv), scales).view(s, b, h, d).transpose(0, 1).to(q.dtype)

@@ -117,7 +117,8 @@ def test_hopper_with_flashinfer_takes_it_in_the_transformer(monkeypatch, tiny_de
     monkeypatch.setattr(fi, "fa3_fp8_attention", arithmetic_op)
     module = tiny_dev.load_component("transformer", torch.float32, "cpu").eval()
     note = fp8_layers.quantize_attention(module, attention, "cpu")
-    assert note == "attention in E4M3 on FP8 tensor cores in 4 attentions (FlashInfer's FA3 FP8 kernel)", note
+    assert note == ("attention in E4M3 on FP8 tensor cores in 4 attentions (FlashInfer's FA3 FP8 kernel; q and k of 2 "
+                    "single blocks normed, rotated and quantized in one Triton kernel each)"), note
     kernel = call(module)
     rel = lambda a, b: float((a - b).abs().mean() / b.abs().mean())  # noqa: E731
     # seen: kernel vs recipe 2.6e-4 to 3.1e-4, recipe vs unquantized 6.9e-4 to 8.2e-4 (ratio 0.38-0.39)
@@ -251,3 +252,39 @@ def test_the_shipped_module_runs_in_a_fresh_process_without_compiling(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert float(res.stdout.strip().splitlines()[-1]) > 0
+
+
+def test_single_stream_blocks_take_the_fused_norm_rope_quantize_with_the_same_arithmetic(monkeypatch, tiny_dev):
+    """fp8-attn on FlashInfer (Hopper faked, the kernel replaced by its arithmetic), tiny in bf16 on fresh inputs: each
+    single-stream block's q and k go through fluxtrt::norm_rope_quantize (one call each), double-stream blocks keep
+    the processor's path, and the transformer's output equals the one with the single blocks on the processor's
+    RMSNorm -> RoPE -> operands() path exactly (on a CPU the op computes that same arithmetic)."""
+    from fluxtrt import fp8_layers
+    from fluxtrt.components import ShapePoint, specs_for
+    from fluxtrt.kernels import norm_rope_quantize as nrq
+
+    monkeypatch.setattr(fp8_layers, "tensor_cores", lambda device: True)
+    monkeypatch.setattr(fi, "available", lambda: None)
+    monkeypatch.setattr(fi, "fa3_fp8_attention", lambda q8, k8, v8, s: arithmetic_op(q8, k8, v8, s).bfloat16())
+    calls = []
+    op = nrq.norm_rope_quantize
+    monkeypatch.setattr(nrq, "norm_rope_quantize", lambda *a: calls.append(a[0].shape) or op(*a))
+    spec = specs_for(tiny_dev.geometry, ["transformer"])["transformer"]
+    seed = int(np.random.default_rng().integers(1 << 30))
+    feeds = spec.sample_inputs(ShapePoint(2, 256, 256), tiny_dev.geometry, seed)
+    args = [feeds[t.name].bfloat16() if feeds[t.name].is_floating_point() else feeds[t.name]
+            for t in spec.inputs if t.name in feeds]
+    scales = [tuple(float(x) for x in torch.empty(4).uniform_(0.01, 0.05)) for _ in range(4)]
+    outs = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(fp8_layers, "single_stream_fn", lambda fa3, scales: None)
+        module = tiny_dev.load_component("transformer", torch.bfloat16, "cpu").eval()
+        fp8_layers.quantize_attention(module, scales, "cpu")
+        with torch.inference_mode():
+            outs[fused] = spec.wrap(module)(*args).float()
+        if fused:
+            singles = len(module.single_transformer_blocks)
+            assert len(calls) == 2 * singles and singles > 0, calls
+    assert len(calls) == 2 * singles  # none with the processor's path
+    assert torch.equal(outs[True], outs[False]) and outs[True].std() > 0, seed
