@@ -261,7 +261,10 @@ def quantize_attention(module, attention: list, device) -> str:
             single = single_stream_fn(fa3, scales)
             if single is not None:
                 on_tensor_cores.single_stream = single
+                fused.append(single)
         return on_tensor_cores if kernel else emulated
+
+    fused = []  # the single-stream fns set: the note counts the single blocks that take them
 
     try:
         n = use_attention(module, [fn_of(tuple(s)) for s in attention])
@@ -271,7 +274,7 @@ def quantize_attention(module, attention: list, device) -> str:
     if kernel:
         which = "FlashInfer's FA3 FP8 kernel" if fa3 is not None else "Triton kernel"
         singles = sum(1 for m in module.modules() if getattr(m, "added_kv_proj_dim", 0) is None
-                      and hasattr(m, "norm_q")) if fa3 is not None and single_stream_fn(fa3, ()) is not None else 0
+                      and hasattr(m, "norm_q")) if fused else 0
         fused = f"; q and k of {singles} single blocks normed, rotated and quantized in one Triton kernel each" \
             if singles else ""
         return f"attention in E4M3 on FP8 tensor cores in {n} attentions ({which}{fused})"

@@ -86,6 +86,14 @@ def ship_module(folder: Path, head_dim: int) -> dict:
             "head_dim": head_dim}
 
 
+def shipped_file(folder: Path, record: dict, component: str) -> Path | None:
+    """The kernel module ship_module's `record` names, where it is in `folder` as recorded (its sha256), else None."""
+    from ..fileio import inside, sha256_file
+
+    path = inside(Path(folder), record["file"], f"{component}.attention_module")
+    return path if path.is_file() and sha256_file(path) == record["sha256"] else None
+
+
 def use_shipped(folder: Path, record: dict, component: str) -> bool:
     """Load the kernel module an engine folder ships (ship_module's `record`, read from its manifest) so that the
     op's first call finds it loaded instead of compiling it. A module of another flashinfer version is left alone
@@ -96,7 +104,6 @@ def use_shipped(folder: Path, record: dict, component: str) -> bool:
     from flashinfer.prefill import get_single_prefill_module
 
     from ..errors import ManifestError
-    from ..fileio import inside, sha256_file
 
     if record["flashinfer"] != flashinfer.__version__:
         logging.getLogger("fluxtrt").warning(
@@ -104,8 +111,8 @@ def use_shipped(folder: Path, record: dict, component: str) -> bool:
             "at the first call instead (minutes); build the packages here to ship this one's", component,
             record["flashinfer"], flashinfer.__version__)
         return False
-    path = inside(Path(folder), record["file"], f"{component}.attention_module")
-    if not path.is_file() or sha256_file(path) != record["sha256"]:
+    path = shipped_file(folder, record, component)
+    if path is None:
         raise ManifestError(f"{component}: {record['file']} is not the FlashInfer kernel module the manifest records "
                             "(missing, or its sha256 differs): build the packages again with `fluxtrt build --backend "
                             "torch`, or unpack the archive again")

@@ -85,16 +85,13 @@ def rank_share(spec, feeds: dict, ranks: int) -> dict:
     return out
 
 
-def shipped_module_intact(gpu_dir: Path, recipe: dict | None) -> bool:
+def shipped_module_intact(gpu_dir: Path, recipe: dict | None, component: str) -> bool:
     """Whether the FlashInfer kernel module a package's recipe records (fp8-attn built on Hopper) is in the folder as
     recorded; True where it records none. A package is reused only with it."""
-    from ..fileio import sha256_file
+    from ..kernels.flashinfer_fp8_attention import shipped_file
 
     module = (recipe or {}).get("attention_module")
-    if not module:
-        return True
-    path = gpu_dir / module["file"]
-    return path.is_file() and sha256_file(path) == module["sha256"]
+    return not module or shipped_file(gpu_dir, module, component) is not None
 
 
 def package_stage(source, cfg, request, *, spec, rng, manifest, gpu_dir: Path, log, on_phase, calib, device: str,
@@ -121,7 +118,7 @@ def package_stage(source, cfg, request, *, spec, rng, manifest, gpu_dir: Path, l
             path, prev.sha256, {"build_key": prev.build_key}, {"build_key": key}) and \
             (gpu_dir / prev.constants["file"]).is_file() and \
             tree_sha256(gpu_dir / prev.constants["file"]) == prev.constants.get("tree_sha256") and \
-            shipped_module_intact(gpu_dir, prev.recipe):
+            shipped_module_intact(gpu_dir, prev.recipe, name):
         on_phase("reused")
         return StageResult(name, "package", "reused", 0.0, "same model, precision, profile and torch")
     on_phase("load")

@@ -377,10 +377,11 @@ def test_a_package_is_reused_only_with_its_shipped_flashinfer_module(tmp_path):
     rel = "flashinfer/m/m.so"
     recipe = {"name": "fp8-attn", "scales": {}, "attention_module": {
         "file": rel, "sha256": hashlib.sha256(data).hexdigest(), "flashinfer": "0.7.4", "head_dim": 128}}
-    assert shipped_module_intact(tmp_path, None) and shipped_module_intact(tmp_path, {"name": "fp8", "scales": {}})
-    assert not shipped_module_intact(tmp_path, recipe)
+    assert shipped_module_intact(tmp_path, None, "transformer")
+    assert shipped_module_intact(tmp_path, {"name": "fp8", "scales": {}}, "transformer")
+    assert not shipped_module_intact(tmp_path, recipe, "transformer")
     (tmp_path / rel).parent.mkdir(parents=True)
     (tmp_path / rel).write_bytes(data)
-    assert shipped_module_intact(tmp_path, recipe)
+    assert shipped_module_intact(tmp_path, recipe, "transformer")
     (tmp_path / rel).write_bytes(data[:-1])
-    assert not shipped_module_intact(tmp_path, recipe)
+    assert not shipped_module_intact(tmp_path, recipe, "transformer")
