@@ -33,18 +33,20 @@ class Processor:
         query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in (query, key, value))
         single = getattr(self.fn, "single_stream", None)  # a kernel that takes q and k before RMSNorm and RoPE
         if single is not None and attn.added_kv_proj_dim is None and image_rotary_emb is not None:
-            return single(query, key, value, attn, image_rotary_emb).flatten(2, 3).to(query.dtype)
-        query, key = attn.norm_q(query), attn.norm_k(key)
-        if attn.added_kv_proj_dim is not None:  # a double-stream block: the text stream's q/k/v in front
-            encoder_query, encoder_key, encoder_value = (t.unflatten(-1, (-1, attn.head_dim))
-                                                         for t in (encoder_query, encoder_key, encoder_value))
-            encoder_query, encoder_key = attn.norm_added_q(encoder_query), attn.norm_added_k(encoder_key)
-            query, key, value = (torch.cat([e, x], dim=1) for e, x in
-                                 ((encoder_query, query), (encoder_key, key), (encoder_value, value)))
-        if image_rotary_emb is not None:
-            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-        hidden_states = self.fn(query, key, value).flatten(2, 3).to(query.dtype)
+            out = single(query, key, value, attn, image_rotary_emb)
+        else:
+            query, key = attn.norm_q(query), attn.norm_k(key)
+            if attn.added_kv_proj_dim is not None:  # a double-stream block: the text stream's q/k/v in front
+                encoder_query, encoder_key, encoder_value = (t.unflatten(-1, (-1, attn.head_dim))
+                                                             for t in (encoder_query, encoder_key, encoder_value))
+                encoder_query, encoder_key = attn.norm_added_q(encoder_query), attn.norm_added_k(encoder_key)
+                query, key, value = (torch.cat([e, x], dim=1) for e, x in
+                                     ((encoder_query, query), (encoder_key, key), (encoder_value, value)))
+            if image_rotary_emb is not None:
+                query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+                key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+            out = self.fn(query, key, value)
+        hidden_states = out.flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is None:
             return hidden_states
         encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(

@@ -94,11 +94,15 @@ def shipped_file(folder: Path, record: dict, component: str) -> Path | None:
     return path if path.is_file() and sha256_file(path) == record["sha256"] else None
 
 
+_LOADED: set[str] = set()  # the sha256 of each shipped module use_shipped has loaded in this process
+
+
 def use_shipped(folder: Path, record: dict, component: str) -> bool:
     """Load the kernel module an engine folder ships (ship_module's `record`, read from its manifest) so that the
     op's first call finds it loaded instead of compiling it. A module of another flashinfer version is left alone
     (one warning line: the first call compiles as before); a file unlike its record is refused in one line.
-    Returns whether it was loaded."""
+    Returns whether it was loaded. A module loaded once stays loaded (FlashInfer caches it): later calls in the
+    process, as low-VRAM runs make at every activation, neither read nor hash the file again."""
     import flashinfer
     import flashinfer.jit.env as jit_env
     from flashinfer.prefill import get_single_prefill_module
@@ -111,6 +115,8 @@ def use_shipped(folder: Path, record: dict, component: str) -> bool:
             "at the first call instead (minutes); build the packages here to ship this one's", component,
             record["flashinfer"], flashinfer.__version__)
         return False
+    if record["sha256"] in _LOADED:
+        return True
     path = shipped_file(folder, record, component)
     if path is None:
         raise ManifestError(f"{component}: {record['file']} is not the FlashInfer kernel module the manifest records "
@@ -122,6 +128,7 @@ def use_shipped(folder: Path, record: dict, component: str) -> bool:
         get_single_prefill_module("fa3", *_module_args(record["head_dim"]))  # functools.cache: the op's calls reuse it
     finally:
         jit_env.FLASHINFER_AOT_DIR = saved
+    _LOADED.add(record["sha256"])
     return True
 
 

@@ -198,8 +198,9 @@ def fake_flashinfer(monkeypatch, tmp_path, version="0.7.4"):
 def test_a_package_ships_flashinfers_module_and_the_runtime_loads_it_from_there(monkeypatch, tmp_path, caplog):
     """ship_module copies the compiled module into the engine folder as FlashInfer lays out prebuilt modules and
     records it (sha256, version, head dim); use_shipped points FlashInfer's prebuilt folder at it for exactly the
-    load (restored after), with the op's arguments; another flashinfer version is one warning and no load; a
-    changed file is one line. (flashinfer faked: the real one needs a Hopper GPU, the GPU test below.)"""
+    load (restored after), with the op's arguments, once per process (later calls touch no file); another flashinfer
+    version is one warning and no load; a changed file is one line. (flashinfer faked: the real one needs a Hopper
+    GPU, the GPU test below.)"""
     import hashlib
 
     from fluxtrt.errors import ManifestError
@@ -216,11 +217,15 @@ def test_a_package_ships_flashinfers_module_and_the_runtime_loads_it_from_there(
     saved = env.FLASHINFER_AOT_DIR
     assert fi.use_shipped(folder, record, "transformer") is True
     assert loads[-1] == (want_args, folder / "flashinfer") and env.FLASHINFER_AOT_DIR == saved
+    moved = (folder / record["file"]).rename(tmp_path / "moved.so")  # loaded: the next activation reads no file
+    assert fi.use_shipped(folder, record, "transformer") is True and len(loads) == 2
+    moved.rename(folder / record["file"])
 
     with caplog.at_level("WARNING", logger="fluxtrt"):
         assert fi.use_shipped(folder, {**record, "flashinfer": "0.6.0"}, "transformer") is False
     assert len(loads) == 2 and "compiled by flashinfer 0.6.0 and this machine has 0.7.4" in caplog.text
 
+    monkeypatch.setattr(fi, "_LOADED", set())  # a fresh process
     (folder / record["file"]).write_bytes(so[:-1] + bytes([so[-1] ^ 1]))
     with pytest.raises(ManifestError, match=r"^transformer: flashinfer/.*\.so is not the FlashInfer kernel module "
                        r"the manifest records \(missing, or its sha256 differs\)"):
