@@ -299,6 +299,9 @@ def speed(a) -> None:
             if "percall" in mods:  # the modulation computed in every call, not for the schedule up front
                 pipe.executors["transformer"].schedule_rows = lambda feeds, schedule: None
         load_s = time.perf_counter() - t_load
+        # what it holds once loaded, before its first call (weights, the process's earlier holdings): against
+        # peak_gb, what the calls add (activations, CUDA graph pools, compile-time buffers left allocated)
+        loaded = round(torch.cuda.memory_allocated() / 2**30, 2) if a.device == "cuda" else None
         for size, batch in shapes:
             t1 = time.perf_counter()
             if kind.startswith("diffusers"):
@@ -320,7 +323,8 @@ def speed(a) -> None:
                           "baseline_s": round(base.end_to_end_s.median, 4) if base is not None else None,
                           "ratio": round(base.end_to_end_s.median / row.end_to_end_s.median, 3) if base else None,
                           "step_ms": round(row.transformer_step_s.median * 1000, 2),
-                          "first_call_s": round(first, 1), "peak_gb": row.peak_memory_gb, "held_before_gb": held})
+                          "first_call_s": round(first, 1), "peak_gb": row.peak_memory_gb, "held_before_gb": held,
+                          "loaded_gb": loaded})
             print(json.dumps(table[-1]), flush=True)
             save()
             if variant == a.profile:
