@@ -9,7 +9,7 @@
 # given; a cut chain keeps every finished step and every row a step saved.
 #   issue 42's speed rows (run 13): start gpu_tests kernels speed1024 accuracy speedmore bf16
 #   the new kernels' tests, fp8-attn packages, the single-stream kernel's A/B and the batch-4 profile:
-#     start gpu_tests fa_tests norm_ab packages      (norm_ab profiles fp8attn-graph at both shapes)
+#     start gpu_tests norm_ab fa_tests packages      (norm_ab profiles fp8attn-graph at both shapes)
 #   the same rows without the A/B and profiles, on less device time: start gpu_tests fa_tests targets
 # Rehearse on a CPU: OUT=/tmp/o bash scripts/device_chain.sh steps (lists the steps and their commands)
 set -u
@@ -25,7 +25,6 @@ declare -A CMD=(
   [speedmore]="$F speed --shapes 512x1,1024x4 --variants diffusers,fp8attn-graph --out $R/smore/speed.json"
   [bf16]="$F speed --shapes 1024x1 --variants diffusers,bf16-graph --out $R/bf16/speed.json"
   [packages]="env OUTDIR=$R/packages BRIEF=1 bash scripts/aot_rows.sh fp8-attn"
-  [profile_b4]="$F speed --shapes 1024x4 --variants diffusers,fp8attn-graph --profile fp8attn-graph --out $R/b4/speed.json"
   [targets]="$F speed --shapes 1024x1,1024x4 --variants diffusers,fp8attn-graph --out $R/norm/speed.json"
   [norm_ab]="$F speed --shapes 1024x1,1024x4 --variants diffusers,fp8attn-graph,fp8attn-graph+unfusednorm --profile fp8attn-graph --out $R/norm/speed.json"
 )
@@ -49,7 +48,7 @@ steps)
 chain)
   shift
   OUTDIR=$R source scripts/device_env.sh > $R/env.log 2>&1
-  mkdir -p $R/s1024 $R/acc $R/smore $R/bf16 $R/b4 $R/packages $R/norm
+  mkdir -p $R/s1024 $R/acc $R/smore $R/bf16 $R/packages $R/norm
   for name in "$@"; do
     echo "== $name $(date +%T)" >> $R/log
     ( eval "${CMD[$name]}" ) > $R/$name.log 2>&1
