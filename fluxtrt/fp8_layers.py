@@ -245,6 +245,7 @@ def quantize_attention(module, attention: list, device) -> str:
     fa3 = None  # FlashInfer's kernel module where it runs here
     if kernel == "flashinfer":
         from .kernels import flashinfer_fp8_attention as fa3
+    fused = []  # the single-stream fns set: the note counts the single blocks that take them
 
     def fn_of(scales):
         def emulated(q, k, v):  # [B, S, H, D], as diffusers' processor holds them
@@ -264,8 +265,6 @@ def quantize_attention(module, attention: list, device) -> str:
                 fused.append(single)
         return on_tensor_cores if kernel else emulated
 
-    fused = []  # the single-stream fns set: the note counts the single blocks that take them
-
     try:
         n = use_attention(module, [fn_of(tuple(s)) for s in attention])
     except ValueError as e:
@@ -275,9 +274,9 @@ def quantize_attention(module, attention: list, device) -> str:
         which = "FlashInfer's FA3 FP8 kernel" if fa3 is not None else "Triton kernel"
         singles = sum(1 for m in module.modules() if getattr(m, "added_kv_proj_dim", 0) is None
                       and hasattr(m, "norm_q")) if fused else 0
-        fused = f"; q and k of {singles} single blocks normed, rotated and quantized in one Triton kernel each" \
+        tail = f"; q and k of {singles} single blocks normed, rotated and quantized in one Triton kernel each" \
             if singles else ""
-        return f"attention in E4M3 on FP8 tensor cores in {n} attentions ({which}{fused})"
+        return f"attention in E4M3 on FP8 tensor cores in {n} attentions ({which}{tail})"
     return f"attention in E4M3 emulated in {n} attentions (fp32 MatMuls of dequantized E4M3)"
 
 

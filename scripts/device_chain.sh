@@ -25,7 +25,7 @@ declare -A CMD=(
   [speedmore]="$F speed --shapes 512x1,1024x4 --variants diffusers,fp8attn-graph --out $R/smore/speed.json"
   [bf16]="$F speed --shapes 1024x1 --variants diffusers,bf16-graph --out $R/bf16/speed.json"
   [packages]="env OUTDIR=$R/packages BRIEF=1 bash scripts/aot_rows.sh fp8-attn"
-  [targets]="$F speed --shapes 1024x1,1024x4 --variants diffusers,fp8attn-graph --out $R/norm/speed.json"
+  [targets]="$F speed --shapes 1024x1,1024x4 --variants diffusers,fp8attn-graph --out $R/targets/speed.json"
   [norm_ab]="$F speed --shapes 1024x1,1024x4 --variants diffusers,fp8attn-graph,fp8attn-graph+unfusednorm --profile fp8attn-graph --out $R/norm/speed.json"
 )
 case "${1:-}" in
@@ -48,7 +48,7 @@ steps)
 chain)
   shift
   OUTDIR=$R source scripts/device_env.sh > $R/env.log 2>&1
-  mkdir -p $R/s1024 $R/acc $R/smore $R/bf16 $R/packages $R/norm
+  mkdir -p $R/s1024 $R/acc $R/smore $R/bf16 $R/packages $R/norm $R/targets
   for name in "$@"; do
     echo "== $name $(date +%T)" >> $R/log
     ( eval "${CMD[$name]}" ) > $R/$name.log 2>&1
