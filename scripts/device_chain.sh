@@ -50,7 +50,6 @@ steps)
 chain)
   shift
   OUTDIR=$R source scripts/device_env.sh > $R/env.log 2>&1
-  mkdir -p $R/s1024 $R/acc $R/smore $R/bf16 $R/packages $R/norm $R/targets $R/b4
   for name in "$@"; do
     echo "== $name $(date +%T)" >> $R/log
     ( eval "${CMD[$name]}" ) > $R/$name.log 2>&1

@@ -78,6 +78,7 @@ def rel(a, b) -> float:
 
 
 def write(path, obj) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # a chain's step names its own folder
     Path(path).write_text(json.dumps(obj, indent=1, default=str))
 
 
