@@ -11,7 +11,7 @@
 #   the new kernels' tests, fp8-attn packages, the single-stream kernel's A/B and the batch-4 profile:
 #     start gpu_tests norm_ab fa_tests packages      (norm_ab profiles fp8attn-graph at both shapes)
 #   the same rows without the A/B and profiles, on less device time: start gpu_tests fa_tests targets
-#   the one unmet end-to-end target alone (1024² batch 4), on the least: start gpu_tests b4
+#   the one unmet end-to-end target alone (1024² batch 4, with its profile), on the least: start gpu_tests b4
 # Rehearse on a CPU: OUT=/tmp/o bash scripts/device_chain.sh steps (lists the steps and their commands)
 set -u
 cd "$(dirname "$0")/.."
@@ -27,7 +27,7 @@ declare -A CMD=(
   [bf16]="$F speed --shapes 1024x1 --variants diffusers,bf16-graph --out $R/bf16/speed.json"
   [packages]="env OUTDIR=$R/packages BRIEF=1 bash scripts/aot_rows.sh fp8-attn"
   [targets]="$F speed --shapes 1024x1,1024x4 --variants diffusers,fp8attn-graph --out $R/targets/speed.json"
-  [b4]="$F speed --shapes 1024x4 --variants diffusers,fp8attn-graph --out $R/b4/speed.json"
+  [b4]="$F speed --shapes 1024x4 --variants diffusers,fp8attn-graph --profile fp8attn-graph --out $R/b4/speed.json"
   [norm_ab]="$F speed --shapes 1024x1,1024x4 --variants diffusers,fp8attn-graph,fp8attn-graph+unfusednorm --profile fp8attn-graph --out $R/norm/speed.json"
 )
 case "${1:-}" in
